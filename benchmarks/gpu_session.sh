@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One command for a session that has a GPU lent: CUDA tests + GPU benchmarks, results into $OUT.
+#
+#   bash benchmarks/gpu_session.sh            (device tool: run it from the repository root)
+#
+# The GPU machine reaches no package registry. Its image has torch, triton and transformers; the
+# package itself is put on PYTHONPATH by copying (no pip needed): kernels/ becomes
+# lowmem_grpo/kernels exactly as pyproject's package-dir maps it. Anything else it needs (e.g.
+# bitsandbytes wheels for the trainer) travels in .whl/ (see the device tool's README) and is
+# installed below when present.
+set -uo pipefail
+out="${OUT:-gpu-results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+site=/tmp/lowmem_site
+rm -rf "$site" && mkdir -p "$site"
+cp -r lowmem_grpo "$site/lowmem_grpo" && cp -r kernels "$site/lowmem_grpo/kernels"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$site:/tmp/site"
+else
+  export PYTHONPATH="$site"
+fi
+
+{ nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  2>&1 | tee "$out/environment.txt"
+
+status=0
+# Every op test runs on ("cuda", "triton") and ("cuda", "torch") in addition to the CPU paths.
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/tests.log" | tail -n 30 || status=1
+python3 benchmarks/row_kernel_bandwidth.py --tokens 8192 --json "$out/row_kernel_bandwidth.json" 2>&1 \
+  | tee "$out/benchmarks.log" || status=1
+python3 benchmarks/loss_head_memory.py --device cuda --tokens 2048 4096 8192 --json "$out/loss_head_memory.json" 2>&1 \
+  | tee -a "$out/benchmarks.log" || status=1
+python3 benchmarks/loss_head_speed.py --device cuda --tokens 4096 8192 --json "$out/loss_head_speed.json" 2>&1 \
+  | tee -a "$out/benchmarks.log" || status=1
+exit $status

@@ -1,0 +1,137 @@
+"""Triton kernels for the per-token GRPO loss.
+
+Per token (logp = log-prob of the sampled token, old/ref = stored log-probs, A = advantage):
+  rho  = exp(logp - old)
+  loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3
+  k3   = exp(ref - logp) - (ref - logp) - 1
+  dloss/dlogp = (0 if the clipped branch is active else -rho * A) + beta * (1 - exp(ref - logp))
+The closed-form derivatives are written in the forward, so the backward is one multiply per token
+(plus, for the row kernel, the dlogits pass of logprobs_triton.logits_grad_kernel).
+
+Two kernels: `grpo_token_kernel` on per-token vectors (op 2, for callers that already hold logp),
+and `grpo_row_kernel`, which also does the log-softmax-gather over the logits row (op 3) so the
+logits are read once and nothing of size V is written.
+Clip codes: 0 = not clipped, 1 = low-clipped (rho < 1 - eps_low, A < 0), 2 = high-clipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs_triton import block_config, row_stats
+
+TOKEN_BLOCK = 1024
+
+
+@triton.jit
+def grpo_token_terms(logp, old, ref, adv, eps_low, eps_high, beta, HAS_REF: tl.constexpr):
+    """(loss, k3, dloss/dlogp, dk3/dlogp, clip code) for one token or a block of tokens."""
+    rho = tl.exp(logp - old)
+    low = (rho < 1.0 - eps_low) & (adv < 0.0)
+    high = (rho > 1.0 + eps_high) & (adv > 0.0)
+    rho_clipped = tl.minimum(tl.maximum(rho, 1.0 - eps_low), 1.0 + eps_high)
+    loss = -tl.minimum(rho * adv, rho_clipped * adv)
+    dloss = tl.where(low | high, 0.0, -rho * adv)
+    if HAS_REF:
+        d = ref - logp
+        e = tl.exp(d)
+        kl = e - d - 1.0
+        dkl = 1.0 - e
+        loss += beta * kl
+        dloss += beta * dkl
+    else:
+        kl = loss * 0.0
+        dkl = loss * 0.0
+    code = low.to(tl.int8) + 2 * high.to(tl.int8)
+    return loss, kl, dloss, dkl, code
+
+
+@triton.jit
+def grpo_token_kernel(
+    logp_ptr, adv_ptr, mask_ptr, old_ptr, ref_ptr,  # inputs [N]
+    loss_ptr, kl_ptr, code_ptr, dloss_ptr, dkl_ptr,  # outputs [N]
+    n_tokens,  # sizes
+    eps_low: tl.float32, eps_high: tl.float32, beta: tl.float32,  # constants
+    HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n_tokens
+    logp = tl.load(logp_ptr + offs, mask=valid, other=0.0)
+    adv = tl.load(adv_ptr + offs, mask=valid, other=0.0)
+    old = tl.load(old_ptr + offs, mask=valid, other=0.0) if HAS_OLD else logp
+    ref = tl.load(ref_ptr + offs, mask=valid, other=0.0) if HAS_REF else logp
+    loss, kl, dloss, dkl, code = grpo_token_terms(logp, old, ref, adv, eps_low, eps_high, beta, HAS_REF)
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + offs, mask=valid, other=0) != 0
+        loss = tl.where(keep, loss, 0.0)
+        kl = tl.where(keep, kl, 0.0)
+        dloss = tl.where(keep, dloss, 0.0)
+        dkl = tl.where(keep, dkl, 0.0)
+        code = tl.where(keep, code, 0)
+    tl.store(loss_ptr + offs, loss, mask=valid)
+    tl.store(kl_ptr + offs, kl, mask=valid)
+    tl.store(code_ptr + offs, code, mask=valid)
+    tl.store(dloss_ptr + offs, dloss, mask=valid)
+    tl.store(dkl_ptr + offs, dkl, mask=valid)
+
+
+@triton.jit
+def grpo_row_kernel(
+    logits_ptr, ids_ptr, adv_ptr, mask_ptr, old_ptr, ref_ptr,  # inputs: logits [N, V], the rest [N]
+    loss_ptr, logp_ptr, kl_ptr, code_ptr, dloss_ptr, dkl_ptr, lse_ptr,  # outputs [N]
+    stride_row, n_cols,  # strides and sizes
+    inv_temp: tl.float32, eps_low: tl.float32, eps_high: tl.float32, beta: tl.float32,  # constants
+    HAS_MASK: tl.constexpr, HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_MASK:
+        if tl.load(mask_ptr + row) == 0:  # padding: skip the row, outputs are 0
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(logp_ptr + row, 0.0)
+            tl.store(kl_ptr + row, 0.0)
+            tl.store(code_ptr + row, tl.zeros([], dtype=tl.int8))
+            tl.store(dloss_ptr + row, 0.0)
+            tl.store(dkl_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
+            return
+    y = tl.load(ids_ptr + row)
+    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, y, n_cols, inv_temp, False, BLOCK_V)
+    lse = m + tl.log(s)
+    logp = x_y - lse
+    old = tl.load(old_ptr + row) if HAS_OLD else logp
+    ref = tl.load(ref_ptr + row) if HAS_REF else logp
+    adv = tl.load(adv_ptr + row)
+    loss, kl, dloss, dkl, code = grpo_token_terms(logp, old, ref, adv, eps_low, eps_high, beta, HAS_REF)
+    tl.store(loss_ptr + row, loss)
+    tl.store(logp_ptr + row, logp)
+    tl.store(kl_ptr + row, kl)
+    tl.store(code_ptr + row, code)
+    tl.store(dloss_ptr + row, dloss)
+    tl.store(dkl_ptr + row, dkl)
+    tl.store(lse_ptr + row, lse)
+
+
+def grpo_token_terms_launch(logp, adv, mask, old, ref, outputs, *, eps_low, eps_high, beta):
+    """outputs = (loss, kl, code, dloss, dkl), all [N]; mask is uint8 or None."""
+    loss, kl, code, dloss, dkl = outputs
+    n = logp.numel()
+    grid = (triton.cdiv(n, TOKEN_BLOCK),)
+    grpo_token_kernel[grid](
+        logp, adv, logp if mask is None else mask, logp if old is None else old, logp if ref is None else ref,
+        loss, kl, code, dloss, dkl, n, eps_low, eps_high, beta,
+        HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None, BLOCK=TOKEN_BLOCK,
+    )
+
+
+def grpo_row_launch(logits, ids, adv, mask, old, ref, outputs, *, inv_temp, eps_low, eps_high, beta):
+    """outputs = (loss, logp, kl, code, dloss, dkl, lse), all [N]; logits [N, V]."""
+    n_rows, n_cols = logits.shape
+    block, warps = block_config(n_cols)
+    grpo_row_kernel[(n_rows,)](
+        logits, ids, adv, adv if mask is None else mask, adv if old is None else old, adv if ref is None else ref,
+        *outputs, logits.stride(0), n_cols, inv_temp, eps_low, eps_high, beta,
+        HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None,
+        BLOCK_V=block, num_warps=warps,
+    )

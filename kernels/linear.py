@@ -1,0 +1,197 @@
+"""Op 4: the lm_head fused in. Log-probs from hidden states without ever holding [N, V] logits.
+
+    linear_token_logprobs(hidden (N, H), weight (V, H), ids (N,)) -> logp (N,)
+        = log_softmax((hidden @ weight.T + bias) / T).gather(ids)
+
+Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N
+tokens into a reused [N, chunk] workspace, followed by a row kernel over it:
+  forward   logits_s = h @ W_s^T; merge the slice into online-softmax statistics (m, s, t, x_y).
+            Saves only lse (and entropy): N floats each.
+  backward  recompute logits_s, turn it into dlogits_s in place, then
+            dW_s = dlogits_s^T @ h   exact in one GEMM, written once into dW[v0:v1] (weight dtype)
+            dh  += dlogits_s @ W_s   accumulated in fp32 [N, H]
+            db_s = sum_n dlogits_s
+The only (V, H) allocation is dW itself: no fp32 (V, H) buffer, no (N, V) tensor. Cost against the
+naive head: one extra GEMM (the recompute), i.e. 4 GEMMs instead of 3.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._backend import DEFAULT_WORKSPACE_BYTES
+from ._checks import check_float, check_ids, check_temperature
+from .logprobs import finalize_stats, logits_grad_, logits_stats, new_stats
+
+
+def default_chunk_size(n_rows: int, vocab: int) -> int:
+    """Vocabulary slice width so that one [n_rows, chunk] fp32 slice stays within the workspace bound."""
+    chunk = DEFAULT_WORKSPACE_BYTES // (4 * max(n_rows, 1))
+    return max(1, min(vocab, max(256, chunk // 256 * 256)))
+
+
+def _slices(vocab: int, chunk: int):
+    return [(v0, min(vocab, v0 + chunk)) for v0 in range(0, vocab, chunk)]
+
+
+def _slice_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, workspace: Tensor) -> Tensor:
+    """hidden @ weight[v0:v1].T (+ bias) into the workspace, in hidden's dtype: [N, v1 - v0]."""
+    out = workspace[: hidden.shape[0] * (v1 - v0)].view(hidden.shape[0], v1 - v0)
+    w = weight[v0:v1].to(hidden.dtype)  # a no-op unless autocast mixes dtypes (then a [chunk, H] copy)
+    if bias is None:
+        return torch.mm(hidden, w.t(), out=out)
+    return torch.addmm(bias[v0:v1].to(hidden.dtype), hidden, w.t(), out=out)
+
+
+@torch.library.custom_op("lowmem_grpo::linear_token_logprobs", mutates_args=())
+def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
+                        with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V] | None, ids [N] -> (logp, lse, entropy), each [N] fp32."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    stats = new_stats(n, hidden.device)
+    workspace = hidden.new_empty(n * min(chunk_size, vocab))
+    with torch.autocast(hidden.device.type, enabled=False):  # dtypes are settled by the caller
+        for i, (v0, v1) in enumerate(_slices(vocab, chunk_size)):
+            logits = _slice_logits(hidden, weight, bias, v0, v1, workspace)
+            logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature,
+                         accumulate=i > 0, with_entropy=with_entropy)
+    lse, logp, entropy = finalize_stats(stats)
+    return logp, lse, entropy if with_entropy else torch.zeros_like(lse)
+
+
+@_linear_logprobs_op.register_fake
+def _(hidden, weight, bias, ids, temperature, with_entropy, chunk_size):
+    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("lowmem_grpo::linear_token_logprobs_backward", mutates_args=())
+def _linear_logprobs_backward_op(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor, grad_logp: Tensor,
+    entropy: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, chunk_size: int,
+    need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (d hidden [N, H], d weight [V, H], d bias [V]); an empty tensor for each gradient not needed."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_hidden else None
+    grad_w = torch.empty_like(weight) if need_weight else None
+    grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if need_bias else None
+    workspace = hidden.new_empty(n * min(chunk_size, vocab))
+    with torch.autocast(hidden.device.type, enabled=False):
+        for v0, v1 in _slices(vocab, chunk_size):
+            dlogits = _slice_logits(hidden, weight, bias, v0, v1, workspace)  # recompute, then in place:
+            logits_grad_(dlogits, ids, lse, grad_logp, entropy, grad_entropy, col_offset=v0, inv_temp=1.0 / temperature)
+            if grad_w is not None:
+                if grad_w.dtype == hidden.dtype:
+                    torch.mm(dlogits.t(), hidden, out=grad_w[v0:v1])
+                else:
+                    grad_w[v0:v1] = dlogits.t() @ hidden
+            if grad_b is not None:
+                grad_b[v0:v1] = dlogits.sum(0, dtype=torch.float32)
+            if grad_h is not None:
+                w = weight[v0:v1].to(hidden.dtype)
+                if grad_h.dtype == hidden.dtype:
+                    grad_h.addmm_(dlogits, w)
+                else:
+                    grad_h += dlogits @ w
+    empty = hidden.new_empty(0)
+    return (
+        empty if grad_h is None else grad_h.to(hidden.dtype),
+        empty if grad_w is None else grad_w,
+        empty if grad_b is None else grad_b.to(bias.dtype),
+    )
+
+
+@_linear_logprobs_backward_op.register_fake
+def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperature, chunk_size,
+      need_hidden, need_weight, need_bias):
+    empty = hidden.new_empty(0)
+    return (
+        torch.empty_like(hidden) if need_hidden else empty,
+        torch.empty_like(weight) if need_weight else empty,
+        torch.empty_like(bias) if need_bias else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, ids, temperature, with_entropy, chunk_size = inputs
+    _, lse, entropy = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+    ctx.temperature, ctx.with_entropy, ctx.chunk_size = temperature, with_entropy, chunk_size
+
+
+def _backward(ctx, grad_logp, grad_lse, grad_entropy):
+    hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
+    if not ctx.with_entropy or grad_entropy is None:
+        entropy = grad_entropy = None
+    else:
+        grad_entropy = grad_entropy.float().contiguous()
+    gh, gw, gb = _linear_logprobs_backward_op(
+        hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, ctx.temperature, ctx.chunk_size,
+        need_h, need_w, bool(need_b and bias is not None))
+    return (gh if need_h else None, gw if need_w else None, gb if (need_b and bias is not None) else None,
+            None, None, None, None)
+
+
+_linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_linear_args(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """Validate the head's arguments; return hidden in the dtype the GEMMs run in."""
+    check_float(hidden, "hidden")
+    check_float(weight, "weight")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape (V, H), got {tuple(weight.shape)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match weight (V, H) = {tuple(weight.shape)}")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None:
+        check_float(bias, "bias")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # behave like F.linear under autocast
+        return hidden.to(torch.get_autocast_dtype(device_type))
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: cast one of them, "
+                        "or run under torch.autocast to mix them")
+    return hidden
+
+
+def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: Optional[Tensor] = None,
+                          temperature: float = 1.0, return_entropy: bool = False, chunk_size: Optional[int] = None):
+    """Per-token log-probs of `ids` under softmax((hidden @ weight.T + bias) / temperature).
+
+    Args:
+        hidden: (B, T, H) or (N, H) float32/bfloat16/float16: the decoder's last hidden states.
+        weight: (V, H) the lm_head / tied embedding weight; same dtype as hidden unless under autocast.
+        ids: hidden.shape[:-1] integer ids in [0, V).
+        bias: optional (V,) lm_head bias.
+        temperature: softmax temperature (> 0).
+        return_entropy: also return the entropy of each token's distribution.
+        chunk_size: vocabulary slice width; default keeps an fp32 [N, chunk] slice within 256 MiB.
+
+    Returns:
+        logp shaped like ids, fp32 (or (logp, entropy)). Differentiable w.r.t. hidden, weight and bias
+        (entropy too). Peak extra memory: one [N, chunk] slice, an fp32 [N, H] accumulator and dW.
+    """
+    hidden = check_linear_args(hidden, weight, bias)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must have shape (B, T, H) or (N, H), got {tuple(hidden.shape)}")
+    temperature = check_temperature(temperature)
+    lead, vocab = hidden.shape[:-1], weight.shape[0]
+    flat_ids = check_ids(ids, lead, vocab, hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    chunk = default_chunk_size(rows.shape[0], vocab) if chunk_size is None else int(chunk_size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logp, _, entropy = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk)
+    if return_entropy:
+        return logp.view(lead), entropy.view(lead)
+    return logp.view(lead)

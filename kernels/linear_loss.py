@@ -1,0 +1,168 @@
+"""The GRPO loss straight from hidden states: fused lm_head log-probs + per-token loss + reduction.
+
+    linear_grpo_loss(hidden (B, T, H), weight (V, H), ids (B, T), advantages (B,) | (B, T), ...)
+        -> (loss 0-dim, metrics dict)
+
+Padding tokens are dropped before the head (their rows are gathered away), so they cost no GEMM
+work. The per-token loss is op 2 (closed-form gradient) at the token level; GSPO's sequence-level
+ratio needs a reduction over each sequence first, so that variant is plain autograd on (B, T)
+vectors, which are tiny next to the head.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional, Type, TypeVar
+
+import torch
+from torch import Tensor
+
+from ._checks import check_ids, check_mask, check_shape
+from .grpo_loss import _expand_advantages, check_grpo_hparams, grpo_token_terms
+from .linear import check_linear_args, linear_token_logprobs
+
+
+class LossType(str, Enum):
+    """How per-token losses are reduced over one micro-batch (TRL's `loss_type`)."""
+
+    GRPO = "grpo"  # mean over sequences of each sequence's token mean
+    BNPO = "bnpo"  # token mean over this micro-batch
+    DAPO = "dapo"  # token sum / tokens in the whole generation batch (num_items_in_batch)
+    DR_GRPO = "dr_grpo"  # token sum / (num_sequences * max_completion_length)
+
+
+class ISLevel(str, Enum):
+    """Where the importance ratio lives (TRL's `importance_sampling_level`)."""
+
+    TOKEN = "token"  # rho_t = exp(logp_t - old_t)
+    SEQUENCE = "sequence"  # GSPO: rho_i = exp(mean_t (logp_t - old_t)) for every token of sequence i
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_enum(cls: Type[E], value, name: str) -> E:
+    try:
+        return cls(value)
+    except ValueError:
+        valid = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"unknown {name} {value!r}; valid: {valid}") from None
+
+
+def _masked_mean(x: Tensor, maskf: Tensor) -> Tensor:
+    return (x * maskf).sum() / maskf.sum().clamp(min=1.0)
+
+
+def reduce_loss(per_token: Tensor, maskf: Tensor, loss_type: LossType, *, max_completion_length: Optional[int] = None,
+                num_items_in_batch=None) -> Tensor:
+    """Reduce (B, T) per-token losses over mask (B, T) float as `loss_type` says."""
+    total = per_token * maskf
+    if loss_type is LossType.GRPO:
+        return (total.sum(-1) / maskf.sum(-1).clamp(min=1.0)).mean()
+    if loss_type is LossType.BNPO:
+        return total.sum() / maskf.sum().clamp(min=1.0)
+    if loss_type is LossType.DAPO:
+        denominator = maskf.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+        return total.sum() / denominator
+    length = per_token.shape[1] if max_completion_length is None else max_completion_length
+    return total.sum() / (per_token.shape[0] * length)
+
+
+def _sequence_level_terms(logp, adv, maskf, old, ref, eps_low, eps_high, beta):
+    """GSPO: one ratio per sequence from the mean token log-ratio; (loss, kl, clip code), each (B, T)."""
+    log_ratio = logp - (logp.detach() if old is None else old)
+    seq_log_ratio = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)  # (B,)
+    rho = seq_log_ratio.exp()[:, None]  # (B, 1), broadcast over the sequence's tokens
+    loss = -torch.minimum(rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
+    low = (rho < 1.0 - eps_low) & (adv < 0)
+    high = (rho > 1.0 + eps_high) & (adv > 0)
+    if ref is not None:
+        d = ref - logp
+        kl = d.exp() - d - 1.0
+        loss = loss + beta * kl
+    else:
+        kl = torch.zeros_like(loss)
+    code = (low.to(torch.int8) + 2 * high.to(torch.int8)) * maskf.to(torch.int8)
+    return loss * maskf, kl * maskf, code
+
+
+def linear_grpo_loss(
+    hidden: Tensor, weight: Tensor, ids: Tensor, advantages: Tensor, *,
+    mask: Optional[Tensor] = None, old_logp: Optional[Tensor] = None, ref_logp: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None, epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
+    beta: float = 0.0, temperature: float = 1.0, loss_type: str = "dapo", importance_sampling_level: str = "token",
+    max_completion_length: Optional[int] = None, num_items_in_batch=None, chunk_size: Optional[int] = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GRPO loss of one micro-batch from the decoder's last hidden states; no (B*T, V) tensor exists.
+
+    Args:
+        hidden: (B, T, H) hidden states of the completion positions (the ones predicting `ids`).
+        weight: (V, H) lm_head weight (tied embeddings: the embedding matrix; it gets both gradients).
+        ids: (B, T) completion token ids.
+        advantages: (B,) or (B, T).
+        mask: (B, T) completion mask, bool or 0/1 (default: all tokens).
+        old_logp / ref_logp: (B, T) sampling-policy / reference log-probs (see grpo_token_loss).
+        bias: optional (V,) lm_head bias.
+        epsilon_low, epsilon_high, beta, temperature: as in grpo_token_loss.
+        loss_type: "grpo" | "bnpo" | "dapo" | "dr_grpo" (see LossType; TRL semantics).
+        importance_sampling_level: "token" | "sequence" (GSPO).
+        max_completion_length: dr_grpo's per-sequence denominator (default T).
+        num_items_in_batch: dapo's denominator: masked tokens in the whole generation batch, so that
+            gradient accumulation over micro-batches sums to the full-batch loss (default: this
+            micro-batch's masked tokens).
+        chunk_size: vocabulary slice width of the fused head (see linear_token_logprobs).
+
+    Returns:
+        (loss, metrics): loss is 0-dim fp32, differentiable w.r.t. hidden, weight and bias. metrics
+        holds detached 0-dim tensors: kl and entropy (masked token means), clip_ratio,
+        clip_ratio_low, clip_ratio_high (fractions of masked tokens clipped).
+    """
+    loss_type = parse_enum(LossType, loss_type, "loss_type")
+    level = parse_enum(ISLevel, importance_sampling_level, "importance_sampling_level")
+    epsilon_low, epsilon_high, beta = check_grpo_hparams(epsilon_low, epsilon_high, beta, ref_logp)
+    hidden = check_linear_args(hidden, weight, bias)
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must have shape (B, T, H), got {tuple(hidden.shape)}")
+    B, T, H = hidden.shape
+    dev = hidden.device
+    mask = check_mask(mask, (B, T), dev)
+    if mask is None:
+        mask = torch.ones(B, T, dtype=torch.bool, device=dev)
+    if isinstance(ids, Tensor) and ids.shape == (B, T):
+        ids = ids.masked_fill(~mask, 0)  # padding ids are free (often -100 or pad)
+    flat_ids = check_ids(ids, (B, T), weight.shape[0], dev)
+    adv = _expand_advantages(advantages, B, T, dev)
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+        check_shape(t, (B, T), name, dev)
+    if num_items_in_batch is not None and not num_items_in_batch > 0:
+        raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+    if max_completion_length is not None and not max_completion_length > 0:
+        raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
+
+    # The head runs on the unmasked tokens only.
+    keep = mask.reshape(-1).nonzero().squeeze(1)  # (n_kept,)
+    kept_logp, kept_entropy = linear_token_logprobs(
+        hidden.reshape(B * T, H).index_select(0, keep), weight, flat_ids.index_select(0, keep), bias=bias,
+        temperature=temperature, return_entropy=True, chunk_size=chunk_size)
+    zeros = torch.zeros(B * T, dtype=torch.float32, device=dev)
+    logp = zeros.index_copy(0, keep, kept_logp).view(B, T)  # (B, T), 0 on padding
+    entropy = zeros.index_copy(0, keep, kept_entropy.detach()).view(B, T)
+    old = None if old_logp is None else old_logp.to(torch.float32)
+    ref = None if ref_logp is None else ref_logp.to(torch.float32)
+    maskf = mask.to(torch.float32)
+
+    if level is ISLevel.TOKEN:
+        per_token, kl, code = grpo_token_terms(logp, adv, mask=mask, old_logp=old, ref_logp=ref,
+                                               epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
+    else:
+        per_token, kl, code = _sequence_level_terms(logp, adv, maskf, old, ref, epsilon_low, epsilon_high, beta)
+    loss = reduce_loss(per_token, maskf, loss_type, max_completion_length=max_completion_length,
+                       num_items_in_batch=num_items_in_batch)
+    metrics = {
+        "kl": _masked_mean(kl.detach(), maskf),
+        "entropy": _masked_mean(entropy, maskf),
+        "clip_ratio": _masked_mean((code != 0).float(), maskf),
+        "clip_ratio_low": _masked_mean((code == 1).float(), maskf),
+        "clip_ratio_high": _masked_mean((code == 2).float(), maskf),
+    }
+    return loss, metrics

@@ -1,0 +1,220 @@
+"""Op 1: fused log-softmax-gather (+ entropy) on given logits.
+
+    token_logprobs(logits (..., V), ids (...)) -> logp (...) fp32
+        = log_softmax(logits.float() / T, -1).gather(-1, ids)
+
+Layers: row kernels (logprobs_triton.py, CUDA) or chunked torch (below, CPU) -> `logits_stats` /
+`logits_grad_` dispatchers (also used by the fused lm-head ops) -> torch.library custom ops with
+fake and autograd registrations -> the public function.
+
+Memory: forward keeps 3 floats per row (lse, and entropy if asked); backward writes dlogits in place
+into the logits buffer when the logits are an intermediate of the graph (the usual `lm_head`
+output), so no second [N, V] tensor exists. If the logits are a leaf tensor the gradient goes to a
+new buffer instead: overwriting a user's leaf would be a surprise. Any other autograd node that saved
+the same logits and runs its backward later gets PyTorch's "modified by an inplace operation" error
+rather than silently wrong gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._backend import DEFAULT_WORKSPACE_BYTES, use_triton
+from ._checks import check_float, check_ids, check_temperature
+
+# Online-softmax statistics of x = logits / T per row, each [N] fp32: m (running max),
+# s = sum exp(x - m), t = sum exp(x - m) (x - m), x_y = x[id]. lse = m + log s, H = log s - t / s.
+Stats = tuple[Tensor, Tensor, Tensor, Tensor]
+
+
+def _rows_per_chunk(n_cols: int) -> int:
+    # the torch path holds about three fp32 [rows, n_cols] temporaries per chunk
+    return max(1, DEFAULT_WORKSPACE_BYTES // (3 * 4 * n_cols))
+
+
+def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate, with_entropy):
+    # Statistics in the form (m = lse, s = 1, t = -H, x_y): the kernel's (m, s, t) with m = lse, so
+    # the same merge rule holds, and torch's fused logsumexp / softmax do each chunk in few passes.
+    n_rows, n_cols = logits.shape
+    step = _rows_per_chunk(n_cols)
+    for r0 in range(0, n_rows, step):
+        r = slice(r0, r0 + step)
+        x = logits[r].to(torch.float32, copy=True).mul_(inv_temp)  # bounded fp32 copy of a chunk
+        y = ids[r] - col_offset
+        in_row = (y >= 0) & (y < n_cols)
+        x_y = x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0] * in_row
+        m = torch.logsumexp(x, dim=1)
+        s = torch.ones_like(m)
+        if with_entropy:  # t = sum p (x - lse) = -H; x = -inf entries have p = 0 and contribute 0
+            p = torch.softmax(x, dim=1)
+            t = (p * torch.where(p > 0, x - m[:, None], 0.0)).sum(dim=1)
+        else:
+            t = torch.zeros_like(m)
+        if accumulate:
+            m_prev = stats[0][r]
+            m_new = torch.maximum(m_prev, m)
+            a, b = (m_prev - m_new).exp(), (m - m_new).exp()
+            s_prev = stats[1][r]
+            t = a * (stats[2][r] + (m_prev - m_new) * s_prev) + b * (t + (m - m_new) * s)
+            s = s_prev * a + s * b
+            x_y = stats[3][r] + x_y
+            m = m_new
+        for dst, src in zip(stats, (m, s, t, x_y)):
+            dst[r] = src
+
+
+def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp):
+    n_rows, n_cols = logits.shape
+    step = _rows_per_chunk(n_cols)
+    for r0 in range(0, n_rows, step):
+        r = slice(r0, r0 + step)
+        log_p = logits[r].to(torch.float32, copy=True).mul_(inv_temp).sub_(lse[r, None])
+        g = grad[r]
+        if grad_entropy is None:
+            dx = log_p.exp_().mul_(-g[:, None])  # -g p, reusing the chunk's buffer
+        else:  # dH/dx_j = -p_j * (log p_j + H)
+            p = log_p.exp()
+            dx = p * -g[:, None] - grad_entropy[r, None] * p * torch.where(p > 0, log_p + entropy[r, None], 0.0)
+        y = ids[r] - col_offset
+        in_row = (y >= 0) & (y < n_cols)
+        dx.scatter_add_(1, y.clamp(0, n_cols - 1)[:, None], (g * in_row)[:, None])
+        logits[r].copy_(dx.mul_(inv_temp))
+
+
+def new_stats(n_rows: int, device: torch.device) -> Stats:
+    return tuple(torch.empty(n_rows, dtype=torch.float32, device=device) for _ in range(4))
+
+
+def logits_stats(logits: Tensor, ids: Tensor, stats: Stats, *, col_offset: int = 0,
+                 inv_temp: float = 1.0, accumulate: bool = False, with_entropy: bool = False) -> None:
+    """Online-softmax statistics of `logits` [N, n_cols] (a vocab slice starting at `col_offset`),
+    written into `stats`, or merged into it when `accumulate`."""
+    if logits.shape[0] == 0:
+        return
+    if use_triton(logits):
+        from . import logprobs_triton
+
+        logprobs_triton.logits_stats(logits, ids, stats, col_offset=col_offset, inv_temp=inv_temp,
+                                     accumulate=accumulate, with_entropy=with_entropy)
+    else:
+        _torch_logits_stats(logits, ids, stats, col_offset=col_offset, inv_temp=inv_temp,
+                            accumulate=accumulate, with_entropy=with_entropy)
+
+
+def finalize_stats(stats: Stats) -> tuple[Tensor, Tensor, Tensor]:
+    """(lse, logp, entropy) in units of x = logits / T."""
+    m, s, t, x_y = stats
+    log_s = s.log()
+    lse = m + log_s
+    return lse, x_y - lse, log_s - t / s
+
+
+def logits_grad_(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, entropy: Optional[Tensor] = None,
+                 grad_entropy: Optional[Tensor] = None, *, col_offset: int = 0, inv_temp: float = 1.0) -> None:
+    """Overwrite `logits` [N, n_cols] with dL/dlogits given dL/dlogp (and optionally dL/dH)."""
+    if logits.shape[0] == 0:
+        return
+    if use_triton(logits):
+        from . import logprobs_triton
+
+        logprobs_triton.logits_grad_(logits, ids, lse, grad, entropy, grad_entropy,
+                                     col_offset=col_offset, inv_temp=inv_temp)
+    else:
+        _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, col_offset=col_offset, inv_temp=inv_temp)
+
+
+# ---- torch.library registration -------------------------------------------------------------
+
+
+@torch.library.custom_op("lowmem_grpo::token_logprobs", mutates_args=())
+def _token_logprobs_op(logits: Tensor, ids: Tensor, temperature: float, with_entropy: bool
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [N, V], ids [N] -> (logp, lse, entropy), each [N] fp32 (entropy 0 unless asked)."""
+    stats = new_stats(logits.shape[0], logits.device)
+    logits_stats(logits, ids, stats, inv_temp=1.0 / temperature, with_entropy=with_entropy)
+    lse, logp, entropy = finalize_stats(stats)
+    return logp, lse, entropy if with_entropy else torch.zeros_like(lse)
+
+
+@_token_logprobs_op.register_fake
+def _(logits, ids, temperature, with_entropy):
+    n = logits.shape[0]
+    return tuple(logits.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+
+@torch.library.custom_op("lowmem_grpo::token_logprobs_backward_", mutates_args=("logits",))
+def _token_logprobs_backward_op(logits: Tensor, ids: Tensor, lse: Tensor, grad_logp: Tensor,
+                                entropy: Optional[Tensor], grad_entropy: Optional[Tensor],
+                                temperature: float) -> None:
+    """Overwrite logits [N, V] with dL/dlogits."""
+    logits_grad_(logits, ids, lse, grad_logp, entropy, grad_entropy, inv_temp=1.0 / temperature)
+
+
+@_token_logprobs_backward_op.register_fake
+def _(logits, ids, lse, grad_logp, entropy, grad_entropy, temperature):
+    return None
+
+
+def may_overwrite(logits: Tensor) -> bool:
+    """Whether backward may write dlogits into `logits`: only when neither it nor the tensor it is a
+    view of is a leaf (a user's own tensor or a parameter)."""
+    root = logits if logits._base is None else logits._base
+    return not root.is_leaf
+
+
+def _setup_context(ctx, inputs, output):
+    logits, ids, temperature, with_entropy = inputs
+    _, lse, entropy = output
+    ctx.set_materialize_grads(False)  # unused outputs (lse, an unused entropy) arrive as None
+    ctx.save_for_backward(logits, ids, lse, entropy)
+    ctx.temperature = temperature
+    ctx.with_entropy = with_entropy
+    ctx.in_place = may_overwrite(logits)
+
+
+def _backward(ctx, grad_logp, grad_lse, grad_entropy):
+    logits, ids, lse, entropy = ctx.saved_tensors
+    buf = logits if ctx.in_place else logits.clone()
+    grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
+    if ctx.with_entropy and grad_entropy is not None:
+        grad_entropy = grad_entropy.float().contiguous()
+    else:
+        grad_entropy = None
+    _token_logprobs_backward_op(buf, ids, lse, grad_logp, entropy, grad_entropy, ctx.temperature)
+    return buf, None, None, None
+
+
+_token_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def token_logprobs(logits: Tensor, ids: Tensor, *, temperature: float = 1.0, return_entropy: bool = False):
+    """Per-token log-probabilities of `ids` under softmax(logits / temperature).
+
+    Args:
+        logits: (..., V) float32, bfloat16 or float16. Never copied to fp32 as a whole.
+        ids: (...) integer token ids in [0, V).
+        temperature: softmax temperature (> 0).
+        return_entropy: also return the entropy of softmax(logits / temperature).
+
+    Returns:
+        logp (...) float32, or (logp, entropy) both (...) float32. Differentiable w.r.t. `logits`
+        through both outputs. The backward writes dlogits into the logits buffer when `logits` is not
+        a leaf tensor (see module docstring).
+    """
+    check_float(logits, "logits")
+    if logits.dim() < 1:
+        raise ValueError("logits must have at least one dimension (..., V)")
+    temperature = check_temperature(temperature)
+    vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    flat_ids = check_ids(ids, lead, vocab, logits.device)
+    rows = logits.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    logp, _, entropy = _token_logprobs_op(rows, flat_ids, temperature, bool(return_entropy))
+    if return_entropy:
+        return logp.view(lead), entropy.view(lead)
+    return logp.view(lead)

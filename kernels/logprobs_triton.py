@@ -1,0 +1,146 @@
+"""Triton kernels for the fused log-softmax-gather (and entropy) over rows of logits.
+
+Per row x = logits / T (fp32 math; the row stays in its own dtype in memory):
+  forward   logp = x[y] - lse(x),   H = -sum softmax(x) * log softmax(x)
+            online logsumexp over vocab blocks: read N*V elements once, write a few floats per row
+            (the naive version reads N*V, writes N*V fp32 log-probs, and reads them back to gather).
+  backward  dlogits = (g * (onehot(y) - p) - g_H * p * (log p + H)) / T,   p = exp(x - lse)
+            read N*V, write N*V in place into the logits buffer: no second [N, V] tensor.
+
+Both kernels also work on a vocabulary *slice* of a row ([N, n_cols] starting at column
+`col_offset`): the forward merges the slice into running statistics, the backward writes the slice
+of dlogits. That is how the fused lm-head ops (linear.py) reuse them without ever holding [N, V].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def row_stats(row_ptr, y, n_cols, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One pass over a row: m = max x, s = sum exp(x - m), t = sum exp(x - m) * (x - m), and x[y]
+    (0 when y is not a column of this row). x = logits * inv_temp, accumulated in fp32.
+    Then lse = m + log s and the entropy H = log s - t / s: taking t about m (not about 0) keeps H
+    free of the cancellation between lse and E[x], which are ~10 while H may be ~1e-3."""
+    m = float("-inf")
+    s = 0.0
+    t = 0.0
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_temp
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        scale = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)
+        if HAS_ENTROPY:
+            # re-centre t on m_new; e == 0 where x == -inf (and s == 0 before the first block):
+            # select first so that 0 * -inf never forms a NaN
+            shift = tl.where(s > 0, m - m_new, 0.0)
+            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0, x - m_new, 0.0), axis=0)
+        s = s * scale + tl.sum(e, axis=0)
+        m = m_new
+    in_row = (y >= 0) & (y < n_cols)
+    x_y = tl.load(row_ptr + tl.where(in_row, y, 0), mask=in_row, other=0.0).to(tl.float32) * inv_temp
+    return m, s, t, x_y
+
+
+@triton.jit
+def logits_stats_kernel(
+    logits_ptr, ids_ptr,  # data: logits [N, n_cols] (unit column stride), ids [N] int64
+    m_ptr, s_ptr, t_ptr, xy_ptr,  # running statistics [N] fp32: read if ACCUMULATE, always written
+    stride_row, n_cols, col_offset,  # strides and sizes (col_offset: first vocab id of this slice)
+    inv_temp: tl.float32,  # constants (typed fp32: never specialised to fp64)
+    ACCUMULATE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    y = tl.load(ids_ptr + row) - col_offset
+    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, y, n_cols, inv_temp, HAS_ENTROPY, BLOCK_V)
+    if ACCUMULATE:  # merge with the statistics of the slices before this one
+        m_prev = tl.load(m_ptr + row)
+        m_new = tl.maximum(m_prev, m)
+        a = tl.exp(m_prev - m_new)
+        b = tl.exp(m - m_new)
+        s_prev = tl.load(s_ptr + row)
+        if HAS_ENTROPY:
+            t = a * (tl.load(t_ptr + row) + (m_prev - m_new) * s_prev) + b * (t + (m - m_new) * s)
+        s = s_prev * a + s * b
+        x_y = tl.load(xy_ptr + row) + x_y
+        m = m_new
+    tl.store(m_ptr + row, m)
+    tl.store(s_ptr + row, s)
+    if HAS_ENTROPY:
+        tl.store(t_ptr + row, t)
+    tl.store(xy_ptr + row, x_y)
+
+
+@triton.jit
+def logits_grad_kernel(
+    logits_ptr, ids_ptr,  # data: logits [N, n_cols], overwritten in place with dlogits; ids [N]
+    lse_ptr, grad_ptr, ent_ptr, grad_ent_ptr,  # per row fp32: lse, dL/dlogp, entropy, dL/dH
+    stride_row, n_cols, col_offset,  # strides and sizes
+    inv_temp: tl.float32,  # constants
+    HAS_ENT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    g = tl.load(grad_ptr + row)
+    skip = g == 0.0
+    if HAS_ENT_GRAD:
+        g_ent = tl.load(grad_ent_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        skip = skip & (g_ent == 0.0)
+    if skip:  # masked or unused row: its gradient is zero, write it without reading the row
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            tl.store(row_ptr + cols, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=cols < n_cols)
+        return
+    lse = tl.load(lse_ptr + row)
+    y = tl.load(ids_ptr + row) - col_offset
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        valid = cols < n_cols
+        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        p = tl.exp(x - lse)
+        dx = tl.where(cols == y, g, 0.0) - g * p
+        if HAS_ENT_GRAD:  # dH/dx_j = -p_j * (log p_j + H)
+            dx -= g_ent * p * tl.where(p > 0, x - lse + ent, 0.0)
+        tl.store(row_ptr + cols, (dx * inv_temp).to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=valid)
+
+
+def block_config(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for rows of n_cols elements."""
+    block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
+    return block, (8 if block >= 2048 else 4)
+
+
+def logits_stats(
+    logits: torch.Tensor, ids: torch.Tensor, stats: tuple[torch.Tensor, ...],
+    *, col_offset: int, inv_temp: float, accumulate: bool, with_entropy: bool,
+) -> None:
+    """Fill (or merge into) stats = (m, s, t, x_y) for the rows of `logits` [N, n_cols]."""
+    n_rows, n_cols = logits.shape
+    block, warps = block_config(n_cols)
+    m, s, t, x_y = stats
+    logits_stats_kernel[(n_rows,)](
+        logits, ids, m, s, t, x_y, logits.stride(0), n_cols, col_offset, inv_temp,
+        ACCUMULATE=accumulate, HAS_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+    )
+
+
+def logits_grad_(
+    logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+    entropy: torch.Tensor | None, grad_entropy: torch.Tensor | None, *, col_offset: int, inv_temp: float,
+) -> None:
+    """Overwrite `logits` [N, n_cols] with dL/dlogits."""
+    n_rows, n_cols = logits.shape
+    block, warps = block_config(n_cols)
+    has_ent = grad_entropy is not None
+    logits_grad_kernel[(n_rows,)](
+        logits, ids, lse, grad, entropy if has_ent else lse, grad_entropy if has_ent else grad,
+        logits.stride(0), n_cols, col_offset, inv_temp,
+        HAS_ENT_GRAD=has_ent, BLOCK_V=block, num_warps=warps,
+    )

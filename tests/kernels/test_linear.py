@@ -1,0 +1,155 @@
+"""linear_token_logprobs (op 4): the lm_head fused in, against the reference; memory bound."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowmem_grpo.kernels import linear_token_logprobs, reference
+from lowmem_grpo.kernels.linear import _linear_logprobs_backward_op, _linear_logprobs_op, default_chunk_size
+
+from .helpers import assert_as_close_as_reference
+
+# The fused head's GEMM writes logits in the weight dtype, exactly like the reference in bf16 (and
+# like an lm_head in bf16). From there ours stays in fp32 while the reference also rounds the
+# log-probs; which of the two lands closer to fp32 varies per element, hence a factor above 1.
+LINEAR_FACTOR = 1.5
+
+
+def _run(hidden, weight, ids, bias, *, temperature, chunk_size, return_entropy):
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    out = linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature,
+                                return_entropy=return_entropy, chunk_size=chunk_size)
+    return out if return_entropy else (out,), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [None, 97, 256], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("return_entropy", [False, True], ids=["logp", "entropy"])
+def test_matches_reference(device, dtype, chunk_size, with_bias, return_entropy):
+    B, T, H, V = 2, 5, 48, 1000  # 1000 is no multiple of either chunk size: the last slice is narrow
+    hidden = torch.randn(B, T, H).to(dtype).to(device).requires_grad_()
+    weight = (torch.randn(V, H) / H**0.5 * 3).to(dtype).to(device).requires_grad_()
+    bias = torch.randn(V).to(dtype).to(device).requires_grad_() if with_bias else None
+    ids = torch.randint(0, V, (B, T), device=device)
+    outs, params = _run(hidden, weight, ids, bias, temperature=0.7, chunk_size=chunk_size,
+                        return_entropy=return_entropy)
+    ups = [torch.randn(B, T, device=device) for _ in outs]
+    got = torch.autograd.grad(outs, params, ups)
+
+    refs = {}
+    for dt in {torch.float32, dtype}:
+        ref_params = [p.detach().float().requires_grad_() for p in params]
+        r = reference.linear_token_logprobs(ref_params[0], ref_params[1], ids, bias=ref_params[2] if with_bias else None,
+                                            temperature=0.7, return_entropy=return_entropy, dtype=dt)
+        r = r if return_entropy else (r,)
+        refs[dt] = (r, torch.autograd.grad(r, ref_params, ups))
+    (r32, g32), (r_low, g_low) = refs[torch.float32], refs[dtype]
+    low = dtype != torch.float32
+    for name, a, b, c in zip(("logp", "entropy"), outs, r32, r_low):
+        assert_as_close_as_reference(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
+    for name, a, b, c in zip(("d_hidden", "d_weight", "d_bias"), got, g32, g_low):
+        assert a.dtype == dtype, name
+        assert_as_close_as_reference(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("vocab", [151936, 49152])
+def test_real_vocab_sizes(device, vocab):
+    N, H = 6, 32
+    hidden = torch.randn(N, H, dtype=torch.bfloat16, device=device, requires_grad=True)
+    weight = (torch.randn(vocab, H, device=device) / H**0.5 * 4).bfloat16().requires_grad_()
+    ids = torch.randint(0, vocab, (N,), device=device)
+    logp = linear_token_logprobs(hidden, weight, ids, chunk_size=16384)
+    g = torch.randn(N, device=device)
+    dh, dw = torch.autograd.grad(logp, (hidden, weight), g)
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+        r = reference.linear_token_logprobs(h, w, ids, dtype=dt)
+        res[dt] = (r, *torch.autograd.grad(r, (h, w), g))
+    for i, (name, a) in enumerate((("logp", logp), ("d_hidden", dh), ("d_weight", dw))):
+        assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+
+
+def test_tied_embedding_gets_both_gradients(device):
+    V, H, B, T = 300, 16, 2, 6
+    emb = torch.nn.Embedding(V, H).to(device)
+    inputs = torch.randint(0, V, (B, T), device=device)
+    targets = torch.randint(0, V, (B, T), device=device)
+
+    def loss_with(head):
+        hidden = torch.tanh(emb(inputs))  # (B, T, H): the same matrix feeds the input and the head
+        return -head(hidden, emb.weight, targets).sum()
+
+    loss_with(lambda h, w, y: linear_token_logprobs(h, w, y, chunk_size=64)).backward()
+    ours = emb.weight.grad.clone()
+    emb.weight.grad = None
+    loss_with(lambda h, w, y: reference.linear_token_logprobs(h, w, y)).backward()
+    torch.testing.assert_close(ours, emb.weight.grad)
+    assert ours[inputs.unique()].abs().sum() > 0
+
+
+def test_autocast_mixes_fp32_weight_and_bf16_compute():
+    hidden = torch.randn(4, 16, requires_grad=True)
+    weight = torch.randn(100, 16, requires_grad=True)
+    ids = torch.randint(0, 100, (4,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = linear_token_logprobs(hidden, weight, ids, chunk_size=32)
+    logp.sum().backward()
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
+    ref = reference.linear_token_logprobs(hidden.detach(), weight.detach(), ids, dtype=torch.bfloat16)
+    torch.testing.assert_close(logp, ref, atol=0.1, rtol=0.02)
+
+
+class _Allocations(TorchDispatchMode):
+    """Records (numel, dtype) of every tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((t.numel(), t.dtype, str(func)))
+        return out
+
+
+def test_never_allocates_logits_or_fp32_weight_sized_buffers():
+    N, H, V = 64, 32, 5000
+    chunk = 512
+    hidden = torch.randn(N, H, dtype=torch.bfloat16)
+    weight = torch.randn(V, H, dtype=torch.bfloat16)
+    bias = torch.randn(V, dtype=torch.bfloat16)
+    ids = torch.randint(0, V, (N,))
+    # Call the ops' implementations directly so the mode sees every allocation inside them.
+    with _Allocations() as fwd:
+        logp, lse, entropy = _linear_logprobs_op._init_fn(hidden, weight, bias, ids, 1.0, True, chunk)
+    with _Allocations() as bwd:
+        _linear_logprobs_backward_op._init_fn(hidden, weight, bias, ids, lse, torch.randn(N), entropy, torch.randn(N),
+                                              1.0, chunk, True, True, True)
+    for seen in (fwd.seen, bwd.seen):
+        largest = max(n for n, _, _ in seen if n != V * H)
+        assert largest <= N * chunk, f"an allocation of {largest} elements exceeds one [N, chunk] slice"
+        assert not any(n >= V * H and dt == torch.float32 for n, dt, _ in seen), "fp32 (V, H) buffer"
+    assert sum(n == V * H for n, _, _ in bwd.seen) == 1  # dW, in the weight dtype, and nothing else
+
+
+def test_default_chunk_is_bounded():
+    assert default_chunk_size(8192, 151936) * 8192 * 4 <= 256 * 2**20
+    assert default_chunk_size(4, 1000) == 1000
+
+
+def test_bad_input_errors():
+    h, w, ids = torch.randn(2, 3, 8), torch.randn(10, 8), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="hidden is torch.bfloat16 but weight is torch.float32"):
+        linear_token_logprobs(h.bfloat16(), w, ids)
+    with pytest.raises(ValueError, match="hidden size 7 does not match weight"):
+        linear_token_logprobs(torch.randn(2, 3, 7), w, ids)
+    with pytest.raises(ValueError, match=r"bias must have shape \(10,\)"):
+        linear_token_logprobs(h, w, ids, bias=torch.zeros(9))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\)"):
+        linear_token_logprobs(h, w, ids + 10)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        linear_token_logprobs(h, w, ids, chunk_size=0)

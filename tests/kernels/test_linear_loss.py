@@ -1,0 +1,118 @@
+"""linear_grpo_loss: every loss_type and importance-sampling level against the reference."""
+
+import pytest
+import torch
+
+from lowmem_grpo.kernels import linear_grpo_loss, reference
+
+from .helpers import assert_as_close_as_reference
+
+LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
+LEVELS = ["token", "sequence"]
+
+
+def _batch(device, dtype=torch.float32, B=3, T=6, H=24, V=500, with_bias=True, beta=0.04, with_old=True,
+           per_token_adv=False):
+    hidden = torch.randn(B, T, H).to(dtype).to(device).requires_grad_()
+    weight = (torch.randn(V, H) / H**0.5 * 3).to(dtype).to(device).requires_grad_()
+    bias = torch.randn(V).to(dtype).to(device).requires_grad_() if with_bias else None
+    ids = torch.randint(0, V, (B, T), device=device)
+    lengths = torch.tensor([T, T - 2, 1] + [T - 1] * (B - 3), device=device)[:B, None]
+    mask = torch.arange(T, device=device)[None] < lengths  # ragged completions
+    with torch.no_grad():
+        logp = reference.linear_token_logprobs(hidden, weight, ids, bias=bias)
+    old = logp + 0.3 * torch.randn(B, T, device=device) if with_old else None
+    ref = logp + 0.5 * torch.randn(B, T, device=device) if beta > 0 else None
+    adv = torch.randn((B, T) if per_token_adv else (B,), device=device)
+    return dict(hidden=hidden, weight=weight, ids=ids.masked_fill(~mask, -100), advantages=adv, mask=mask,
+                old_logp=old, ref_logp=ref, bias=bias, beta=beta)
+
+
+def _compare(batch, dtype=torch.float32, chunk_size=None, **kwargs):
+    params = [batch[k] for k in ("hidden", "weight", "bias") if batch[k] is not None]
+    loss, metrics = linear_grpo_loss(**batch, chunk_size=chunk_size, **kwargs)
+    got = torch.autograd.grad(loss, params)
+    results = {}
+    for dt in {torch.float32, dtype}:
+        ref_params = [p.detach().float().requires_grad_() for p in params]
+        ref_batch = dict(batch, hidden=ref_params[0], weight=ref_params[1],
+                         bias=ref_params[2] if batch["bias"] is not None else None)
+        r_loss, r_metrics = reference.linear_grpo_loss(**ref_batch, dtype=dt, **kwargs)
+        results[dt] = (r_loss, r_metrics, torch.autograd.grad(r_loss, ref_params))
+    (l32, m32, g32), (l_low, m_low, g_low) = results[torch.float32], results[dtype]
+    low = dtype != torch.float32
+    assert loss.dim() == 0 and loss.dtype == torch.float32
+    # A scalar sum of per-token errors: how close the bf16 reference lands is luck (its errors may
+    # cancel), so in bf16 the loss also gets a floor of 1% of its scale (bf16 resolves 0.4%).
+    assert_as_close_as_reference(loss, l32, l_low if low else None, factor=1.5, floor=1e-2 if low else 2e-5,
+                                 name="loss")
+    for name, a, b, c in zip(("d_hidden", "d_weight", "d_bias"), got, g32, g_low):
+        assert a.dtype == dtype
+        assert_as_close_as_reference(a, b, c if low else None, factor=1.5, name=name)
+    for key in ("kl", "entropy", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        assert not metrics[key].requires_grad
+        if low:
+            assert_as_close_as_reference(metrics[key], m32[key], m_low[key], factor=1.5, floor=1e-3, name=key)
+        else:
+            torch.testing.assert_close(metrics[key], m32[key], msg=key)
+    return metrics
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_matches_reference(device, loss_type, level):
+    batch = _batch(device, per_token_adv=(loss_type == "bnpo"))
+    metrics = _compare(batch, loss_type=loss_type, importance_sampling_level=level, epsilon_high=0.28,
+                       temperature=0.9, max_completion_length=10 if loss_type == "dr_grpo" else None)
+    if level == "token":
+        assert metrics["clip_ratio"] > 0, "the batch should exercise clipping"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_bf16(device, level):
+    _compare(_batch(device, dtype=torch.bfloat16), dtype=torch.bfloat16, loss_type="grpo",
+             importance_sampling_level=level)
+
+
+def test_defaults_without_old_ref_or_bias(device):
+    _compare(_batch(device, with_bias=False, beta=0.0, with_old=False), chunk_size=128)
+
+
+def test_dapo_accumulates_to_the_full_batch_loss(device):
+    """Two micro-batches with num_items_in_batch = tokens of both == one batch (TRL's dapo)."""
+    batch = _batch(device, B=4)
+    full, _ = linear_grpo_loss(**batch, loss_type="dapo")
+    (full_grad,) = torch.autograd.grad(full, batch["weight"])
+    n_items = batch["mask"].sum()
+    acc, acc_grad = 0.0, torch.zeros_like(batch["weight"])
+    for rows in (slice(0, 1), slice(1, 4)):
+        micro = {k: (v[rows] if k in ("hidden", "ids", "advantages", "mask", "old_logp", "ref_logp") else v)
+                 for k, v in batch.items()}
+        loss, _ = linear_grpo_loss(**micro, loss_type="dapo", num_items_in_batch=n_items)
+        acc = acc + loss.detach()
+        acc_grad += torch.autograd.grad(loss, batch["weight"])[0]
+    torch.testing.assert_close(acc, full.detach())
+    torch.testing.assert_close(acc_grad, full_grad)
+
+
+def test_fully_masked_batch_has_zero_loss_and_gradient(device):
+    batch = _batch(device)
+    batch["mask"] = torch.zeros_like(batch["mask"])
+    loss, metrics = linear_grpo_loss(**batch, loss_type="bnpo")
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["clip_ratio"].item() == 0.0
+    assert batch["weight"].grad.abs().sum() == 0 and batch["hidden"].grad.abs().sum() == 0
+
+
+def test_bad_input_errors():
+    batch = _batch("cpu")
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'; valid: 'grpo', 'bnpo', 'dapo', 'dr_grpo'"):
+        linear_grpo_loss(**batch, loss_type="ppo")
+    with pytest.raises(ValueError, match="unknown importance_sampling_level 'seq'; valid: 'token', 'sequence'"):
+        linear_grpo_loss(**batch, importance_sampling_level="seq")
+    with pytest.raises(ValueError, match="needs ref_logp"):
+        linear_grpo_loss(**dict(batch, ref_logp=None))
+    with pytest.raises(ValueError, match=r"hidden must have shape \(B, T, H\)"):
+        linear_grpo_loss(**dict(batch, hidden=batch["hidden"][0]))
+    with pytest.raises(ValueError, match="num_items_in_batch must be > 0"):
+        linear_grpo_loss(**batch, num_items_in_batch=0)
