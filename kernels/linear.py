@@ -9,7 +9,8 @@ tokens into a reused [N, chunk] workspace, followed by a row kernel over it:
             Saves only lse (and entropy): N floats each.
   backward  recompute logits_s, turn it into dlogits_s in place, then
             dW_s = dlogits_s^T @ h   exact in one GEMM, written once into dW[v0:v1] (weight dtype)
-            dh  += dlogits_s @ W_s   accumulated in fp32 [N, H]
+            dh  += dlogits_s @ W_s   accumulated across slices in fp32 [N, H] (each slice's
+                                     product leaves the GEMM in the compute dtype)
             db_s = sum_n dlogits_s
 The only (V, H) allocation is dW itself: no fp32 (V, H) buffer, no (N, V) tensor. Cost against the
 naive head: one extra GEMM (the recompute), i.e. 4 GEMMs instead of 3.
@@ -179,7 +180,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
 
     Returns:
         logp shaped like ids, fp32 (or (logp, entropy)). Differentiable w.r.t. hidden, weight and bias
-        (entropy too). Peak extra memory: one [N, chunk] slice, an fp32 [N, H] accumulator and dW.
+        (entropy too). Peak extra memory: one [N, chunk] slice, an fp32 [N, H] accumulator and dW;
+        on CPU also the fp32 row-chunk temporaries of the torch path (together <= 256 MiB).
     """
     hidden = check_linear_args(hidden, weight, bias)
     if hidden.dim() not in (2, 3):

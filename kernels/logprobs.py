@@ -31,7 +31,7 @@ Stats = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def _rows_per_chunk(n_cols: int) -> int:
-    # the torch path holds about three fp32 [rows, n_cols] temporaries per chunk
+    # the torch path holds at most two fp32 [rows, n_cols] buffers per chunk (and a third transiently)
     return max(1, DEFAULT_WORKSPACE_BYTES // (3 * 4 * n_cols))
 
 
@@ -48,9 +48,12 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
         x_y = x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0] * in_row
         m = torch.logsumexp(x, dim=1)
         s = torch.ones_like(m)
-        if with_entropy:  # t = sum p (x - lse) = -H; x = -inf entries have p = 0 and contribute 0
-            p = torch.softmax(x, dim=1)
-            t = (p * torch.where(p > 0, x - m[:, None], 0.0)).sum(dim=1)
+        if with_entropy:  # t = sum p log p = -H, with two chunk buffers alive
+            log_p = x.sub_(m[:, None])
+            p = log_p.exp()
+            log_p.clamp_(min=torch.finfo(torch.float32).min)  # banned tokens (-inf): 0 * log p = 0
+            t = p.mul_(log_p).sum(dim=1)  # torch's sum is pairwise: accurate over 150k terms
+            del p
         else:
             t = torch.zeros_like(m)
         if accumulate:
@@ -64,6 +67,7 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
             m = m_new
         for dst, src in zip(stats, (m, s, t, x_y)):
             dst[r] = src
+        del x  # free this chunk before the next one is allocated
 
 
 def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp):
@@ -74,14 +78,18 @@ def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_of
         log_p = logits[r].to(torch.float32, copy=True).mul_(inv_temp).sub_(lse[r, None])
         g = grad[r]
         if grad_entropy is None:
-            dx = log_p.exp_().mul_(-g[:, None])  # -g p, reusing the chunk's buffer
-        else:  # dH/dx_j = -p_j * (log p_j + H)
+            dx = log_p.exp_().mul_(-g[:, None])  # -g p, in the chunk's own buffer
+        else:  # dH/dx_j = -p_j (log p_j + H): -g p - g_H p (log p + H), two buffers alive
             p = log_p.exp()
-            dx = p * -g[:, None] - grad_entropy[r, None] * p * torch.where(p > 0, log_p + entropy[r, None], 0.0)
+            term = log_p.clamp_(min=torch.finfo(torch.float32).min).add_(entropy[r, None])
+            term.mul_(p).mul_(grad_entropy[r, None])
+            dx = p.mul_(-g[:, None]).sub_(term)
+            del term
         y = ids[r] - col_offset
         in_row = (y >= 0) & (y < n_cols)
         dx.scatter_add_(1, y.clamp(0, n_cols - 1)[:, None], (g * in_row)[:, None])
         logits[r].copy_(dx.mul_(inv_temp))
+        del log_p, dx  # free this chunk before the next one is allocated
 
 
 def new_stats(n_rows: int, device: torch.device) -> Stats:

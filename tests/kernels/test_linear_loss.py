@@ -17,7 +17,7 @@ def _batch(device, dtype=torch.float32, B=3, T=6, H=24, V=500, with_bias=True, b
     weight = (torch.randn(V, H) / H**0.5 * 3).to(dtype).to(device).requires_grad_()
     bias = torch.randn(V).to(dtype).to(device).requires_grad_() if with_bias else None
     ids = torch.randint(0, V, (B, T), device=device)
-    lengths = torch.tensor([T, T - 2, 1] + [T - 1] * (B - 3), device=device)[:B, None]
+    lengths = torch.tensor([T, T - 2, 0] + [1] * (B - 3), device=device)[:B, None]  # row 2: all padding
     mask = torch.arange(T, device=device)[None] < lengths  # ragged completions
     with torch.no_grad():
         logp = reference.linear_token_logprobs(hidden, weight, ids, bias=bias)
@@ -74,8 +74,10 @@ def test_bf16(device, level):
              importance_sampling_level=level)
 
 
-def test_defaults_without_old_ref_or_bias(device):
-    _compare(_batch(device, with_bias=False, beta=0.0, with_old=False), chunk_size=128)
+def test_defaults_without_mask_old_ref_or_bias(device):
+    batch = _batch(device, with_bias=False, beta=0.0, with_old=False)
+    batch.update(mask=None, ids=batch["ids"].clamp(min=0))
+    _compare(batch, chunk_size=128)
 
 
 def test_dapo_accumulates_to_the_full_batch_loss(device):
