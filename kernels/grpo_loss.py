@@ -234,8 +234,8 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
     B, T, V = logits.shape
     dev = logits.device
     mask = check_mask(mask, (B, T), dev)
-    if mask is not None:
-        ids = ids.masked_fill(~mask, 0) if ids.shape == mask.shape else ids
+    if mask is not None and isinstance(ids, Tensor) and ids.shape == mask.shape:
+        ids = ids.masked_fill(~mask, 0)  # padding ids are free (often -100 or pad)
     flat_ids = check_ids(ids, (B, T), V, dev)
     adv = _expand_advantages(advantages, B, T, dev)
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
