@@ -153,3 +153,24 @@ def test_bad_input_errors():
         linear_token_logprobs(h, w, ids + 10)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         linear_token_logprobs(h, w, ids, chunk_size=0)
+
+
+@pytest.mark.slow
+def test_qwen_sized_head_with_default_chunking():
+    """Qwen2.5-0.5B's head (H 896, V 151936) at 1024 tokens, default slices: several GEMM slices and
+    row-chunks on the torch path, against the reference in fp32 and bf16 (~1 min, ~6 GiB)."""
+    N, H, V = 1024, 896, 151936
+    hidden = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(V, H) * (2.0 / H**0.5)).bfloat16().requires_grad_()
+    ids = torch.randint(0, V, (N,))
+    g = torch.randn(N)
+    logp, entropy = linear_token_logprobs(hidden, weight, ids, return_entropy=True)
+    dh, dw = torch.autograd.grad((logp, entropy), (hidden, weight), (g, g))
+    res = {}
+    for dt in (torch.float32, torch.bfloat16):
+        h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+        r_logp, r_ent = reference.linear_token_logprobs(h, w, ids, return_entropy=True, dtype=dt)
+        res[dt] = (r_logp, r_ent, *torch.autograd.grad((r_logp, r_ent), (h, w), (g, g)))
+        del h, w, r_logp, r_ent
+    for i, (name, a) in enumerate((("logp", logp), ("entropy", entropy), ("d_hidden", dh), ("d_weight", dw))):
+        assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
