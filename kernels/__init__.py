@@ -9,14 +9,21 @@ CUDA tensors run Triton kernels; CPU tensors run a chunked torch path with the s
 `reference` holds the plain fp32 torch spec every op is tested against.
 """
 
-from ._backend import HAS_TRITON, get_backend, set_backend, use_backend
-from .grpo_loss import GRPOTokenLoss, grpo_token_loss, grpo_token_terms
-from .linear import linear_token_logprobs
-from .linear_loss import ISLevel, LossType, linear_grpo_loss
-from .logprobs import token_logprobs
+if __name__ != "lowmem_grpo.kernels":
+    # This folder was imported as a top-level `kernels`: the repository root is on sys.path (e.g.
+    # `python -m ...` run from it) and transformers imports any `kernels` it finds while probing for
+    # the Hub package of that name. Define nothing then: the ops belong to lowmem_grpo.kernels, and
+    # registering the torch.library ops a second time under the same names corrupts the dispatcher.
+    __all__: list[str] = []
+else:
+    from ._backend import HAS_TRITON, get_backend, set_backend, use_backend
+    from .grpo_loss import GRPOTokenLoss, grpo_token_loss, grpo_token_terms
+    from .linear import linear_token_logprobs
+    from .linear_loss import ISLevel, LossType, linear_grpo_loss
+    from .logprobs import token_logprobs
 
-__all__ = [
-    "token_logprobs", "grpo_token_loss", "linear_token_logprobs", "linear_grpo_loss",
-    "grpo_token_terms", "GRPOTokenLoss", "LossType", "ISLevel",
-    "HAS_TRITON", "get_backend", "set_backend", "use_backend",
-]
+    __all__ = [
+        "token_logprobs", "grpo_token_loss", "linear_token_logprobs", "linear_grpo_loss",
+        "grpo_token_terms", "GRPOTokenLoss", "LossType", "ISLevel",
+        "HAS_TRITON", "get_backend", "set_backend", "use_backend",
+    ]
