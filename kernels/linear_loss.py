@@ -148,7 +148,7 @@ def linear_grpo_loss(
             temperature=temperature, return_entropy=True, chunk_size=chunk_size)
         zeros = torch.zeros(B * T, dtype=torch.float32, device=dev)
         logp = zeros.index_copy(0, keep, kept_logp).view(B, T)  # (B, T), 0 on padding
-        entropy = zeros.index_copy(0, keep, kept_entropy).view(B, T)
+        entropy = zeros.index_copy(0, keep, kept_entropy.detach()).view(B, T)
     entropy = entropy.detach()
     old = None if old_logp is None else old_logp.to(torch.float32)
     ref = None if ref_logp is None else ref_logp.to(torch.float32)
