@@ -38,11 +38,15 @@ def _tracing(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or is_fake(t)
 
 
-def check_ids(ids: torch.Tensor, shape: tuple[int, ...], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """Validate token ids and return them as a flat contiguous int64 tensor."""
+def check_ids(ids: torch.Tensor, shape: tuple[int, ...], vocab_size: int, device: torch.device,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Validate token ids and return them as a flat contiguous int64 tensor. Where the bool `mask`
+    is False the ids are padding (often -100 or pad) and are replaced by 0."""
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     check_shape(ids, shape, "ids", device)
+    if mask is not None:
+        ids = ids.masked_fill(~mask, 0)
     ids = ids.reshape(-1).to(torch.int64).contiguous()
     # Out-of-range ids would read outside the logits row. The check costs a device sync on CUDA,
     # so there it runs only in debug mode (LOWMEM_GRPO_DEBUG=1); it cannot run while tracing.

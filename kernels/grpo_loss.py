@@ -234,9 +234,7 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
     B, T, V = logits.shape
     dev = logits.device
     mask = check_mask(mask, (B, T), dev)
-    if mask is not None and isinstance(ids, Tensor) and ids.shape == mask.shape:
-        ids = ids.masked_fill(~mask, 0)  # padding ids are free (often -100 or pad)
-    flat_ids = check_ids(ids, (B, T), V, dev)
+    flat_ids = check_ids(ids, (B, T), V, dev, mask=mask)
     adv = _expand_advantages(advantages, B, T, dev)
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
         check_shape(t, (B, T), name, dev)

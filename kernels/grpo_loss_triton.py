@@ -16,7 +16,6 @@ Clip codes: 0 = not clipped, 1 = low-clipped (rho < 1 - eps_low, A < 0), 2 = hig
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

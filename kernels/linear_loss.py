@@ -4,9 +4,9 @@
         -> (loss 0-dim, metrics dict)
 
 Padding tokens (mask given) are dropped before the head (their rows are gathered away), so they
-cost no GEMM work. The per-token loss is op 2 (closed-form gradient) at the token level; GSPO's sequence-level
-ratio needs a reduction over each sequence first, so that variant is plain autograd on (B, T)
-vectors, which are tiny next to the head.
+cost no GEMM work. The per-token loss is op 2 (closed-form gradient) at the token level; GSPO's
+sequence-level ratio needs a reduction over each sequence first, so that variant is plain autograd
+on (B, T) vectors, which are tiny next to the head.
 """
 
 from __future__ import annotations
@@ -126,9 +126,7 @@ def linear_grpo_loss(
     B, T, H = hidden.shape
     dev = hidden.device
     mask = check_mask(mask, (B, T), dev)
-    if mask is not None and isinstance(ids, Tensor) and ids.shape == (B, T):
-        ids = ids.masked_fill(~mask, 0)  # padding ids are free (often -100 or pad)
-    flat_ids = check_ids(ids, (B, T), weight.shape[0], dev)
+    flat_ids = check_ids(ids, (B, T), weight.shape[0], dev, mask=mask)
     adv = _expand_advantages(advantages, B, T, dev)
     for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
         check_shape(t, (B, T), name, dev)
@@ -141,6 +139,7 @@ def linear_grpo_loss(
         mask = torch.ones(B, T, dtype=torch.bool, device=dev)
         logp, entropy = linear_token_logprobs(hidden, weight, flat_ids.view(B, T), bias=bias, temperature=temperature,
                                               return_entropy=True, chunk_size=chunk_size)  # (B, T) each
+        entropy = entropy.detach()
     else:  # the head runs on the unmasked tokens only
         keep = mask.reshape(-1).nonzero().squeeze(1)  # (n_kept,)
         kept_logp, kept_entropy = linear_token_logprobs(
@@ -149,7 +148,6 @@ def linear_grpo_loss(
         zeros = torch.zeros(B * T, dtype=torch.float32, device=dev)
         logp = zeros.index_copy(0, keep, kept_logp).view(B, T)  # (B, T), 0 on padding
         entropy = zeros.index_copy(0, keep, kept_entropy.detach()).view(B, T)
-    entropy = entropy.detach()
     old = None if old_logp is None else old_logp.to(torch.float32)
     ref = None if ref_logp is None else ref_logp.to(torch.float32)
     maskf = mask.to(torch.float32)
