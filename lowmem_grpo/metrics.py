@@ -1,0 +1,85 @@
+"""Run logs: output_dir/metrics.jsonl (one object per logged step), completions.jsonl (sampled
+completions with their rewards, to catch reward hacking by reading), and optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak since the last reset (reset every step). CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _clean(value):
+    """JSON-safe scalars: tensors -> floats, NaN/inf -> None (JSON has no NaN)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunLog:
+    """Appends to the run's JSONL files; opened in append mode so a resumed run continues them."""
+
+    def __init__(self, output_dir: str | Path, report_to: str = "none", resume_step: Optional[int] = None):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:  # drop lines written after the checkpoint we resume from
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                _truncate_after(self.dir / name, resume_step)
+        self.tb = None
+        if report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(f"output.report_to=tensorboard needs the tensorboard package ({e}): "
+                                  "pip install tensorboard, or set output.report_to=none") from None
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    def metrics(self, step: int, values: dict) -> None:
+        row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def completions(self, step: int, samples: list[dict]) -> None:
+        with open(self.dir / "completions.jsonl", "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []

@@ -1,0 +1,57 @@
+"""Optimizer and learning-rate schedule: bitsandbytes 8-bit AdamW by default, torch AdamW selectable."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .config import OptimConfig
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only (not norm gains or biases), the usual rule; tied weights appear once."""
+    decay, no_decay = [], []
+    for p in model.parameters():  # parameters() yields a tied embedding once, so it gets one update
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = _param_groups(model, cfg.weight_decay)
+    kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **kw)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise ImportError(f"optim.optimizer={cfg.optimizer} needs bitsandbytes ({e}); pip install bitsandbytes, "
+                          "or set optim.optimizer=adamw (4x the optimizer-state memory)") from None
+    cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+    return cls(groups, **kw)
+
+
+def lr_lambda(cfg: OptimConfig, max_steps: int):
+    """Multiplier of the peak LR at each step: linear warm-up, then constant / linear / cosine decay to 0."""
+    warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * max_steps)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if cfg.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        if cfg.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))

@@ -1,0 +1,401 @@
+"""The GRPO training loop, top to bottom:
+
+    sample prompts -> generate G completions each -> rewards -> advantages
+    -> (old log-probs if the policy moves while the batch is in use; reference log-probs if beta > 0)
+    -> loss on micro-batches through the fused head -> optimizer step -> log -> checkpoint
+
+Simplifications, stated plainly:
+- One process, one device. The reference model (beta > 0) is an fp32 copy in CPU RAM and runs on the
+  CPU, once per generation batch.
+- When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
+  uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
+- Micro-batches of a generation batch are visited in generation order on every iteration.
+- Global loss denominators (dapo) count the completion tokens of the micro-batches of one optimizer
+  step; grpo/bnpo/dr_grpo are per-micro-batch means divided by gradient_accumulation_steps.
+- Completions passed to reward functions exclude the EOS token; `completion_ids` likewise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import signal
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import checkpoint as ckpt
+from .config import Config, ConfigError, batch_plan
+from .data import PromptSampler, build_prompt_set, load_rows, split_eval
+from .evaluate import evaluate, format_comparison
+from .kernels import linear_grpo_loss
+from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
+from .model import bf16_autocast_wanted, check_fused_head, load_model, load_tokenizer
+from .optim import build_optimizer, build_scheduler
+from .rewards import compute_rewards, load_reward_functions, reward_metrics
+from .rollout import Batch, completion_hidden, generate, token_logprobs
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped early on purpose (non-finite steps); a checkpoint was saved."""
+
+
+@dataclass
+class GenerationBatch:
+    """A generation batch in use: its completions and how many of its optimizer steps are done."""
+
+    batch: Batch
+    steps_done: int
+    info: dict  # reward / length metrics, logged with every step taken on this batch
+    generation_time: float
+    samples: list = field(default_factory=list)  # completions to log, with rewards
+
+    def state_dict(self) -> dict:
+        return {"batch": self.batch.state_dict(), "steps_done": self.steps_done, "info": self.info,
+                "generation_time": self.generation_time, "samples": self.samples}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "GenerationBatch":
+        return cls(Batch(**state["batch"]), state["steps_done"], state["info"], state["generation_time"],
+                   state["samples"])
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name} but this torch build sees no CUDA GPU; set train.device=cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (N,), per-group std (N/G,)). A = (r - group mean) / (std + 1e-4), TRL's formula."""
+    grouped = rewards.view(-1, group_size)  # (prompts, G)
+    std_group = grouped.std(1)  # unbiased, as TRL
+    adv = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+    if scale == "group":
+        adv = adv / (std_group.repeat_interleave(group_size) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + 1e-4)
+    return adv, std_group
+
+
+def enable_checkpointing(model) -> None:
+    """Checkpoint every decoder layer (non-reentrant, torch.utils.checkpoint under transformers)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class Trainer:
+    def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True):
+        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only)."""
+        self.cfg = cfg
+        self.plan = batch_plan(cfg)
+        self.device = pick_device(cfg.train.device)
+        seed_everything(cfg.train.seed)
+        m, t = cfg.model, cfg.train
+        self.autocast = bf16_autocast_wanted(m.bf16, self.device)
+        self.tokenizer = load_tokenizer(m)
+        self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs, cfg.rewards.reward_weights,
+                                                  base_dir=recipe_dir)
+        self.policy = load_model(m, t.seed)
+        self.eos_ids, self.pad_id = self._special_ids()
+        self.train_set, self.eval_set = self._load_data()
+        self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
+        if not training:
+            self.policy.to(self.device)
+            return
+        # The reference is the model as loaded, before any resumed weights: a frozen fp32 copy in CPU RAM.
+        self.ref = None
+        if t.beta > 0:
+            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            self.ref_head = check_fused_head(self.ref)
+        self.policy.to(self.device)
+        if m.gradient_checkpointing:
+            enable_checkpointing(self.policy)
+        self.policy.config.use_cache = False  # training forwards never need the KV cache
+        self.head = check_fused_head(self.policy)
+        self.optimizer = build_optimizer(self.policy, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.step = 0
+        self.generation: Optional[GenerationBatch] = None
+        self.nonfinite_in_a_row = 0
+        self.last_saved_step = -1
+        self.resumed_from: Optional[Path] = None
+        if cfg.output.resume_from:
+            self._resume(ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir))
+        self._stop_signal: Optional[str] = None
+
+    # ----- setup -------------------------------------------------------------------------------
+    def _special_ids(self) -> tuple[list[int], int]:
+        m, tok, gen = self.cfg.model, self.tokenizer, self.policy.generation_config
+        eos = m.eos_token_id
+        if eos is None:
+            eos = tok.eos_token_id if tok is not None else gen.eos_token_id
+        if eos is None:
+            raise ConfigError("no EOS token id: set model.eos_token_id")
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+            eos_ids.append(tok.eos_token_id)
+        pad = m.pad_token_id
+        if pad is None:
+            pad = tok.pad_token_id if tok is not None else gen.pad_token_id
+        return eos_ids, int(eos_ids[0] if pad is None else pad)
+
+    def _load_data(self):
+        d, g = self.cfg.data, self.cfg.generation
+        if not d.train_file:
+            raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
+                             "datasets folder with a prompt (or prompt_ids) column")
+        rows = load_rows(d.train_file)
+        eval_rows = load_rows(d.eval_file) if d.eval_file else []
+        if not d.eval_file and d.eval_holdout:
+            rows, eval_rows = split_eval(rows, d.eval_holdout)
+        vocab = self.policy.get_output_embeddings().weight.shape[0]
+        build = lambda r, src: build_prompt_set(r, self.tokenizer, d, g.max_prompt_length, src, vocab_size=vocab)
+        train = build(rows, d.train_file)
+        if train.num_truncated:
+            print(f"[lowmem-grpo] left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
+        if len(train) < self.plan.prompts_per_generation:
+            print(f"[lowmem-grpo] note: {len(train)} training prompts, fewer than the "
+                  f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
+        return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
+
+    def _resume(self, path: Path) -> None:
+        ckpt.load_weights(self.policy, path)
+        state = ckpt.load_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.generation = GenerationBatch.from_state(state["generation"]) if state["generation"] else None
+        ckpt.set_rng_state(state["rng"])
+        self.last_saved_step = self.step
+        self.resumed_from = path
+        print(f"[lowmem-grpo] resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
+            "generation": self.generation.state_dict() if self.generation else None,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
+                                    self.cfg.output.save_total_limit, self.cfg.to_dict())
+        self.last_saved_step = self.step
+        return path
+
+    # ----- rollout -----------------------------------------------------------------------------
+    def _decode(self, ids: list[int]):
+        return ids if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def new_generation_batch(self) -> GenerationBatch:
+        cfg, G = self.cfg, self.cfg.generation.num_generations
+        t0 = time.perf_counter()
+        prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
+        batch = generate(self.policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
+                         eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, autocast_bf16=self.autocast)
+        # Rewards see each completion without its EOS; conversational prompts get conversational completions.
+        keep = batch.completion_mask & ~torch.isin(batch.completion_ids, torch.tensor(self.eos_ids))
+        completion_ids = [row[k].tolist() for row, k in zip(batch.completion_ids, keep)]
+        texts = [self._decode(ids) for ids in completion_ids]
+        prompt_list = [p for p in prompts.prompts for _ in range(G)]
+        completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) and p and isinstance(p[0], dict)
+                       else c for p, c in zip(prompt_list, texts)]
+        columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
+        per_func, total = compute_rewards(self.reward_funcs, prompt_list, completions, completion_ids, columns)
+        batch.advantages, std_group = compute_advantages(total, G, cfg.train.scale_rewards)
+        if cfg.train.mask_truncated_completions:
+            batch.completion_mask &= ~batch.is_truncated[:, None]
+        micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
+        temperature = cfg.generation.temperature
+        if self.plan.needs_old_logprobs:
+            was_training = self.policy.training
+            self.policy.eval()
+            batch.old_logp = token_logprobs(self.head, batch, temperature=temperature, micro_batch=micro,
+                                            device=self.device, autocast_bf16=self.autocast)
+            self.policy.train(was_training)
+        if self.ref is not None:
+            batch.ref_logp = token_logprobs(self.ref_head, batch, temperature=temperature, micro_batch=micro,
+                                            device=torch.device("cpu"))
+        lengths = keep.sum(1).float()
+        info = {
+            "reward": total.mean().item(),
+            "reward_std": std_group.mean().item(),
+            "frac_reward_zero_std": (std_group < 1e-6).float().mean().item(),
+            **reward_metrics(self.reward_funcs, per_func, total),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
+            "epoch": self.sampler.epoch,
+        }
+        n_log = min(cfg.output.num_completions_to_log, len(texts))
+        samples = [{"prompt": prompt_list[i], "completion": texts[i], "reward": total[i].item(),
+                    "advantage": batch.advantages[i].item(),
+                    "rewards": {f.name: per_func[i, j].item() for j, f in enumerate(self.reward_funcs)}}
+                   for i in range(n_log)]
+        return GenerationBatch(batch, 0, info, time.perf_counter() - t0, samples)
+
+    # ----- one optimizer step ------------------------------------------------------------------
+    def micro_batch_loss(self, mb: Batch, num_items: int):
+        """Loss of one micro-batch (already on the device) through the fused head, and its metrics."""
+        t, g = self.cfg.train, self.cfg.generation
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = completion_hidden(self.head, mb)  # (b, c, H)
+            loss, metrics = linear_grpo_loss(
+                hidden, self.head.weight, mb.completion_ids, mb.advantages, bias=self.head.bias,
+                mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
+                epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
+                loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=num_items if t.loss_type == "dapo" else None)
+        if t.loss_type != "dapo":  # per-micro-batch means: average them over the accumulation
+            loss = loss / t.gradient_accumulation_steps
+        return loss, metrics
+
+    def optimizer_step(self) -> dict:
+        t, gb = self.cfg.train, self.generation
+        bs, ga = t.per_device_train_batch_size, t.gradient_accumulation_steps
+        groups_per_pass = self.plan.micro_batches_per_generation // ga
+        first_mb = (gb.steps_done % groups_per_pass) * ga
+        rows = [gb.batch.rows(i * bs, (i + 1) * bs) for i in range(first_mb, first_mb + ga)]
+        num_items = int(sum(int(r.completion_mask.sum()) for r in rows))
+        self.policy.train()
+        loss_sum, tokens, sums = 0.0, 0, {}
+        for mb in rows:
+            n = int(mb.completion_mask.sum())
+            if n == 0:  # every completion here is masked (mask_truncated_completions): nothing to learn
+                continue
+            loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
+            loss.backward()
+            loss_sum += loss.item()
+            tokens += int(mb.prompt_mask.sum()) + n
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.item() * n
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        max_norm = self.cfg.optim.max_grad_norm or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
+        finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+        if finite and num_items:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
+        gb.steps_done += 1
+        out = {f"{k}": v / max(num_items, 1) for k, v in sums.items()}
+        out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
+                   train_tokens=tokens)
+        return out
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = name
+        print(f"\n[lowmem-grpo] {name}: saving a checkpoint after this step, then exiting "
+              "(send it again to stop at once)")
+
+    def train(self) -> dict:
+        cfg, out = self.cfg, self.cfg.output
+        log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None)
+        Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        before = self._eval_on_start(log) if cfg.eval.eval_on_start else None
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not out.progress_bar, desc="grpo")
+        last = {}
+        try:
+            while self.step < cfg.train.max_steps and self._stop_signal is None:
+                reset_peak_memory(self.device)
+                t0 = time.perf_counter()
+                generation_time = 0.0
+                if self.generation is None:
+                    self.generation = self.new_generation_batch()
+                    generation_time = self.generation.generation_time
+                step_metrics = self.optimizer_step()
+                self.step += 1
+                gb = self.generation
+                if gb.steps_done >= self.plan.steps_per_generation_batch:
+                    self.generation = None
+                step_time = time.perf_counter() - t0
+                last = {**gb.info, **step_metrics, "step_time": step_time, "generation_time": generation_time,
+                        "tokens_per_second": step_metrics.pop("train_tokens") / step_time,
+                        "peak_memory_bytes": peak_memory_bytes(self.device)}
+                last.pop("train_tokens", None)
+                if self.step % out.logging_steps == 0 or self.step == cfg.train.max_steps:
+                    log.metrics(self.step, last)
+                    if gb.samples and gb.steps_done == 1:
+                        log.completions(self.step, gb.samples)
+                bar.update(1)
+                bar.set_postfix(reward=f"{last['reward']:.3f}", kl=f"{last.get('kl', 0.0):.4f}",
+                                step_time=f"{step_time:.1f}s")
+                if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+                    path = self.save()
+                    raise TrainingStopped(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss "
+                                          f"or gradient; stopped and saved {path}. Lower optim.learning_rate or check "
+                                          "the reward scale.")
+                if out.save_steps and self.step % out.save_steps == 0:
+                    self.save()
+            if self.step > self.last_saved_step:
+                path = self.save()
+                print(f"[lowmem-grpo] saved {path}")
+        except BaseException:
+            if self.step > self.last_saved_step:  # never die without saving what the run has
+                try:
+                    print(f"[lowmem-grpo] saved {self.save()} before stopping")
+                except Exception as e:  # noqa: BLE001 - report, then let the original error through
+                    print(f"[lowmem-grpo] could not save a checkpoint: {e}")
+            raise
+        finally:
+            bar.close()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            log.close()
+        if self._stop_signal is not None:
+            print(f"[lowmem-grpo] stopped by {self._stop_signal} at step {self.step}")
+        result = {"step": self.step, "last": last, "stopped_by": self._stop_signal}
+        if cfg.eval.eval_on_end and self._stop_signal is None:
+            after = self.evaluate()
+            Path(out.output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
+            result["eval_end"] = after
+            print(format_comparison(before, after) if before else format_comparison(None, after))
+        return result
+
+    def _eval_on_start(self, log: RunLog) -> dict:
+        path = Path(self.cfg.output.output_dir, "eval_start.json")
+        if self.resumed_from is not None and path.is_file():  # measured before the first step of this run
+            return json.loads(path.read_text())
+        result = self.evaluate()
+        path.write_text(json.dumps(result, indent=2))
+        return result
+
+    def evaluate(self) -> dict:
+        if self.eval_set is None:
+            raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
+        e = self.cfg.eval
+        return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
+                        eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
+                        max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
+                        output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"))
