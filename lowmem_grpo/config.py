@@ -193,9 +193,15 @@ def _nearest(name: str, candidates: list[str]) -> str:
 
 
 def _unknown(name: str, where: str) -> ConfigError:
+    """The error for a key that does not exist, suggesting the closest real one."""
     index = _key_index()
-    everything = list(index) + [f"{s}.{k}" for k, s in index.items()] + list(_sections())
-    return ConfigError(f"unknown config key {name!r}{where}{_nearest(name, everything)}")
+    key = name.rsplit(".", 1)[-1]
+    match = difflib.get_close_matches(key, list(index), n=1, cutoff=0.5)  # the key part matters most
+    if match:
+        hint = f"; did you mean {f'{index[match[0]]}.{match[0]}' if '.' in name else match[0]!r}?"
+    else:
+        hint = _nearest(name, [f"{s}.{k}" for k, s in index.items()] + list(_sections()))
+    return ConfigError(f"unknown config key {name!r}{where}{hint}")
 
 
 def _coerce(value: Any, tp: Any, name: str) -> Any:

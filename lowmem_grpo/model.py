@@ -132,8 +132,8 @@ def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Mo
                   trust_remote_code=cfg.trust_remote_code)
     if path is None and cfg.config is not None:
         conf = dict(cfg.config)
-        model_type = conf.pop("model_type")
-        config = AutoConfig.for_model(model_type, **conf)
+        config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+        check_logits_are_linear(config)  # before any weights exist
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # the same seed gives the same initial weights (reference == policy at step 0)
             model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -143,11 +143,25 @@ def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Mo
             if gguf:
                 path = _dequantised_gguf(cfg, path, gguf)
         try:
+            check_logits_are_linear(AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code))
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except OSError as e:
             raise ModelError(f"could not load model {path!r}: {e}") from e
     check_fused_head(model)
     return model
+
+
+def check_logits_are_linear(config) -> None:
+    """Refuse configs whose logits are rescaled or soft-capped (the fused head computes hidden @ W^T + b)."""
+    for sub in (config, getattr(config, "text_config", None)):
+        if sub is None:
+            continue
+        for attr, what in _LOGIT_TRANSFORMS.items():
+            value = getattr(sub, attr, None)
+            if value is not None and value not in (1, 1.0, 0, 0.0, False):
+                raise ModelError(
+                    f"{config.model_type} {what} ({attr}={value}); the fused loss head computes hidden @ W^T "
+                    "exactly and would train on a different distribution. This model is not supported.")
 
 
 @dataclass
@@ -161,16 +175,7 @@ class Head:
 
 def check_fused_head(model: nn.Module) -> Head:
     """Split a causal LM into decoder + linear head, refusing models whose logits are not hidden @ W^T (+ b)."""
-    config = model.config
-    for sub in (config, getattr(config, "text_config", None)):
-        if sub is None:
-            continue
-        for attr, what in _LOGIT_TRANSFORMS.items():
-            value = getattr(sub, attr, None)
-            if value is not None and value not in (1, 1.0, 0, 0.0, False):
-                raise ModelError(
-                    f"{type(model).__name__} {what} ({attr}={value}); the fused loss head computes "
-                    "hidden @ W^T exactly and would train on a different distribution. This model is not supported.")
+    check_logits_are_linear(model.config)
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ModelError(f"{type(model).__name__}'s output embedding is {type(head).__name__}, not nn.Linear: "

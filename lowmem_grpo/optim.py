@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -27,6 +28,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, **kw)
+    # On CPUs with AVX512-BF16, importing bitsandbytes probes for a 4-bit GEMM kernel package and warns
+    # when it is absent; we use only its 8-bit optimizer, so that warning is noise here.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except ImportError as e:

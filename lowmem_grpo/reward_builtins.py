@@ -200,10 +200,12 @@ def _int_label(v) -> int | None:
     return None
 
 
-def token_answer(open_id: int, close_id: int, label_column: str = "label") -> Callable:
+def token_answer(open_id: int, close_id: int, label_column: str = "label", partial: float = 0.0) -> Callable:
     """Token-id task: 1.0 if the completion ids contain [open_id, label, close_id], else 0.0.
 
     ``label`` is the integer in column ``label_column``; None where it is missing or not an integer.
+    ``partial`` (e.g. 0.2) is paid for the right format with the wrong label, [open_id, x, close_id]:
+    shaping for a from-scratch policy that would otherwise almost never see a reward.
     """
     _check_ids(open_id=open_id, close_id=close_id)
 
@@ -216,8 +218,13 @@ def token_answer(open_id: int, close_id: int, label_column: str = "label") -> Ca
                 out.append(None)
                 continue
             ids = list(ids)
-            want = [open_id, lab, close_id]
-            out.append(1.0 if any(ids[k:k + 3] == want for k in range(len(ids) - 2)) else 0.0)
+            windows = [ids[k:k + 3] for k in range(len(ids) - 2)]
+            if [open_id, lab, close_id] in windows:
+                out.append(1.0)
+            elif any(w[0] == open_id and w[2] == close_id for w in windows):
+                out.append(float(partial))
+            else:
+                out.append(0.0)
         return out
 
     return _named(reward, "token_answer")

@@ -106,6 +106,7 @@ class Trainer:
     def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True):
         """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only)."""
         self.cfg = cfg
+        self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
         self.plan = batch_plan(cfg)
         self.device = pick_device(cfg.train.device)
         seed_everything(cfg.train.seed)
@@ -136,7 +137,7 @@ class Trainer:
         self.step = 0
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
-        self.last_saved_step = -1
+        self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
         self.resumed_from: Optional[Path] = None
         if cfg.output.resume_from:
             self._resume(ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir))
@@ -163,8 +164,8 @@ class Trainer:
         if not d.train_file:
             raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
                              "datasets folder with a prompt (or prompt_ids) column")
-        rows = load_rows(d.train_file)
-        eval_rows = load_rows(d.eval_file) if d.eval_file else []
+        rows = load_rows(self._find(d.train_file))
+        eval_rows = load_rows(self._find(d.eval_file)) if d.eval_file else []
         if not d.eval_file and d.eval_holdout:
             rows, eval_rows = split_eval(rows, d.eval_holdout)
         vocab = self.policy.get_output_embeddings().weight.shape[0]
@@ -176,6 +177,13 @@ class Trainer:
             print(f"[lowmem-grpo] note: {len(train)} training prompts, fewer than the "
                   f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
         return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
+
+    def _find(self, path: str) -> str:
+        """A data path as given (relative to the working directory), else relative to the recipe's folder."""
+        if Path(path).exists() or self.recipe_dir is None or Path(path).is_absolute():
+            return path
+        beside = self.recipe_dir / path
+        return str(beside) if beside.exists() else path
 
     def _resume(self, path: Path) -> None:
         ckpt.load_weights(self.policy, path)

@@ -101,6 +101,8 @@ def test_token_rules():
     ids = [[1, 3, 7, 4], [3, 7, 9, 4], [3, 8, 4], [3, 7], [3, 7, 4]]
     labels = [7, 7, 7, 7, None]
     assert ans(prompts=[[0]] * 5, completions=ids, completion_ids=ids, label=labels) == [1.0, 0.0, 0.0, 0.0, None]
+    shaped = builtin({"name": "token_answer", "open_id": 3, "close_id": 4, "partial": 0.25})
+    assert shaped(prompts=[[0]] * 5, completions=ids, completion_ids=ids, label=labels) == [1.0, 0.0, 0.25, 0.0, None]
     think = builtin({"name": "token_think", "open_id": 5, "close_id": 6})
     ids = [[5, 1, 6, 2], [5, 6], [1, 5, 6], [5, 1, 2], [5], []]
     assert think(prompts=[[0]] * 6, completions=ids, completion_ids=ids) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]

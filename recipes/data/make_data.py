@@ -5,6 +5,7 @@
 arithmetic_{train,eval}.jsonl   "What is a + b?" chat prompts with an `answer` column (README demo)
 toy_tokens_{train,eval}.jsonl   token-id prompts with a `label` column (vocab 32, no tokenizer)
 char_e_{train,eval}.jsonl       short text prompts for the character-level `e` task
+reverse_{train,eval}.jsonl      "Write the word X backwards" prompts with the expected string (Qwen recipe)
 """
 
 import json
@@ -48,6 +49,19 @@ def char_e(rng: random.Random, n: int) -> list[dict]:
     return [{"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(1, 3))) + ":"} for _ in range(n)]
 
 
+WORDS = ("apple banana cherry garden window planet silver rocket purple orange dragon castle forest river "
+         "summer winter yellow animal bridge candle doctor engine family guitar hunter island jacket kitten "
+         "ladder market needle office pencil rabbit sunset ticket velvet wallet anchor basket cactus donkey "
+         "feather glacier harbor insect jungle kettle lantern meadow nectar oyster pepper quiver saddle thunder "
+         "tunnel violin walnut zipper blanket compass diamond eclipse festival goblin horizon iceberg journal "
+         "kingdom lobster mustard nomad orchard pyramid quartz rainbow scarf tornado umbrella volcano whistle").split()
+
+
+def reverse(words: list[str]) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": f"Write the word '{w}' backwards. Reply with only the result."}],
+             "answer": w[::-1]} for w in words]
+
+
 def main() -> None:
     rng = random.Random(0)
     seen: set = set()
@@ -57,6 +71,10 @@ def main() -> None:
     write("toy_tokens_eval.jsonl", toy_tokens(rng, 64))
     write("char_e_train.jsonl", char_e(rng, 256))
     write("char_e_eval.jsonl", char_e(rng, 32))
+    words = WORDS[:]
+    rng.shuffle(words)
+    write("reverse_eval.jsonl", reverse(words[:20]))
+    write("reverse_train.jsonl", reverse(words[20:]))
 
 
 if __name__ == "__main__":

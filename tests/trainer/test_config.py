@@ -1,0 +1,80 @@
+"""The config tree: defaults, recipe + command-line precedence, and errors that name the fix."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.config import Config, ConfigError, _key_index, batch_plan, describe, load_config
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+MINIMAL = ["model.name_or_path=some/model", "reward_funcs=[numeric_answer]"]
+
+
+def test_every_key_is_unique_and_documented():
+    index = _key_index()  # raises if two sections share a key name
+    assert {"num_generations", "beta", "epsilon_high", "loss_type", "scale_rewards", "learning_rate",
+            "per_device_train_batch_size", "max_completion_length", "reward_weights"} <= set(index)
+    text = describe()
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.type if isinstance(section.type, type) else type(getattr(Config(), section.name))):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no help text"
+            assert f"  {f.name} = " in text
+
+
+def test_trl_defaults():
+    cfg = Config()
+    assert (cfg.train.loss_type, cfg.train.beta, cfg.train.epsilon, cfg.generation.num_generations,
+            cfg.optim.learning_rate, cfg.generation.temperature) == ("dapo", 0.0, 0.2, 8, 1e-6, 1.0)
+
+
+def test_recipe_then_command_line_precedence(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: a}\ntrain: {beta: 0.04, max_steps: 7}\n"
+                      "optim: {learning_rate: 1e-5}\nrewards: {reward_funcs: [numeric_answer]}\n")
+    cfg = load_config(recipe, ["train.beta=0.1", "learning_rate=3e-6"])
+    assert cfg.train.beta == 0.1 and cfg.train.max_steps == 7 and cfg.optim.learning_rate == 3e-6
+    assert cfg.model.name_or_path == "a"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("max_stpes=3", "unknown config key 'max_stpes'.*did you mean 'max_steps'"),
+    ("train.learning_rate=1e-5", "did you mean 'optim.learning_rate'"),
+    ("trian.beta=0.1", "unknown config key 'trian.beta'.*did you mean 'train.beta'"),
+    ("beta=lots", "train.beta must be float, got 'lots'"),
+    ("num_generations=1", "num_generations must be >= 2"),
+    ("loss_type=dappo", "loss_type must be one of .*did you mean 'dapo'"),
+    ("per_device_train_batch_size=6", r"multiple of num_generations \(8\)"),
+    ("reward_weights=[1.0, 2.0]", "reward_weights has 2 entries but there are 1 reward functions"),
+    ("max_steps", "is not key=value"),
+    ("optimizer=sgd", "optimizer must be one of adamw_8bit, paged_adamw_8bit, adamw"),
+])
+def test_bad_overrides_name_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, MINIMAL + [override])
+
+
+def test_recipe_errors_name_the_file(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model: {name_or_path: a}\ntrain: {num_generation: 4}\n")
+    with pytest.raises(ConfigError, match=r"'train.num_generation' in .*bad.yaml; did you mean 'generation.num_generations'"):
+        load_config(recipe)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_batch_plan_follows_trl():
+    cfg = load_config(None, MINIMAL + ["per_device_train_batch_size=8", "gradient_accumulation_steps=2",
+                                       "num_iterations=2"])
+    plan = batch_plan(cfg)
+    assert (plan.generation_batch_size, plan.prompts_per_generation, plan.steps_per_generation_batch) == (16, 2, 2)
+    assert plan.needs_old_logprobs
+    single = batch_plan(load_config(None, MINIMAL))
+    assert single.steps_per_generation_batch == 1 and not single.needs_old_logprobs
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_shipped_recipes_validate(recipe):
+    text = recipe.read_text()
+    assert text.startswith("#") and "Command:" in text and "Hardware:" in text, "recipe header missing"
+    load_config(recipe)
