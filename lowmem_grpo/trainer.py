@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 import signal
 import time
 import warnings
@@ -308,7 +309,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
         self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
         gb.steps_done += 1
