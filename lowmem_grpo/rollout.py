@@ -86,11 +86,11 @@ def eos_mask(completion_ids: Tensor, eos_ids: list[int]) -> tuple[Tensor, Tensor
 def sampling_kwargs(cfg: GenerationConfig, greedy: bool = False) -> dict:
     if greedy:
         return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    kw = dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or None,
-              repetition_penalty=cfg.repetition_penalty)
-    if cfg.min_p is not None:
-        kw["min_p"] = cfg.min_p
-    return kw
+    # Every knob is set explicitly: generate() fills values left as None from the model's own
+    # generation_config.json (Qwen2.5-Instruct's sets top_k, top_p and a repetition penalty), which
+    # would silently change the sampling distribution from the one configured. 0 means "off".
+    return dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                min_p=0.0 if cfg.min_p is None else cfg.min_p, repetition_penalty=cfg.repetition_penalty)
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ import json
 import random
 import re
 import signal
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -332,7 +333,10 @@ class Trainer:
         log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None)
         Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         before = self._eval_on_start(log) if cfg.eval.eval_on_start else None
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # Signal handlers can only be installed from the main thread (a trainer run in a worker thread
+        # keeps the default behaviour).
+        in_main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not out.progress_bar, desc="grpo")
         last = {}
         try:
@@ -355,8 +359,9 @@ class Trainer:
                 last.pop("train_tokens", None)
                 if self.step % out.logging_steps == 0 or self.step == cfg.train.max_steps:
                     log.metrics(self.step, last)
-                    if gb.samples and gb.steps_done == 1:
+                    if gb.samples:  # each generation batch's samples are written once
                         log.completions(self.step, gb.samples)
+                        gb.samples = []
                 bar.update(1)
                 bar.set_postfix(reward=f"{last['reward']:.3f}", kl=f"{last.get('kl', 0.0):.4f}",
                                 step_time=f"{step_time:.1f}s")

@@ -212,3 +212,10 @@ def test_eval_reports_rewards_and_pass_rate(toy_config):
     trainer = Trainer(toy_config(), training=False)
     result = trainer.evaluate()
     assert result["samples"] == 8 and "rewards/label_reward/mean" in result and "pass_rate/label_reward" in result
+
+
+def test_tensorboard_logging(toy_config):
+    cfg = toy_config("max_steps=1", "report_to=tensorboard")
+    Trainer(cfg).train()
+    events = list((__import__("pathlib").Path(cfg.output.output_dir) / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

@@ -1,0 +1,121 @@
+"""Step time and peak memory of real trainer steps on a random-weight model of a real architecture.
+
+    python benchmarks/trainer_step.py --arch Qwen2.5-0.5B --recipe recipes/qwen2.5-0.5b_gsm8k_8gb.yaml \
+        --device cuda --memory-cap-gib 8 --prompt-len 256 --completion-len 512 --steps 3 --json out.json
+
+The recipe's settings are used as they are (batch sizes, G, beta, optimizer, checkpointing, bf16),
+except: the model is built from the architecture preset with random weights (memory and speed do not
+depend on weight values; no hub download), prompts are random token ids of exactly --prompt-len
+tokens, completions run to --completion-len (EOS is an id a random model practically never samples),
+and the reward is the fraction of even token ids (it varies, so advantages are non-zero). Nothing is
+saved to disk. On CUDA, --memory-cap-gib caps the process with set_per_process_memory_fraction, as
+on a card with that much memory; a step that does not fit fails with an out-of-memory error.
+Each step = one generation batch's rollout (if due) + one optimizer step, timed after a device sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lowmem_grpo.config import load_config
+from lowmem_grpo.metrics import peak_memory_bytes, reset_peak_memory
+from lowmem_grpo.presets import preset
+from lowmem_grpo.trainer import Trainer
+
+GiB = 2**30
+
+
+def even_fraction(prompts, completions, completion_ids, **kwargs):
+    """Benchmark reward: fraction of even ids in the completion (varies across samples)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def build(args) -> Trainer:
+    arch = preset(args.arch)
+    vocab = arch["vocab_size"]
+    arch["eos_token_id"] = vocab - 1  # an id a random model samples with probability ~1/V per token
+    rng = random.Random(0)
+    data = Path(tempfile.mkdtemp(prefix="lowmem_bench_")) / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt_ids": [rng.randrange(vocab - 1) for _ in range(args.prompt_len)]})
+                            + "\n" for _ in range(256)))
+    overrides = [
+        f"model.config={json.dumps(arch)}", "model.name_or_path=''", "model.gguf_file=null", "model.tokenizer=none",
+        f"data.train_file={data}", "data.eval_file=null", "eval_on_start=false", "eval_on_end=false",
+        f"max_prompt_length={args.prompt_len}", f"max_completion_length={args.completion_len}",
+        f"reward_funcs=[{Path(__file__).resolve()}:even_fraction]", "reward_weights=null",
+        f"train.device={args.device}", f"output_dir={tempfile.mkdtemp(prefix='lowmem_bench_out_')}",
+        "progress_bar=false", *args.overrides,
+    ]
+    cfg = load_config(args.recipe, overrides)
+    return Trainer(cfg)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="Qwen2.5-0.5B", help="architecture preset (lowmem_grpo/presets.py)")
+    ap.add_argument("--recipe", default=None, help="recipe whose settings to use (default: the config defaults)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--completion-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total), device)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    trainer = build(args)
+    setup_s = time.perf_counter() - t0
+    steps = []
+    for _ in range(args.steps):
+        reset_peak_memory(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        generated = trainer.generation is None
+        if generated:
+            trainer.generation = trainer.new_generation_batch()
+        metrics = trainer.optimizer_step()
+        trainer.step += 1
+        if trainer.generation.steps_done >= trainer.plan.steps_per_generation_batch:
+            trainer.generation = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row = {"step": trainer.step, "step_s": time.perf_counter() - t0, "generated": generated,
+               "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+               "peak_bytes": peak_memory_bytes(device)}
+        if device.type == "cuda":
+            row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        steps.append(row)
+        print(json.dumps(row))
+    result = {
+        "arch": args.arch, "recipe": args.recipe, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+        "overrides": args.overrides, "setup_s": setup_s, "steps": steps,
+        "peak_bytes": max(s["peak_bytes"] for s in steps),
+        "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
+    }
+    print(f"{args.arch} on {result['device_name']}: peak {result['peak_bytes'] / GiB:.2f} GiB, "
+          f"step times {[round(s['step_s'], 1) for s in steps]} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

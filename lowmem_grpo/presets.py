@@ -1,0 +1,31 @@
+"""Architectures of models people train with lowmem-grpo, as transformers config dicts.
+
+Benchmarks and the memory planner build random-weight models from these: memory and speed do not
+depend on weight values, and no hub download is needed. Values are from each model's config.json.
+"""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643),
+    "Qwen2.5-1.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643),
+    "SmolLM2-135M": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2),
+}
+
+
+def preset(name: str) -> dict:
+    """A preset by short name ('Qwen2.5-1.5B') or hub id ('Qwen/Qwen2.5-1.5B-Instruct'), case-insensitive."""
+    key = name.split("/")[-1].lower().removesuffix("-instruct")
+    for k, v in PRESETS.items():
+        if k.lower() == key:
+            return dict(v)
+    raise KeyError(f"no preset {name!r}; known: {', '.join(PRESETS)}")
