@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,6 +18,24 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2-style floats: PyYAML (YAML 1.1) reads `1e-5` (no dot) as a string, even inside dicts."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)
 
 
 def _f(default, help: str, **kw):
@@ -303,7 +322,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         name, raw = item.split("=", 1)
         section, key = _resolve(name.strip(), " on the command line")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = _yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"could not parse the value of {name}: {e}") from None
         if isinstance(value, str) and value.lower() in ("null", "none"):
@@ -319,7 +338,7 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} not found")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml(path.read_text()) or {}
         apply_mapping(cfg, data, f" in {path}")
     apply_overrides(cfg, list(overrides or []))
     validate(cfg)

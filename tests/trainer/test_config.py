@@ -35,6 +35,9 @@ def test_recipe_then_command_line_precedence(tmp_path):
     cfg = load_config(recipe, ["train.beta=0.1", "learning_rate=3e-6"])
     assert cfg.train.beta == 0.1 and cfg.train.max_steps == 7 and cfg.optim.learning_rate == 3e-6
     assert cfg.model.name_or_path == "a"
+    # YAML 1.1 would read 1e-05 as a string, even nested in a dict (a model config's rms_norm_eps)
+    cfg = load_config(recipe, ['model.config={"model_type": "llama", "rms_norm_eps": 1e-05}'])
+    assert cfg.model.config["rms_norm_eps"] == 1e-5
 
 
 @pytest.mark.parametrize("override, message", [
