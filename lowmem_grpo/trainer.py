@@ -314,7 +314,7 @@ class Trainer:
             self.scheduler.step()
         self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
         gb.steps_done += 1
-        out = {f"{k}": v / max(num_items, 1) for k, v in sums.items()}
+        out = {k: v / max(num_items, 1) for k, v in sums.items()}  # token-weighted means
         out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
                    train_tokens=tokens)
         return out
