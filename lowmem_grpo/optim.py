@@ -23,7 +23,8 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer; `stochastic_rounding` selects the bf16-weight variant (sr_optim.py)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.optimizer == "adamw":
@@ -36,7 +37,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     except ImportError as e:
         raise ImportError(f"optim.optimizer={cfg.optimizer} needs bitsandbytes ({e}); pip install bitsandbytes, "
                           "or set optim.optimizer=adamw (4x the optimizer-state memory)") from None
-    cls = bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+    paged = cfg.optimizer == "paged_adamw_8bit"
+    if stochastic_rounding:
+        from .sr_optim import sr_adamw8bit_class
+        return sr_adamw8bit_class(paged)(groups, **kw)
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
     return cls(groups, **kw)
 
 

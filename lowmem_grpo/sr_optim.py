@@ -1,0 +1,89 @@
+"""bf16 weights whose optimizer updates land: bitsandbytes 8-bit AdamW with stochastic rounding.
+
+Why: at lr 1e-6 an Adam update (~1e-6 per step) is far below half an ulp of a bf16 weight (~6e-5
+for a weight of 0.02, ~4e-3 for a norm gain near 1.0), so a plain cast back to bf16 rounds almost
+every update away (DESIGN.md, fact 4). bitsandbytes' 8-bit kernels do exactly that cast.
+
+How: for a bf16 parameter, the update runs chunk by chunk (CHUNK elements, a multiple of the
+256-element quantisation block): the chunk is widened to fp32 (exact), bitsandbytes' own blockwise
+8-bit AdamW kernel updates it together with the matching slices of its 8-bit states and absmax
+vectors, and the fp32 result is stochastically rounded back into the bf16 parameter. Extra memory is
+one fp32 chunk (plus bitsandbytes' temporaries for a chunk), never an fp32 copy of a whole tensor;
+the states stay 8-bit and keep bitsandbytes' format (state_dict compatible). fp32 parameters take
+bitsandbytes' normal path.
+
+Stochastic rounding to bf16: add uniform random 16-bit noise to the low half of the fp32 bit
+pattern and truncate. A value x between bf16 neighbours a < x < b becomes b with probability
+(x - a) / (b - a), so E[round(x)] = x: small updates land on average, norm gains included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+BLOCK = 256  # bitsandbytes' blockwise quantisation block (elements)
+CHUNK = 1 << 20  # elements per fp32 working chunk: 4 MiB of fp32
+
+
+def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Unbiased rounding of fp32 `x` to bf16 (same shape). Uses the global RNG unless given one."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_to_bf16 takes fp32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    # Keep the high 16 bits after adding the noise: the result is exactly representable in bf16.
+    rounded = (bits + noise) & -65536  # -65536 == 0xFFFF0000 as int32
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def _bnb():
+    import logging
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # see optim.build_optimizer
+    import bitsandbytes as bnb
+    return bnb
+
+
+def sr_adamw8bit_class(paged: bool = False):
+    """AdamW8bit (or PagedAdamW8bit) with stochastic rounding for bf16 parameters."""
+    bnb = _bnb()
+    F = bnb.functional
+    base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+
+    class AdamW8bitSR(base):
+        """bitsandbytes 8-bit AdamW; bf16 parameters get the chunked fp32 update + stochastic rounding."""
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            if p.dtype != torch.bfloat16:
+                return super().update_step(group, p, gindex, pindex)
+            p.data = p.data.contiguous()
+            grad = p.grad.contiguous()
+            state = self.state[p]
+            config = self.get_config(gindex, pindex, group)
+            state["step"] += 1
+            step = state["step"]
+            b1, b2 = config["betas"][0], config["betas"][1]
+            b3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
+            flat_p, flat_g = p.data.view(-1), grad.view(-1)
+            s1, s2 = state["state1"].view(-1), state["state2"].view(-1)
+            eight_bit = state["state1"].dtype == torch.uint8
+            for a in range(0, flat_p.numel(), CHUNK):
+                b = min(a + CHUNK, flat_p.numel())
+                p32 = flat_p[a:b].float()  # exact widening
+                g32 = flat_g[a:b].float()
+                if eight_bit:  # the chunk starts on a block boundary, so its absmax slice lines up
+                    blocks = slice(a // BLOCK, (b + BLOCK - 1) // BLOCK)
+                    F.optimizer_update_8bit_blockwise(
+                        self.optimizer_name, g32, p32, s1[a:b], s2[a:b], b1, b2, b3, config.get("alpha", 0.0),
+                        config["eps"], step, config["lr"], state["qmap1"], state["qmap2"],
+                        state["absmax1"][blocks], state["absmax2"][blocks], config["weight_decay"],
+                        gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+                else:  # tensors under min_8bit_size keep fp32 states, as in bitsandbytes
+                    F.optimizer_update_32bit(
+                        self.optimizer_name, g32, p32, s1[a:b], b1, config["eps"], step, config["lr"], s2[a:b], b2,
+                        b3, config.get("alpha", 0.0), config["weight_decay"], 1.0, None,
+                        max_unorm=0.0, skip_zeros=config["skip_zeros"])
+                flat_p[a:b].copy_(stochastic_round_to_bf16(p32))
+
+    return AdamW8bitSR
