@@ -122,6 +122,12 @@ class TrainConfig:
                                                    "gradient_accumulation_steps, i.e. one optimizer step each).")
     num_iterations: int = _f(1, "mu: passes over each generation batch. >1 (or several optimizer steps per "
                                 "generation batch) stores old log-probs and makes the clip active.")
+    optimizer_in_backward: bool = _f(False, "Update each parameter inside backward as soon as its gradient is "
+                                            "complete, then free that gradient: no full-model gradient ever exists "
+                                            "(saves 2 or 4 bytes/parameter). Each micro-batch is then one optimizer "
+                                            "step (PPO-style mini-batches over the generation batch, with stored old "
+                                            "log-probs), so gradient_accumulation_steps must be 1; clipping is per "
+                                            "tensor, each to max_grad_norm * sqrt(its share of the parameters).")
     beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.")
     epsilon: float = _f(0.2, "Lower clip range of the ratio.")
     epsilon_high: Optional[float] = _f(None, "Upper clip range (default: epsilon). DAPO uses 0.28.")
@@ -406,6 +412,10 @@ def validate(cfg: Config) -> None:
     if m.precision == "bf16_sr" and o.optimizer == "adamw":
         raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
                           "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")
+    if t.optimizer_in_backward and t.gradient_accumulation_steps != 1:
+        raise ConfigError("optimizer_in_backward updates the weights during each backward, so gradients cannot be "
+                          f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
+                          "use steps_per_generation for the number of micro-batches per generation batch")
     _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
     _positive(g.num_generations, "num_generations")
     if g.num_generations < 2:

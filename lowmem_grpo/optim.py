@@ -23,26 +23,35 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: bool = False) -> torch.optim.Optimizer:
-    """The configured optimizer; `stochastic_rounding` selects the bf16-weight variant (sr_optim.py)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: bool = False,
+                    in_backward: bool = False) -> torch.optim.Optimizer:
+    """The configured optimizer. `stochastic_rounding` selects the bf16-weight variant (sr_optim.py);
+    `in_backward` steps each parameter inside backward (backward_optim.py)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kw)
+    cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
+    if in_backward:
+        from .backward_optim import OptimizerInBackward
+        return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
+    return cls(groups, **kw)
+
+
+def _optimizer_class(name: str, stochastic_rounding: bool):
+    if name == "adamw":
+        return torch.optim.AdamW
     # On CPUs with AVX512-BF16, importing bitsandbytes probes for a 4-bit GEMM kernel package and warns
     # when it is absent; we use only its 8-bit optimizer, so that warning is noise here.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes as bnb
     except ImportError as e:
-        raise ImportError(f"optim.optimizer={cfg.optimizer} needs bitsandbytes ({e}); pip install bitsandbytes, "
+        raise ImportError(f"optim.optimizer={name} needs bitsandbytes ({e}); pip install bitsandbytes, "
                           "or set optim.optimizer=adamw (4x the optimizer-state memory)") from None
-    paged = cfg.optimizer == "paged_adamw_8bit"
+    paged = name == "paged_adamw_8bit"
     if stochastic_rounding:
         from .sr_optim import sr_adamw8bit_class
-        return sr_adamw8bit_class(paged)(groups, **kw)
-    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
-    return cls(groups, **kw)
+        return sr_adamw8bit_class(paged)
+    return bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
 
 
 def lr_lambda(cfg: OptimConfig, max_steps: int):

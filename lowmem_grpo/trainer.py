@@ -40,6 +40,7 @@ from .evaluate import evaluate, format_comparison
 from .kernels import linear_grpo_loss
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .model import bf16_autocast_wanted, check_bf16_weights, check_fused_head, load_model, load_tokenizer
+from .backward_optim import OptimizerInBackward
 from .optim import build_optimizer, build_scheduler
 from .rewards import compute_rewards, load_reward_functions, reward_metrics
 from .rollout import Batch, completion_hidden, generate, token_logprobs
@@ -137,7 +138,8 @@ class Trainer:
             enable_checkpointing(self.policy)
         self.policy.config.use_cache = False  # training forwards never need the KV cache
         self.head = check_fused_head(self.policy)
-        self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr")
+        self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
+                                         in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.step = 0
         self.generation: Optional[GenerationBatch] = None
@@ -293,23 +295,32 @@ class Trainer:
         rows = [gb.batch.rows(i * bs, (i + 1) * bs) for i in range(first_mb, first_mb + ga)]
         num_items = int(sum(int(r.completion_mask.sum()) for r in rows))
         self.policy.train()
-        loss_sum, tokens, sums = 0.0, 0, {}
+        in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        loss_sum, tokens, sums, grad_norm = 0.0, 0, {}, 0.0
         for mb in rows:
             n = int(mb.completion_mask.sum())
             if n == 0:  # every completion here is masked (mask_truncated_completions): nothing to learn
                 continue
             loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
-            loss.backward()
             loss_sum += loss.item()
+            if not in_backward:
+                loss.backward()
+            elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
+                self.optimizer.begin_step()
+                loss.backward()
+                grad_norm = self.optimizer.end_step()
             tokens += int(mb.prompt_mask.sum()) + n
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item() * n
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
-        finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
-        if finite and num_items:
-            self.optimizer.step()
+        if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
+            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
+        else:
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+            max_norm = self.cfg.optim.max_grad_norm or float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
+            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+            if finite and num_items:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn

@@ -81,3 +81,11 @@ def test_shipped_recipes_validate(recipe):
     text = recipe.read_text()
     assert text.startswith("#") and "Command:" in text and "Hardware:" in text, "recipe header missing"
     load_config(recipe)
+
+
+def test_optimizer_in_backward_cannot_accumulate():
+    with pytest.raises(ConfigError, match="optimizer_in_backward.*set gradient_accumulation_steps=1"):
+        load_config(None, MINIMAL + ["optimizer_in_backward=true", "gradient_accumulation_steps=2"])
+    plan = batch_plan(load_config(None, MINIMAL + ["optimizer_in_backward=true", "steps_per_generation=4",
+                                                   "per_device_train_batch_size=4", "num_generations=4"]))
+    assert plan.steps_per_generation_batch == 4 and plan.needs_old_logprobs  # PPO-style mini-batch steps

@@ -25,10 +25,12 @@ def snapshot(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-@pytest.mark.parametrize("optimizer, precision", [("adamw", "fp32"), ("adamw_8bit", "fp32"),
-                                                  ("adamw_8bit", "bf16_sr")])
-def test_smoke_two_steps_change_every_parameter(toy_config, optimizer, precision):
-    cfg = toy_config(f"optimizer={optimizer}", f"precision={precision}", "beta=0.04", "num_iterations=2")
+@pytest.mark.parametrize("optimizer, precision, in_backward", [
+    ("adamw", "fp32", False), ("adamw_8bit", "fp32", False), ("adamw_8bit", "bf16_sr", False),
+    ("adamw_8bit", "bf16_sr", True)])
+def test_smoke_two_steps_change_every_parameter(toy_config, optimizer, precision, in_backward):
+    cfg = toy_config(f"optimizer={optimizer}", f"precision={precision}", "beta=0.04", "num_iterations=2",
+                     f"optimizer_in_backward={in_backward}")
     trainer = Trainer(cfg)
     expected = torch.bfloat16 if precision == "bf16_sr" else torch.float32
     assert all(p.dtype == expected for p in trainer.policy.parameters())
@@ -121,14 +123,14 @@ def _run(cfg):
     return trainer
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
-def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, precision):
+@pytest.mark.parametrize("precision, in_backward", [("fp32", False), ("bf16_sr", False), ("bf16_sr", True)])
+def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, precision, in_backward):
     # num_iterations=2 and steps_per_generation=2: checkpoint 2 falls inside a generation batch, so resume
     # must restore the stored completions, old/ref log-probs, RNG (stochastic rounding draws from it too),
     # optimizer, scheduler and data position.
     common = ["max_steps=4", "num_iterations=2", "beta=0.05", "per_device_train_batch_size=4",
               "steps_per_generation=2", "lr_scheduler_type=cosine", "warmup_steps=1", "optimizer=adamw_8bit",
-              f"precision={precision}"]
+              f"precision={precision}", f"optimizer_in_backward={in_backward}"]
     straight = _run(toy_config(*common, output_dir=tmp_path / "a"))
     interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
     real_step = interrupted.optimizer_step
