@@ -142,7 +142,11 @@ class TrainConfig:
     seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.")
     max_nonfinite_steps: int = _f(3, "Skip a step whose loss or gradient is not finite; this many in a row "
                                      "saves a checkpoint and stops the run.")
-    ref_model_device: str = _f("cpu", "Where the reference model (beta > 0) lives and runs: cpu.")
+    reference_compute: str = _f("auto", "The reference model (beta > 0) always lives in CPU RAM. cpu: its forward "
+                                        "runs on the CPU (fine for small models). stream: it runs on the training "
+                                        "device with decoder layers copied in one ahead of use and head slices "
+                                        "copied per GEMM (device cost ~2 layers + a head slice). auto: stream on "
+                                        "a GPU, cpu otherwise.")
     logprob_micro_batch_size: Optional[int] = _f(None, "Completions per old/ref log-prob pass (default: "
                                                        "per_device_train_batch_size).")
 
@@ -435,7 +439,7 @@ def validate(cfg: Config) -> None:
     _choice(t.loss_type, ("grpo", "bnpo", "dapo", "dr_grpo"), "loss_type")
     _choice(t.importance_sampling_level, ("token", "sequence"), "importance_sampling_level")
     _choice(t.scale_rewards, ("group", "batch", "none"), "scale_rewards")
-    _choice(t.ref_model_device, ("cpu",), "ref_model_device")
+    _choice(t.reference_compute, ("auto", "cpu", "stream"), "reference_compute")
     _choice(o.optimizer, ("adamw_8bit", "paged_adamw_8bit", "adamw"), "optimizer")
     _choice(o.lr_scheduler_type, ("constant", "linear", "cosine"), "lr_scheduler_type")
     _positive(o.learning_rate, "learning_rate", allow_zero=True)

@@ -5,8 +5,8 @@
     -> loss on micro-batches through the fused head -> optimizer step -> log -> checkpoint
 
 Simplifications, stated plainly:
-- One process, one device. The reference model (beta > 0) is an fp32 copy in CPU RAM and runs on the
-  CPU, once per generation batch.
+- One process, one device. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
+  reference log-probs once per generation batch, on the CPU or streamed to the GPU (ref_model.py).
 - When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
   uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
 - Micro-batches of a generation batch are visited in generation order on every iteration.
@@ -42,6 +42,7 @@ from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .model import bf16_autocast_wanted, check_bf16_weights, check_fused_head, load_model, load_tokenizer
 from .backward_optim import OptimizerInBackward
 from .optim import build_optimizer, build_scheduler
+from .ref_model import Reference
 from .rewards import compute_rewards, load_reward_functions, reward_metrics
 from .rollout import Batch, completion_hidden, generate, token_logprobs
 
@@ -131,8 +132,9 @@ class Trainer:
         # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
         self.ref = None
         if t.beta > 0:
-            self.ref = copy.deepcopy(self.policy).eval().requires_grad_(False)
-            self.ref_head = check_fused_head(self.ref)
+            mode = t.reference_compute if t.reference_compute != "auto" else (
+                "stream" if self.device.type == "cuda" else "cpu")
+            self.ref = Reference(copy.deepcopy(self.policy), self.device, mode)
         self.policy.to(self.device)
         if m.gradient_checkpointing:
             enable_checkpointing(self.policy)
@@ -249,8 +251,8 @@ class Trainer:
                                             device=self.device, autocast_bf16=self.autocast)
             self.policy.train(was_training)
         if self.ref is not None:
-            batch.ref_logp = token_logprobs(self.ref_head, batch, temperature=temperature, micro_batch=micro,
-                                            device=torch.device("cpu"))
+            batch.ref_logp = self.ref.logprobs(batch, temperature=temperature, micro_batch=micro,
+                                               autocast_bf16=self.autocast and self.ref.device.type != "cpu")
         lengths = keep.sum(1).float()
         info = {
             "reward": total.mean().item(),

@@ -34,7 +34,7 @@ def test_smoke_two_steps_change_every_parameter(toy_config, optimizer, precision
     trainer = Trainer(cfg)
     expected = torch.bfloat16 if precision == "bf16_sr" else torch.float32
     assert all(p.dtype == expected for p in trainer.policy.parameters())
-    assert all(p.dtype == expected for p in trainer.ref.parameters())
+    assert all(p.dtype == expected for p in trainer.ref.model.parameters())
     before = snapshot(trainer.policy)
     trainer.train()
     after = snapshot(trainer.policy)
@@ -123,14 +123,15 @@ def _run(cfg):
     return trainer
 
 
-@pytest.mark.parametrize("precision, in_backward", [("fp32", False), ("bf16_sr", False), ("bf16_sr", True)])
-def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, precision, in_backward):
+@pytest.mark.parametrize("precision, in_backward, reference", [("fp32", False, "cpu"), ("bf16_sr", False, "cpu"),
+                                                               ("bf16_sr", True, "stream")])
+def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, precision, in_backward, reference):
     # num_iterations=2 and steps_per_generation=2: checkpoint 2 falls inside a generation batch, so resume
     # must restore the stored completions, old/ref log-probs, RNG (stochastic rounding draws from it too),
     # optimizer, scheduler and data position.
     common = ["max_steps=4", "num_iterations=2", "beta=0.05", "per_device_train_batch_size=4",
               "steps_per_generation=2", "lr_scheduler_type=cosine", "warmup_steps=1", "optimizer=adamw_8bit",
-              f"precision={precision}", f"optimizer_in_backward={in_backward}"]
+              f"precision={precision}", f"optimizer_in_backward={in_backward}", f"reference_compute={reference}"]
     straight = _run(toy_config(*common, output_dir=tmp_path / "a"))
     interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
     real_step = interrupted.optimizer_step
