@@ -54,12 +54,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._sq_norm = 0.0
         self.nonfinite_tensors = 0
         self.max_live_grads = 0  # most parameters holding a gradient at once during the last backward
+        self.max_live_grad_bytes = 0  # and the most gradient bytes alive at once (memory accounting checks it)
 
     def _hook(self, group_index: int):
         def hook(p: torch.Tensor) -> None:
             if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
                 return
-            self.max_live_grads = max(self.max_live_grads, sum(q.grad is not None for q in self.params))
+            live = [q.grad for q in self.params if q.grad is not None]
+            self.max_live_grads = max(self.max_live_grads, len(live))
+            self.max_live_grad_bytes = max(self.max_live_grad_bytes, sum(g.numel() * g.element_size() for g in live))
             norm = float(torch.linalg.vector_norm(p.grad, dtype=torch.float32))  # no fp32 copy of the grad
             self._sq_norm += norm * norm
             if not math.isfinite(norm):
@@ -75,7 +78,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return hook
 
     def begin_step(self) -> None:
-        self.active, self._sq_norm, self.nonfinite_tensors, self.max_live_grads = True, 0.0, 0, 0
+        self.active, self._sq_norm, self.nonfinite_tensors = True, 0.0, 0
+        self.max_live_grads = self.max_live_grad_bytes = 0
 
     def end_step(self) -> float:
         """Finish the step that the backward just ran; returns the global gradient norm (before clipping)."""
