@@ -35,16 +35,14 @@ python3 benchmarks/loss_head_memory.py --device cuda --tokens 2048 4096 8192 --j
   | tee -a "$out/benchmarks.log" || status=1
 python3 benchmarks/loss_head_speed.py --device cuda --tokens 4096 8192 --json "$out/loss_head_speed.json" 2>&1 \
   | tee -a "$out/benchmarks.log" || status=1
-# Trainer steps on random-weight models of the recipe architectures (no hub weights on this machine).
-# The 0.5B recipes under an 8 GiB cap, as on an 8 GB card; 1.5B uncapped (it needs issue 4's
-# bf16 + optimizer-in-backward to fit 8 GiB): its peak shows how far the fp32-master trainer is.
-python3 benchmarks/trainer_step.py --arch Qwen2.5-0.5B --recipe recipes/qwen2.5-0.5b_gsm8k_8gb.yaml \
-  --memory-cap-gib 8 --prompt-len 256 --completion-len 512 --steps 3 --json "$out/trainer_step_0.5b_gsm8k.json" \
-  2>&1 | tee -a "$out/benchmarks.log" || status=1
-python3 benchmarks/trainer_step.py --arch Qwen2.5-0.5B --recipe recipes/qwen2.5-0.5b_expected-string_8gb.yaml \
-  --memory-cap-gib 8 --prompt-len 128 --completion-len 64 --steps 3 --json "$out/trainer_step_0.5b_string.json" \
-  2>&1 | tee -a "$out/benchmarks.log" || status=1
-python3 benchmarks/trainer_step.py --arch Qwen2.5-1.5B --recipe recipes/qwen2.5-0.5b_gsm8k_8gb.yaml \
-  --prompt-len 256 --completion-len 512 --steps 2 --json "$out/trainer_step_1.5b_uncapped.json" \
-  2>&1 | tee -a "$out/benchmarks.log" || status=1
+# Trainer steps on random-weight models of the recipe architectures (no hub weights on this machine),
+# each under an 8 GiB cap as on an 8 GB card: the real peaks to set against benchmarks/memory_accounting.py.
+for spec in "Qwen2.5-0.5B qwen2.5-0.5b_gsm8k_8gb 256 1024" "Qwen2.5-0.5B qwen2.5-0.5b_expected-string_8gb 128 64" \
+            "Qwen2.5-1.5B qwen2.5-1.5b_gsm8k_8gb 256 512"; do
+  set -- $spec
+  python3 benchmarks/trainer_step.py --arch "$1" --recipe "recipes/$2.yaml" --memory-cap-gib 8 \
+    --prompt-len "$3" --completion-len "$4" --steps 3 --json "$out/trainer_step_$2.json" \
+    2>&1 | tee -a "$out/benchmarks.log" || status=1
+done
+python3 benchmarks/memory_accounting.py --json "$out/memory_accounting.json" 2>&1 | tee -a "$out/benchmarks.log" || status=1
 exit $status
