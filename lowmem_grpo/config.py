@@ -64,6 +64,10 @@ class ModelConfig:
                                 "8-bit AdamW update is computed in fp32 chunks and stochastically rounded back, so "
                                 "lr-1e-6 updates land (lowmem_grpo/sr_optim.py). Needs optim.optimizer=adamw_8bit "
                                 "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).")
+    offload_activations: bool = _f(False, "Copy the layer inputs that checkpointing keeps to pinned CPU RAM on a "
+                                          "side stream (overlapping compute) and back in backward: saves "
+                                          "layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic. Needs "
+                                          "gradient_checkpointing.")
     bf16: Optional[bool] = _f(None, "bf16 autocast for forward/backward. None = on for CUDA GPUs of compute "
                                     "capability >= 8.0, off otherwise. Weights stay fp32 (master weights).")
     attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa | eager | flash_attention_2).")
@@ -413,6 +417,9 @@ def validate(cfg: Config) -> None:
     if m.config is not None and "model_type" not in m.config:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2)")
     _choice(m.precision, ("fp32", "bf16_sr"), "model.precision")
+    if m.offload_activations and not m.gradient_checkpointing:
+        raise ConfigError("model.offload_activations moves the layer inputs that checkpointing keeps: set "
+                          "model.gradient_checkpointing=true")
     if m.precision == "bf16_sr" and o.optimizer == "adamw":
         raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
                           "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")

@@ -17,6 +17,7 @@ Simplifications, stated plainly:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -41,6 +42,7 @@ from .kernels import linear_grpo_loss
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .model import bf16_autocast_wanted, check_bf16_weights, check_fused_head, load_model, load_tokenizer
 from .backward_optim import OptimizerInBackward
+from .offload import offload_activations
 from .optim import build_optimizer, build_scheduler
 from .ref_model import Reference
 from .rewards import compute_rewards, load_reward_functions, reward_metrics
@@ -276,7 +278,8 @@ class Trainer:
     def micro_batch_loss(self, mb: Batch, num_items: int):
         """Loss of one micro-batch (already on the device) through the fused head, and its metrics."""
         t, g = self.cfg.train, self.cfg.generation
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), offload:
             hidden = completion_hidden(self.head, mb)  # (b, c, H)
             loss, metrics = linear_grpo_loss(
                 hidden, self.head.weight, mb.completion_ids, mb.advantages, bias=self.head.bias,

@@ -51,6 +51,7 @@ def test_recipe_then_command_line_precedence(tmp_path):
     ("reward_weights=[1.0, 2.0]", "reward_weights has 2 entries but there are 1 reward functions"),
     ("max_steps", "is not key=value"),
     ("optimizer=sgd", "optimizer must be one of adamw_8bit, paged_adamw_8bit, adamw"),
+    ("reference_compute=gpu", "reference_compute must be one of auto, cpu, stream"),
 ])
 def test_bad_overrides_name_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -89,3 +90,8 @@ def test_optimizer_in_backward_cannot_accumulate():
     plan = batch_plan(load_config(None, MINIMAL + ["optimizer_in_backward=true", "steps_per_generation=4",
                                                    "per_device_train_batch_size=4", "num_generations=4"]))
     assert plan.steps_per_generation_batch == 4 and plan.needs_old_logprobs  # PPO-style mini-batch steps
+
+
+def test_offload_needs_checkpointing():
+    with pytest.raises(ConfigError, match="offload_activations.*gradient_checkpointing=true"):
+        load_config(None, MINIMAL + ["offload_activations=true", "gradient_checkpointing=false"])

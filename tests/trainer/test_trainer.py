@@ -203,8 +203,9 @@ def test_crash_mid_run_saves_what_it_has(toy_config, monkeypatch):
     assert [s for s, _ in list_checkpoints(trainer.cfg.output.output_dir)] == [2]
 
 
-def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(toy_config, monkeypatch):
-    trainer = Trainer(toy_config("max_steps=10", "max_nonfinite_steps=3"))
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(toy_config, monkeypatch, in_backward):
+    trainer = Trainer(toy_config("max_steps=10", "max_nonfinite_steps=3", f"optimizer_in_backward={in_backward}"))
     before = snapshot(trainer.policy)
     real = trainer.micro_batch_loss
     monkeypatch.setattr(trainer, "micro_batch_loss",
