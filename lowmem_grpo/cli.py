@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("recipe", help="a YAML recipe (see recipes/)")
         s.add_argument("overrides", nargs="*", help="section.key=value or key=value" +
                        ("; model=PATH evaluates a checkpoint folder" if name == "eval" else ""))
+    s = sub.add_parser("plan", help="predict peak GPU memory from a model config and settings (no GPU, no weights)")
+    s.add_argument("recipe", nargs="?", help="a YAML recipe (optional: the trainer's defaults otherwise)")
+    s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
+    s.add_argument("--model", help="preset (Qwen2.5-1.5B), hub id (Qwen/Qwen2.5-1.5B-Instruct) or config.json path")
+    s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
+    s.add_argument("--json", action="store_true", help="print a machine-readable object")
     return p
 
 
@@ -50,6 +56,16 @@ def main(argv=None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
+    if args.command == "plan":
+        from .plan_cli import run
+        recipe, overrides = args.recipe, list(args.overrides)
+        if recipe is not None and "=" in recipe:  # `plan --model X key=value`: no recipe given
+            recipe, overrides = None, [recipe] + overrides
+        try:
+            return run(recipe, args.model, args.gpu_memory, overrides, args.json)
+        except ConfigError as e:
+            print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+            return 2
     # heavy imports (torch, transformers) only when needed
     from .data import DataError
     from .model import ModelError

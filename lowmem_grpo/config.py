@@ -350,8 +350,10 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     return cfg
 
 
-def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None) -> Config:
-    """Defaults <- recipe YAML <- command-line overrides, then validated."""
+def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
+                check: bool = True) -> Config:
+    """Defaults <- recipe YAML <- command-line overrides, then validated (`check=False`: keys and types
+    only, for the memory planner, which needs no model source or reward functions)."""
     cfg = Config()
     if recipe is not None:
         path = Path(recipe)
@@ -360,7 +362,8 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
         data = _yaml(path.read_text()) or {}
         apply_mapping(cfg, data, f" in {path}")
     apply_overrides(cfg, list(overrides or []))
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 

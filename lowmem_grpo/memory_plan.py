@@ -87,7 +87,8 @@ def plan(cfg: Config, arch: Arch) -> dict:
     """Predicted device bytes per category and per phase for one step of `cfg` on `arch`."""
     g, t, m = cfg.generation, cfg.train, cfg.model
     wb = 2 if m.precision == "bf16_sr" else 4  # weight (and gradient) bytes
-    ab = 2 if (m.precision == "bf16_sr" or m.bf16) else 4  # activation bytes (bf16 autocast or weights)
+    # Activation bytes: bf16 with bf16 weights or autocast; bf16=None means autocast on an Ampere+ GPU.
+    ab = 2 if (m.precision == "bf16_sr" or m.bf16 is not False) else 4
     b, L = t.per_device_train_batch_size, g.max_prompt_length + g.max_completion_length
     weights = wb * arch.params
     states = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, wb)
@@ -100,7 +101,8 @@ def plan(cfg: Config, arch: Arch) -> dict:
     tokens = b * L
     layer_recompute = tokens * (6 * arch.hidden + 3 * arch.intermediate + 2 * arch.heads * arch.head_dim) * ab
     if m.gradient_checkpointing:
-        activations = arch.layers * tokens * arch.hidden * ab + layer_recompute
+        kept = 0 if m.offload_activations else arch.layers * tokens * arch.hidden * ab  # layer inputs
+        activations = kept + layer_recompute
     else:
         activations = arch.layers * layer_recompute
     n_completion = b * g.max_completion_length
@@ -111,7 +113,7 @@ def plan(cfg: Config, arch: Arch) -> dict:
     kv_cache = gen_b * L * arch.layers * 2 * arch.kv_heads * arch.head_dim * ab
     gen_logits = 4 * gen_b * arch.vocab * 2  # last-position logits and their softmax, per decoding step
     ref = 0
-    if t.beta > 0:
+    if t.beta > 0 and t.reference_compute != "cpu":
         ref = 2 * arch.layer_params() * wb + min(arch.vocab, chunk) * arch.hidden * wb
     categories = {"weights": weights, "optimizer states": states, "gradients": grads, "activations": activations,
                   "loss head": loss_head, "KV cache": kv_cache + gen_logits, "reference buffers": ref}
@@ -131,3 +133,80 @@ def format_plan(result: dict) -> str:
     lines += [f"{k:<20} {v / GiB:>8.3f}" for k, v in result["phases"].items()]
     lines += ["", f"peak: {result['peak_bytes'] / GiB:.3f} GiB ({result['peak_phase']}), allocator view"]
     return "\n".join(lines)
+
+
+# What the allocator does not show, added to the allocator-view peak before comparing with a card:
+# the CUDA context (~0.3-0.5 GiB with lazy module loading on CUDA 12), cuBLAS/cuDNN workspaces and
+# allocator fragmentation. A stated estimate, not yet fitted to GPU runs (the planner's accuracy
+# table will do that): 0.5 GiB + 5% of the allocator peak.
+CONTEXT_BYTES = GiB // 2
+FRAGMENTATION = 0.05
+
+
+def margin_bytes(peak: int) -> int:
+    return int(CONTEXT_BYTES + FRAGMENTATION * peak)
+
+
+# Changes the planner may suggest, cheapest first (cost to training quality/speed, not bytes):
+# memory-only switches, then switches that cost time, then ones that change the algorithm's batch.
+def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
+    """Single changes and a cumulative combination (cheapest first) with their predicted totals."""
+    import copy
+    g, t, m = cfg.generation, cfg.train, cfg.model
+
+    def variant(desc: str, edit) -> tuple[str, Config]:
+        new = copy.deepcopy(cfg)
+        edit(new)
+        return desc, new
+
+    options = []
+    if t.beta > 0 and t.reference_compute == "auto":
+        options.append(variant("reference_compute=cpu", lambda c: setattr(c.train, "reference_compute", "cpu")))
+    if not t.optimizer_in_backward:
+        options.append(variant("optimizer_in_backward=true gradient_accumulation_steps=1 steps_per_generation="
+                               f"{t.gradient_accumulation_steps * (t.steps_per_generation or 1)}",
+                               lambda c: (setattr(c.train, "optimizer_in_backward", True),
+                                          setattr(c.train, "steps_per_generation",
+                                                  c.train.gradient_accumulation_steps * (c.train.steps_per_generation or 1)),
+                                          setattr(c.train, "gradient_accumulation_steps", 1))))
+    if m.precision != "bf16_sr":
+        options.append(variant("precision=bf16_sr (bf16 weights, stochastic rounding; GPU sm_80+)",
+                               lambda c: setattr(c.model, "precision", "bf16_sr")))
+    if not m.gradient_checkpointing:
+        options.append(variant("gradient_checkpointing=true", lambda c: setattr(c.model, "gradient_checkpointing", True)))
+    elif not m.offload_activations:
+        options.append(variant("offload_activations=true", lambda c: setattr(c.model, "offload_activations", True)))
+    if g.generation_micro_batch_size > 8:
+        half = g.generation_micro_batch_size // 2
+        options.append(variant(f"generation_micro_batch_size={half}",
+                               lambda c: setattr(c.generation, "generation_micro_batch_size", half)))
+    if t.per_device_train_batch_size > 1:
+        b = t.per_device_train_batch_size // 2
+        options.append(variant(f"per_device_train_batch_size={b} (double gradient_accumulation_steps or "
+                               "steps_per_generation to keep the batch)",
+                               lambda c: setattr(c.train, "per_device_train_batch_size", b)))
+    if g.max_completion_length > 128:
+        shorter = int(g.max_completion_length * 0.75)
+        options.append(variant(f"max_completion_length={shorter}",
+                               lambda c: setattr(c.generation, "max_completion_length", shorter)))
+    out = []
+    for desc, new in options:
+        peak = plan(new, arch)["peak_bytes"]
+        total = peak + margin_bytes(peak)
+        out.append({"change": desc, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget})
+    combined, steps = copy.deepcopy(cfg), []
+    for desc, new in options:  # apply cheapest-first until it fits
+        diff_cfg = copy.deepcopy(combined)
+        for section in ("model", "generation", "train"):
+            base, changed = getattr(cfg, section), getattr(new, section)
+            for f in base.__dataclass_fields__:
+                if getattr(base, f) != getattr(changed, f):
+                    setattr(getattr(diff_cfg, section), f, getattr(changed, f))
+        combined = diff_cfg
+        steps.append(desc)
+        peak = plan(combined, arch)["peak_bytes"]
+        if peak + margin_bytes(peak) <= budget:
+            out.append({"change": " + ".join(steps), "peak_bytes": peak, "total_bytes": peak + margin_bytes(peak),
+                        "fits": True, "combined": True})
+            break
+    return out

@@ -42,3 +42,42 @@ def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
     cfg = load_config(Path(__file__).parents[1] / "recipes" / recipe)
     result = plan(cfg, Arch.from_config(preset(arch)))
     assert result["peak_bytes"] / 2**30 <= budget, result
+
+
+def _plan_json(capsys, *argv):
+    import json
+    from lowmem_grpo.cli import main
+    capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_cli_json_for_presets_by_short_name_and_hub_id(capsys):
+    short = _plan_json(capsys, "--model", "Qwen2.5-1.5B")
+    hub = _plan_json(capsys, "--model", "Qwen/Qwen2.5-1.5B-Instruct")
+    assert short["peak_bytes"] == hub["peak_bytes"] and short["params"] == 1_543_714_304
+    assert {"peak_bytes", "fits", "phases", "categories", "margin_bytes", "suggestions"} <= short.keys()
+    assert set(short["categories"]) == {"weights", "optimizer states", "gradients", "activations", "loss head",
+                                        "KV cache", "reference buffers"}
+    # fp32 master weights, full gradients: 1.5B does not fit 8 GiB, and the suggestions find a combination that does
+    assert not short["fits"]
+    assert any(s.get("combined") and s["fits"] for s in short["suggestions"])
+
+
+def test_plan_cli_for_the_8gb_recipes_and_overrides(capsys):
+    from pathlib import Path
+    recipes = Path(__file__).parents[1] / "recipes"
+    big = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"))
+    assert big["fits"] and big["peak_bytes"] / 2**30 <= 7.4
+    longer = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"), "max_completion_length=4096")
+    assert longer["categories"]["activations"] > big["categories"]["activations"]
+    small = _plan_json(capsys, "--model", "SmolLM2-135M", "--gpu-memory", "24GiB")
+    assert small["fits"] and small["gpu_memory_bytes"] == 24 * 2**30
+
+
+def test_plan_cli_errors(capsys):
+    from lowmem_grpo.cli import main
+    assert main(["plan", "--model", "Qwen2.5-1.5B", "--gpu-memory", "lots"]) == 2
+    assert "give a size such as 8GiB" in capsys.readouterr().err
+    assert main(["plan", "--model", "NoSuchModel-7B"]) == 2
+    assert "neither a local config.json" in capsys.readouterr().err
