@@ -163,11 +163,10 @@ def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
     if t.beta > 0 and t.reference_compute == "auto":
         options.append(variant("reference_compute=cpu", lambda c: setattr(c.train, "reference_compute", "cpu")))
     if not t.optimizer_in_backward:
-        options.append(variant("optimizer_in_backward=true gradient_accumulation_steps=1 steps_per_generation="
-                               f"{t.gradient_accumulation_steps * (t.steps_per_generation or 1)}",
+        micro = t.steps_per_generation or t.gradient_accumulation_steps  # micro-batches per generation batch
+        options.append(variant(f"optimizer_in_backward=true gradient_accumulation_steps=1 steps_per_generation={micro}",
                                lambda c: (setattr(c.train, "optimizer_in_backward", True),
-                                          setattr(c.train, "steps_per_generation",
-                                                  c.train.gradient_accumulation_steps * (c.train.steps_per_generation or 1)),
+                                          setattr(c.train, "steps_per_generation", micro),
                                           setattr(c.train, "gradient_accumulation_steps", 1))))
     if m.precision != "bf16_sr":
         options.append(variant("precision=bf16_sr (bf16 weights, stochastic rounding; GPU sm_80+)",
