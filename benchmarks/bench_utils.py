@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import tempfile
 from typing import Callable
 
 import torch
@@ -111,17 +110,12 @@ def cpu_memory_events(fn: Callable[[], object]) -> list[tuple[int, int]]:
     """
     from torch.profiler import ProfilerActivity, profile
 
+    from lowmem_grpo.memory import cpu_running_totals
+
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    mem = [e["args"] for e in events if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    mem.sort(key=lambda a: a["Ev Idx"])
-    return [(a["Bytes"], a["Total Allocated"]) for a in mem]
+    return cpu_running_totals(prof)
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from .config import GenerationConfig
-from .rollout import generate
+from .rollout import decode_completions, generate
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConfig, *, eos_ids: list[int],
@@ -28,11 +28,8 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConf
     t0 = time.perf_counter()
     batch = generate(model, subset.prompt_ids, gen_cfg, eos_ids=eos_ids, pad_id=pad_id, device=device,
                      greedy=True, micro_batch=batch_size, autocast_bf16=autocast_bf16)
-    keep = batch.completion_mask & ~torch.isin(batch.completion_ids, torch.tensor(eos_ids))
-    completion_ids = [row[k].tolist() for row, k in zip(batch.completion_ids, keep)]
-    texts = [ids if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
-    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) and p and isinstance(p[0], dict)
-                   else c for p, c in zip(subset.prompts, texts)]
+    decoded = decode_completions(batch, subset.prompts, eos_ids, tokenizer)
+    keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
     per_func, total = compute_rewards(reward_funcs, subset.prompts, completions, completion_ids, subset.columns)
     result = {"samples": n, "reward": total.mean().item()}
     for j, f in enumerate(reward_funcs):

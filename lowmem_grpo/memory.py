@@ -66,14 +66,14 @@ def track(device: Optional[str | torch.device] = None) -> Iterator[Tracked]:
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield result
-    totals = _cpu_running_totals(prof)
+    totals = cpu_running_totals(prof)
     if totals:
         baseline = totals[0][1] - totals[0][0]  # the allocator's total before the first event
         result.peak_bytes = max(0, max(total for _, total in totals) - baseline)
         result.end_bytes = totals[-1][1] - baseline
 
 
-def _cpu_running_totals(prof) -> list[tuple[int, int]]:
+def cpu_running_totals(prof) -> list[tuple[int, int]]:
     """(bytes, allocator running total) of every CPU allocation/free the profiler saw, in order."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")

@@ -123,6 +123,25 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
     return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated)
 
 
+@dataclass
+class Decoded:
+    """What reward functions see of a batch's completions (EOS excluded)."""
+
+    keep: Tensor  # (N, C) bool: completion tokens other than EOS
+    ids: list[list[int]]
+    texts: list  # decoded strings, or the id lists when there is no tokenizer
+    completions: list  # TRL convention: conversational prompts get [{"role": "assistant", "content": text}]
+
+
+def decode_completions(batch: Batch, prompts: list, eos_ids: list[int], tokenizer) -> Decoded:
+    keep = batch.completion_mask & ~torch.isin(batch.completion_ids, torch.tensor(eos_ids))
+    ids = [row[k].tolist() for row, k in zip(batch.completion_ids, keep)]
+    texts = [i if tokenizer is None else tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) and p and isinstance(p[0], dict)
+                   else c for p, c in zip(prompts, texts)]
+    return Decoded(keep, ids, texts, completions)
+
+
 def completion_hidden(head: Head, batch: Batch) -> Tensor:
     """Hidden states at the positions that predict the completion tokens: (B, C, H)."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)  # (B, P + C)

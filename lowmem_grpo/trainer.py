@@ -46,7 +46,7 @@ from .offload import offload_activations
 from .optim import build_optimizer, build_scheduler
 from .ref_model import Reference
 from .rewards import compute_rewards, load_reward_functions, reward_metrics
-from .rollout import Batch, completion_hidden, generate, token_logprobs
+from .rollout import Batch, completion_hidden, decode_completions, generate, token_logprobs
 
 
 class TrainingStopped(RuntimeError):
@@ -223,22 +223,15 @@ class Trainer:
         return path
 
     # ----- rollout -----------------------------------------------------------------------------
-    def _decode(self, ids: list[int]):
-        return ids if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def new_generation_batch(self) -> GenerationBatch:
         cfg, G = self.cfg, self.cfg.generation.num_generations
         t0 = time.perf_counter()
         prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
         batch = generate(self.policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
                          eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, autocast_bf16=self.autocast)
-        # Rewards see each completion without its EOS; conversational prompts get conversational completions.
-        keep = batch.completion_mask & ~torch.isin(batch.completion_ids, torch.tensor(self.eos_ids))
-        completion_ids = [row[k].tolist() for row, k in zip(batch.completion_ids, keep)]
-        texts = [self._decode(ids) for ids in completion_ids]
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
-        completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) and p and isinstance(p[0], dict)
-                       else c for p, c in zip(prompt_list, texts)]
+        decoded = decode_completions(batch, prompt_list, self.eos_ids, self.tokenizer)
+        keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         per_func, total = compute_rewards(self.reward_funcs, prompt_list, completions, completion_ids, columns)
         batch.advantages, std_group = compute_advantages(total, G, cfg.train.scale_rewards)
