@@ -45,4 +45,7 @@ for spec in "Qwen2.5-0.5B qwen2.5-0.5b_gsm8k_8gb 256 1024" "Qwen2.5-0.5B qwen2.5
     2>&1 | tee -a "$out/benchmarks.log" || status=1
 done
 python3 benchmarks/memory_accounting.py --json "$out/memory_accounting.json" 2>&1 | tee -a "$out/benchmarks.log" || status=1
+# The planner against the profiler on the 8 GB recipes (CUDA allocator peaks by phase and category).
+python3 benchmarks/plan_accuracy.py --gpu-recipes --memory-cap-gib 8 --steps 2 --json "$out/plan_accuracy_gpu.json" \
+  2>&1 | tee -a "$out/benchmarks.log" || status=1
 exit $status

@@ -58,13 +58,8 @@ def measure_cpu(prompt_len: int, completion_len: int, steps: int) -> dict:
     trainer = ts.build(args)
     live = 0
     for _ in range(steps):
-        if trainer.generation is None:
-            trainer.generation = trainer.new_generation_batch()
-        trainer.optimizer_step()
-        trainer.step += 1
+        trainer.run_step()
         live = max(live, trainer.optimizer.max_live_grad_bytes)
-        if trainer.generation.steps_done >= trainer.plan.steps_per_generation_batch:
-            trainer.generation = None
     weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
     states = sum(v.numel() * v.element_size() for opt in trainer.optimizer.inner.values()
                  for s in opt.state.values() for k, v in s.items()

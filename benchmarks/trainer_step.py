@@ -87,12 +87,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         generated = trainer.generation is None
-        if generated:
-            trainer.generation = trainer.new_generation_batch()
-        metrics = trainer.optimizer_step()
-        trainer.step += 1
-        if trainer.generation.steps_done >= trainer.plan.steps_per_generation_batch:
-            trainer.generation = None
+        _, metrics, _ = trainer.run_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row = {"step": trainer.step, "step_s": time.perf_counter() - t0, "generated": generated,

@@ -28,6 +28,20 @@ from typing import Callable
 
 import torch
 
+from .memory_profile import mark_gradient, scope
+
+
+NORM_CHUNK = 1 << 20  # elements
+
+
+def fp32_norm(t: torch.Tensor) -> float:
+    """The L2 norm accumulated in fp32, over 1M-element chunks: the CPU widens a bf16 tensor to fp32
+    before reducing it, which for the embedding's gradient would be a whole fp32 copy."""
+    flat = t.reshape(-1)
+    chunks = [torch.linalg.vector_norm(flat[i:i + NORM_CHUNK], dtype=torch.float32)
+              for i in range(0, flat.numel(), NORM_CHUNK)]
+    return float(torch.linalg.vector_norm(torch.stack(chunks))) if chunks else 0.0
+
 
 class OptimizerInBackward(torch.optim.Optimizer):
     """Looks like one optimizer to the LR scheduler and checkpoints; steps happen in backward hooks.
@@ -63,17 +77,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
             live = [q.grad for q in self.params if q.grad is not None]
             self.max_live_grads = max(self.max_live_grads, len(live))
             self.max_live_grad_bytes = max(self.max_live_grad_bytes, sum(g.numel() * g.element_size() for g in live))
-            norm = float(torch.linalg.vector_norm(p.grad, dtype=torch.float32))  # no fp32 copy of the grad
-            self._sq_norm += norm * norm
-            if not math.isfinite(norm):
-                self.nonfinite_tensors += 1
-            else:
-                cap = self.caps[p]
-                if cap is not None and norm > cap:
-                    p.grad.mul_(cap / (norm + 1e-6))
-                inner = self.inner[p]
-                inner.param_groups[0]["lr"] = self.param_groups[group_index]["lr"]
-                inner.step()
+            mark_gradient(p.grad)  # for a running memory profile (memory_profile.py); free otherwise
+            with scope("optimizer"):
+                norm = fp32_norm(p.grad)
+                self._sq_norm += norm * norm
+                if not math.isfinite(norm):
+                    self.nonfinite_tensors += 1
+                else:
+                    cap = self.caps[p]
+                    if cap is not None and norm > cap:
+                        p.grad.mul_(cap / (norm + 1e-6))
+                    inner = self.inner[p]
+                    inner.param_groups[0]["lr"] = self.param_groups[group_index]["lr"]
+                    inner.step()
             p.grad = None  # the point of this optimizer: the gradient dies right here
         return hook
 

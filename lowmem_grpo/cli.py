@@ -1,4 +1,4 @@
-"""Command line: `lowmem-grpo train RECIPE [key=value ...]` and `lowmem-grpo eval RECIPE [model=PATH] [key=value ...]`.
+"""Command line: `lowmem-grpo train|eval|profile|plan ...`; each command's --help says more.
 
 `key=value` overrides use the config's names (`section.key=value` or a bare `key=value`); values are
 YAML (`beta=0.04`, `reward_funcs=[numeric_answer]`). `--help-config` lists every key with its default.
@@ -45,11 +45,24 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="preset (Qwen2.5-1.5B), hub id (Qwen/Qwen2.5-1.5B-Instruct) or config.json path")
     s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
+    s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
+                                       "(table, profile.json, timeline.png)")
+    s.add_argument("recipe", help="a YAML recipe (see recipes/)")
+    s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
+    s.add_argument("--steps", type=int, default=2, help="trainer steps to profile (default 2)")
+    s.add_argument("--out", default=None, help="folder for the results (default: OUTPUT_DIR/profile)")
     return p
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may come after options (`profile R --steps 3 beta=0`): argparse leaves them over
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     if args.help_config:
         print(describe())
         return 0
@@ -76,6 +89,9 @@ def main(argv=None) -> int:
         overrides = _split_model_override(args.overrides) if args.command == "eval" else args.overrides
         cfg = load_config(args.recipe, overrides)
         recipe_dir = Path(args.recipe).resolve().parent
+        if args.command == "profile":
+            from .profile_cli import run as profile
+            return profile(args.recipe, args.overrides, args.steps, args.out)
         if args.command == "eval":
             trainer = Trainer(cfg, recipe_dir=recipe_dir, training=False)
             result = trainer.evaluate()

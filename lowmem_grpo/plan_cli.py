@@ -58,7 +58,8 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
                           "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
                           "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
-                          "categories": result["categories"], "suggestions": ideas}, indent=2))
+                          "categories": result["categories"], "phase_categories": result["phase_categories"],
+                          "suggestions": ideas}, indent=2))
         return 0
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)")
     print(format_plan(result))

@@ -39,6 +39,7 @@ from .config import Config, ConfigError, batch_plan
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, format_comparison
 from .kernels import linear_grpo_loss
+from .memory_profile import phase
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .model import bf16_autocast_wanted, check_bf16_weights, check_fused_head, load_model, load_tokenizer
 from .backward_optim import OptimizerInBackward
@@ -227,27 +228,31 @@ class Trainer:
         cfg, G = self.cfg, self.cfg.generation.num_generations
         t0 = time.perf_counter()
         prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
-        batch = generate(self.policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
-                         eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, autocast_bf16=self.autocast)
-        prompt_list = [p for p in prompts.prompts for _ in range(G)]
-        decoded = decode_completions(batch, prompt_list, self.eos_ids, self.tokenizer)
-        keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
-        columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
-        per_func, total = compute_rewards(self.reward_funcs, prompt_list, completions, completion_ids, columns)
-        batch.advantages, std_group = compute_advantages(total, G, cfg.train.scale_rewards)
-        if cfg.train.mask_truncated_completions:
-            batch.completion_mask &= ~batch.is_truncated[:, None]
+        with phase("rollout"):
+            batch = generate(self.policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
+                             eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
+                             autocast_bf16=self.autocast)
+            prompt_list = [p for p in prompts.prompts for _ in range(G)]
+            decoded = decode_completions(batch, prompt_list, self.eos_ids, self.tokenizer)
+            keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
+            columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
+            per_func, total = compute_rewards(self.reward_funcs, prompt_list, completions, completion_ids, columns)
+            batch.advantages, std_group = compute_advantages(total, G, cfg.train.scale_rewards)
+            if cfg.train.mask_truncated_completions:
+                batch.completion_mask &= ~batch.is_truncated[:, None]
         micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
         temperature = cfg.generation.temperature
         if self.plan.needs_old_logprobs:
             was_training = self.policy.training
             self.policy.eval()
-            batch.old_logp = token_logprobs(self.head, batch, temperature=temperature, micro_batch=micro,
-                                            device=self.device, autocast_bf16=self.autocast)
+            with phase("old log-probs"):
+                batch.old_logp = token_logprobs(self.head, batch, temperature=temperature, micro_batch=micro,
+                                                device=self.device, autocast_bf16=self.autocast)
             self.policy.train(was_training)
         if self.ref is not None:
-            batch.ref_logp = self.ref.logprobs(batch, temperature=temperature, micro_batch=micro,
-                                               autocast_bf16=self.autocast and self.ref.device.type != "cpu")
+            with phase("reference log-probs"):
+                batch.ref_logp = self.ref.logprobs(batch, temperature=temperature, micro_batch=micro,
+                                                   autocast_bf16=self.autocast and self.ref.device.type != "cpu")
         lengths = keep.sum(1).float()
         info = {
             "reward": total.mean().item(),
@@ -299,26 +304,29 @@ class Trainer:
             n = int(mb.completion_mask.sum())
             if n == 0:  # every completion here is masked (mask_truncated_completions): nothing to learn
                 continue
-            loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
-            loss_sum += loss.item()
-            if not in_backward:
-                loss.backward()
-            elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
-                self.optimizer.begin_step()
-                loss.backward()
-                grad_norm = self.optimizer.end_step()
+            with phase("forward"):
+                loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
+                loss_sum += loss.item()
+            with phase("backward"):
+                if not in_backward:
+                    loss.backward()
+                elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
+                    self.optimizer.begin_step()
+                    loss.backward()
+                    grad_norm = self.optimizer.end_step()
             tokens += int(mb.prompt_mask.sum()) + n
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item() * n
         if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
             finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
         else:
-            params = [p for p in self.policy.parameters() if p.requires_grad]
-            max_norm = self.cfg.optim.max_grad_norm or float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
-            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
-            if finite and num_items:
-                self.optimizer.step()
+            with phase("optimizer"):
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                max_norm = self.cfg.optim.max_grad_norm or float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
+                finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+                if finite and num_items:
+                    self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn
@@ -330,6 +338,22 @@ class Trainer:
         out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
                    train_tokens=tokens)
         return out
+
+    def run_step(self) -> tuple[GenerationBatch, dict, float]:
+        """One optimizer step, generating a new batch first when the current one is used up.
+
+        Returns the generation batch the step used, the step's metrics and the generation time (0 when
+        the batch was already there)."""
+        generation_time = 0.0
+        if self.generation is None:
+            self.generation = self.new_generation_batch()
+            generation_time = self.generation.generation_time
+        gb = self.generation
+        step_metrics = self.optimizer_step()
+        self.step += 1
+        if gb.steps_done >= self.plan.steps_per_generation_batch:
+            self.generation = None
+        return gb, step_metrics, generation_time
 
     # ----- the loop ----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
@@ -355,15 +379,7 @@ class Trainer:
             while self.step < cfg.train.max_steps and self._stop_signal is None:
                 reset_peak_memory(self.device)
                 t0 = time.perf_counter()
-                generation_time = 0.0
-                if self.generation is None:
-                    self.generation = self.new_generation_batch()
-                    generation_time = self.generation.generation_time
-                step_metrics = self.optimizer_step()
-                self.step += 1
-                gb = self.generation
-                if gb.steps_done >= self.plan.steps_per_generation_batch:
-                    self.generation = None
+                gb, step_metrics, generation_time = self.run_step()
                 step_time = time.perf_counter() - t0
                 last = {**gb.info, **step_metrics, "step_time": step_time, "generation_time": generation_time,
                         "tokens_per_second": step_metrics.pop("train_tokens") / step_time,

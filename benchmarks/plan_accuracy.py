@@ -1,0 +1,122 @@
+"""The planner's predicted peak against the profiler's measured peak, on the same settings.
+
+    python benchmarks/plan_accuracy.py                       # every configuration below, on the CPU
+    python benchmarks/plan_accuracy.py --only qwen0.5b-gsm8k --json out.json
+    python benchmarks/plan_accuracy.py --gpu-recipes --memory-cap-gib 8    # a GPU session: the 8 GB recipes
+
+Each configuration builds a random-weight model of a real architecture (trainer_step.py's set-up: no
+hub weights, random prompts of exactly the prompt length, completions that run to the full length),
+applies a recipe's settings with the overrides listed, runs --steps real trainer steps under
+`lowmem-grpo profile`'s profiler, and compares per category and at the peak with `lowmem-grpo plan`
+for the same settings (the same bf16 autocast decision, the same lengths and batch sizes).
+On a CPU run the measured figure is the device-equivalent peak: host tensors without the reference
+model (host RAM on any device) and the CPU reference's buffers. On CUDA it is the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from lowmem_grpo.memory_plan import Arch, plan
+from lowmem_grpo.memory_profile import CATEGORIES, GiB
+from lowmem_grpo.presets import preset
+from lowmem_grpo.profile_cli import device_equivalent, profile_trainer
+
+HERE = Path(__file__).resolve().parent
+RECIPES = HERE.parent / "recipes"
+
+# name -> (architecture, recipe, prompt length, completion length, overrides)
+CONFIGS = {
+    "qwen0.5b-gsm8k": ("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb.yaml", 64, 64,
+                       ["per_device_train_batch_size=4", "gradient_accumulation_steps=2", "num_generations=4",
+                        "generation_micro_batch_size=8"]),
+    "qwen0.5b-in-backward-bf16sr": ("Qwen2.5-0.5B", "qwen2.5-1.5b_gsm8k_8gb.yaml", 64, 64,
+                                    ["num_generations=4", "generation_micro_batch_size=8"]),
+    "smollm2-135m-no-checkpointing": ("SmolLM2-135M", "smollm2-135m_arithmetic_cpu.yaml", 48, 48,
+                                      ["gradient_checkpointing=false", "per_device_train_batch_size=16",
+                                       "generation_micro_batch_size=32", "bf16=false"]),
+    "smollm2-135m-demo": ("SmolLM2-135M", "smollm2-135m_arithmetic_cpu.yaml", 48, 48, []),
+}
+
+
+# The 8 GB recipes at their own lengths: for a GPU session (benchmarks/gpu_session.sh), under an 8 GiB cap.
+GPU_CONFIGS = {
+    "8gb-qwen0.5b-gsm8k": ("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb.yaml", 256, 1024, []),
+    "8gb-qwen0.5b-expected-string": ("Qwen2.5-0.5B", "qwen2.5-0.5b_expected-string_8gb.yaml", 128, 64, []),
+    "8gb-qwen1.5b-gsm8k": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb.yaml", 256, 512, []),
+}
+
+
+def _trainer_step_module():
+    spec = importlib.util.spec_from_file_location("trainer_step", HERE / "trainer_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(name: str, steps: int, device: str) -> dict:
+    arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS}[name]
+    ts = _trainer_step_module()
+    args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
+                              completion_len=completion_len, overrides=overrides)
+    trainer = ts.build(args)
+    prof, times = profile_trainer(trainer, steps)
+    kind, summary = device_equivalent(prof, trainer)
+    measured = summary["peak_bytes"]
+    predicted = plan(trainer.cfg, Arch.from_config(preset(arch_name)), autocast=trainer.autocast,
+                     device=trainer.device.type)
+    row = {"config": name, "arch": arch_name, "recipe": recipe, "prompt_len": prompt_len,
+           "completion_len": completion_len, "overrides": overrides, "device": device, "steps": steps,
+           "step_times_s": times, "measured_peak_bytes": measured, "measured_peak_phase": summary["peak_phase"],
+           "measured_at_peak": summary["categories"], "measured_phases": {p: v["peak_bytes"] for p, v in
+                                                                         summary["phases"].items()},
+           "predicted_peak_bytes": predicted["peak_bytes"], "predicted_peak_phase": predicted["peak_phase"],
+           "predicted_categories": predicted["categories"], "predicted_phases": predicted["phases"],
+           "error": (predicted["peak_bytes"] - measured) / measured}
+    print(f"\n== {name}: {arch_name}, {recipe} + {overrides}, prompt {prompt_len} / completion {completion_len}, "
+          f"autocast {trainer.autocast}, {device}")
+    print(f"{'MiB at the peak of':<20} {'measured':>10} {'predicted':>10}   (phase: {summary['peak_phase']})")
+    at = predicted["phase_categories"].get(summary["peak_phase"], {})
+    for c in CATEGORIES:
+        meas, pred = summary["categories"].get(c, 0), at.get(c, 0)
+        if meas or pred:
+            print(f"{c:<20} {meas / 2**20:>10.1f} {pred / 2**20:>10.1f}")
+    print(f"{'phase peak (MiB)':<20} {'measured':>10} {'predicted':>10}")
+    for p in predicted["phases"]:
+        print(f"{p:<20} {row['measured_phases'].get(p, 0) / 2**20:>10.1f} {predicted['phases'][p] / 2**20:>10.1f}")
+    print(f"peak: measured {measured / GiB:.3f} GiB ({summary['peak_phase']}), predicted "
+          f"{predicted['peak_bytes'] / GiB:.3f} GiB ({predicted['peak_phase']}): {row['error']:+.1%}")
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", choices=list(CONFIGS) + list(GPU_CONFIGS), default=None)
+    ap.add_argument("--gpu-recipes", action="store_true", help="the 8 GB recipes at full length (CUDA)")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total))
+    names = args.only or (list(GPU_CONFIGS) if args.gpu_recipes else list(CONFIGS))
+    rows = [measure(name, args.steps, args.device) for name in names]
+    print(f"\n{'config':<32} {'measured GiB':>13} {'predicted GiB':>14} {'error':>7}")
+    for r in rows:
+        print(f"{r['config']:<32} {r['measured_peak_bytes'] / GiB:>13.3f} {r['predicted_peak_bytes'] / GiB:>14.3f} "
+              f"{r['error']:>+7.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
