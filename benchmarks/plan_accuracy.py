@@ -66,7 +66,7 @@ def measure(name: str, steps: int, device: str) -> dict:
     args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
                               completion_len=completion_len, overrides=overrides)
     trainer = ts.build(args)
-    prof, times = profile_trainer(trainer, steps)
+    prof, times, _ = profile_trainer(trainer, steps)
     kind, summary = device_equivalent(prof, trainer)
     measured = summary["peak_bytes"]
     predicted = plan(trainer.cfg, Arch.from_config(preset(arch_name)), autocast=trainer.autocast,

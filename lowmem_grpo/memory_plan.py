@@ -20,7 +20,8 @@ forward, backward, optimizer. Each phase's peak is the sum of what is alive at i
                         completion hidden states in the compute dtype; backward adds the fp32 [n, H]
                         gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
     KV cache            generation micro-batch x (prompt + completion) x layers x measured bytes/token,
-                        + the prefill's transient + the last position's logits through sampling
+                        + the prefill's transient or the last position's logits through sampling, +
+                        autocast's weight copies (all of generation's working memory, as profiled)
     reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
 
 Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS workspace and
@@ -196,12 +197,14 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     kv = gen_b * seq * layers * costs.kv_cache
     prefill = gen_b * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
     gen_logits = GENERATION_LOGIT_BUFFERS * 4 * gen_b * arch.vocab
-    phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits)}}
+    # Generation's memory, all under "KV cache" as the profiler counts it: the cache, the prefill's
+    # transient or the sampling logits, and autocast's bf16 weight copies (cached in no-grad passes too).
+    phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits) + layers * casts}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
     lp_activations = T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp, costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
     if batch_plan(cfg).needs_old_logprobs:
-        phases["old log-probs"] = {**base, "activations": lp_activations, "loss head": lp_head}
+        phases["old log-probs"] = {**base, "activations": lp_activations + layers * casts, "loss head": lp_head}
     if t.beta > 0:
         ref = {**base}
         if device != "cpu" and t.reference_compute != "cpu":

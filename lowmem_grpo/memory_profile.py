@@ -10,7 +10,8 @@ it was made:
     inside a `lowmem_grpo::` op (forward or backward)   loss head
     inside `scope("optimizer")` or the optimizer phase   optimizer states (and the step's temporaries)
     whose storage a parameter's .grad holds              gradients   (post-accumulate-grad markers)
-    rollout phase                                        KV cache    (generation's cache and logits)
+    rollout phase                                        KV cache    (all of generation's working
+                                                                      memory: cache, logits, casts)
     old/reference log-prob phases                        activations / reference buffers
     forward and backward phases                          activations (saved tensors, recompute, grads
                                                                       of activations)
@@ -307,7 +308,7 @@ class MemoryProfile:
             deltas[0] = baseline.get(kind, np.zeros(len(CATEGORIES), np.int64))
             for i, (_, _, c, d) in enumerate(evs, 1):
                 deltas[i, c] = d
-            times = np.array([start_ns] + [e[0] for e in evs], np.float64)
+            times = [start_ns] + [e[0] for e in evs]  # ns, as ints (float64 cannot hold them exactly)
             phase_at = []
             for t in times:
                 k = bisect.bisect_right(starts, t) - 1
@@ -316,10 +317,11 @@ class MemoryProfile:
             if kind == "cuda":
                 last, values = 0, []
                 for t in times:
-                    last = reserved_by_t.get(int(t), last)
+                    last = reserved_by_t.get(t, last)
                     values.append(last)
                 reserved = np.array(values, np.int64)
-            out[kind] = DeviceTimeline((times - start_ns) / 1e9, np.cumsum(deltas, 0), phase_at, reserved)
+            seconds = (np.array(times, np.int64) - start_ns) / 1e9
+            out[kind] = DeviceTimeline(seconds, np.cumsum(deltas, 0), phase_at, reserved)
         return out
 
 

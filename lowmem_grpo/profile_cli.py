@@ -10,6 +10,7 @@ these files: no checkpoints, no metrics.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -22,22 +23,24 @@ from .memory_plan import Arch, plan
 from .memory_profile import GiB, MemoryProfile, format_table, plot_timeline
 
 
-def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) -> tuple[MemoryProfile, list[float]]:
-    """Run `steps` trainer steps under a MemoryProfile; returns it and the step times (seconds)."""
+def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) -> tuple[MemoryProfile, list[float], tuple]:
+    """Run `steps` trainer steps under a MemoryProfile; returns it, the step times (seconds) and the
+    longest (prompt, completion) widths of the batches the steps used (padded, in tokens)."""
     reference = []
     if trainer.ref is not None:
         reference = list(trainer.ref.model.parameters()) + list(trainer.ref.model.buffers())
     batch = trainer.generation.batch.state_dict().values() if trainer.generation is not None else ()
     weights = list(trainer.policy.parameters()) + list(trainer.policy.buffers())
-    times = []
+    times, widths = [], (0, 0)
     with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot) as prof:
         for _ in range(steps):
             t0 = time.perf_counter()
-            trainer.run_step()
+            gb, _, _ = trainer.run_step()
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize(trainer.device)
             times.append(time.perf_counter() - t0)
-    return prof, times
+            widths = (max(widths[0], gb.batch.prompt_ids.shape[1]), max(widths[1], gb.batch.completion_ids.shape[1]))
+    return prof, times, widths
 
 
 def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
@@ -64,16 +67,22 @@ def run(recipe: str, overrides: list[str], steps: int, out_dir: Optional[str]) -
     trainer = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent)
     snapshot = str(out / "cuda_snapshot.pickle") if trainer.device.type == "cuda" else None
     print(f"[lowmem-grpo] profiling {steps} step(s) of {recipe} on {trainer.device}")
-    prof, times = profile_trainer(trainer, steps, snapshot)
+    prof, times, (prompt_len, completion_len) = profile_trainer(trainer, steps, snapshot)
     result = prof.result
-    predicted = plan(cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
-                     device=trainer.device.type)
+    # The planner's worst case (every sequence at its maximum length), and at this run's lengths.
+    arch = Arch.from_config(trainer.policy.config)
+    predicted = plan(cfg, arch, autocast=trainer.autocast, device=trainer.device.type)
+    observed = copy.deepcopy(cfg)
+    observed.generation.max_prompt_length, observed.generation.max_completion_length = prompt_len, completion_len
+    predicted_observed = plan(observed, arch, autocast=trainer.autocast, device=trainer.device.type)
     kind, equivalent = device_equivalent(prof, trainer)
     measured = equivalent["peak_bytes"]
     summary = result.as_dict()
     summary.update(recipe=recipe, overrides=overrides, device=str(trainer.device), steps=steps, step_times_s=times,
                    training_device=kind, measured_peak_bytes=measured, device_equivalent=equivalent,
-                   plan={k: predicted[k] for k in ("peak_bytes", "peak_phase", "phases", "categories", "phase_categories")})
+                   plan={k: predicted[k] for k in ("peak_bytes", "peak_phase", "phases", "categories", "phase_categories")},
+                   observed_lengths={"prompt": prompt_len, "completion": completion_len},
+                   plan_at_observed_lengths={k: predicted_observed[k] for k in ("peak_bytes", "peak_phase", "phases")})
     main = summary["devices"][kind]  # the plan command's keys, for the training device
     summary.update(peak_bytes=main["peak_bytes"], phases={p: v["peak_bytes"] for p, v in main["phases"].items()},
                    categories=main["categories"])
@@ -84,9 +93,14 @@ def run(recipe: str, overrides: list[str], steps: int, out_dir: Optional[str]) -
         print(f"\n== {label}")
         print(format_table(dev, name))
     print(f"\nsteps: {', '.join(f'{t:.1f}' for t in times)} s")
-    diff = (predicted["peak_bytes"] - measured) / max(measured, 1)
-    print(f"planner (lowmem-grpo plan, same settings): {predicted['peak_bytes'] / GiB:.3f} GiB predicted vs "
-          f"{measured / GiB:.3f} GiB measured{' (device-equivalent)' if kind == 'host' else ''}: {diff:+.1%}")
+    g = cfg.generation
+    print(f"measured peak{' (device-equivalent: no host-only reference)' if kind == 'host' else ''}: "
+          f"{measured / GiB:.3f} GiB in {equivalent['peak_phase']}")
+    for label, pred in ((f"at the recipe's maximum lengths ({g.max_prompt_length} + {g.max_completion_length})",
+                         predicted),
+                        (f"at this run's lengths ({prompt_len} + {completion_len} tokens)", predicted_observed)):
+        diff = (pred["peak_bytes"] - measured) / max(measured, 1)
+        print(f"planner {label}: {pred['peak_bytes'] / GiB:.3f} GiB in {pred['peak_phase']} ({diff:+.1%})")
     try:
         plot_timeline(result, str(out / "timeline.png"), title=f"{Path(recipe).name}: {steps} step(s) on {trainer.device}")
         print(f"wrote {out / 'profile.json'}, {out / 'timeline.png'}" + (f", {snapshot}" if snapshot else ""))

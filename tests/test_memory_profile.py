@@ -83,7 +83,7 @@ def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
                  "progress_bar=false"])
     assert code == 0
     text = capsys.readouterr().out
-    assert "PEAK" in text and "planner (lowmem-grpo plan, same settings)" in text
+    assert "PEAK" in text and "planner at this run's lengths" in text
     data = json.loads((out / "profile.json").read_text())
     host = data["devices"]["host"]
     assert sum(host["categories"].values()) == host["peak_bytes"] == data["peak_bytes"]
