@@ -47,14 +47,11 @@ def tables() -> dict:
 
 
 def measure_cpu(prompt_len: int, completion_len: int, steps: int) -> dict:
-    import importlib.util  # the step benchmark's random-weight set-up, loaded from its file
-    spec = importlib.util.spec_from_file_location("trainer_step", Path(__file__).with_name("trainer_step.py"))
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    from trainer_step import build  # the step benchmark's random-weight set-up (a sibling script)
     args = argparse.Namespace(arch="Qwen2.5-1.5B", recipe=str(RECIPES / "qwen2.5-1.5b_gsm8k_8gb.yaml"), device="cpu",
                               prompt_len=prompt_len, completion_len=completion_len,
                               overrides=["generation_micro_batch_size=8"])
-    trainer = ts.build(args)
+    trainer = build(args)
     live = 0
     for _ in range(steps):
         trainer.run_step()

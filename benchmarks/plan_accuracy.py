@@ -16,7 +16,6 @@ model (host RAM on any device) and the CPU reference's buffers. On CUDA it is th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from lowmem_grpo.memory_plan import Arch, plan
 from lowmem_grpo.memory_profile import CATEGORIES, GiB
 from lowmem_grpo.presets import preset
 from lowmem_grpo.profile_cli import device_equivalent, profile_trainer
+from trainer_step import build, cap_cuda_memory  # the random-weight set-up (a sibling script)
 
 HERE = Path(__file__).resolve().parent
 RECIPES = HERE.parent / "recipes"
@@ -53,19 +53,11 @@ GPU_CONFIGS = {
 }
 
 
-def _trainer_step_module():
-    spec = importlib.util.spec_from_file_location("trainer_step", HERE / "trainer_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure(name: str, steps: int, device: str) -> dict:
     arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS}[name]
-    ts = _trainer_step_module()
     args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
                               completion_len=completion_len, overrides=overrides)
-    trainer = ts.build(args)
+    trainer = build(args)
     prof, times, _ = profile_trainer(trainer, steps)
     kind, summary = device_equivalent(prof, trainer)
     measured = summary["peak_bytes"]
@@ -105,8 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and args.memory_cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total))
+        cap_cuda_memory(args.memory_cap_gib, torch.device(args.device))
     names = args.only or (list(GPU_CONFIGS) if args.gpu_recipes else list(CONFIGS))
     rows = [measure(name, args.steps, args.device) for name in names]
     print(f"\n{'config':<32} {'measured GiB':>13} {'predicted GiB':>14} {'error':>7}")

@@ -59,6 +59,12 @@ def build(args) -> Trainer:
     return Trainer(cfg)
 
 
+def cap_cuda_memory(gib: float, device: torch.device) -> None:
+    """Cap this process at `gib` GiB of the card, as on a card with that much memory."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), device)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="Qwen2.5-0.5B", help="architecture preset (lowmem_grpo/presets.py)")
@@ -74,8 +80,7 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     if device.type == "cuda" and args.memory_cap_gib:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total), device)
+        cap_cuda_memory(args.memory_cap_gib, device)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     trainer = build(args)

@@ -325,22 +325,27 @@ class MemoryProfile:
         return out
 
 
+def format_bytes(n: int) -> str:
+    return f"{n / GiB:.3f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def format_table(summary: dict, device: str) -> str:
-    """Categories (rows) at the peak of each phase (columns) and at the overall peak; GiB."""
+    """Categories (rows) at the peak of each phase (columns) and at the overall peak; GiB (MiB if small)."""
     phases = list(summary["phases"])
     short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp"}
-    head = f"{'GiB on ' + device:<20}" + "".join(f"{short.get(p, p):>10}" for p in phases) + f"{'PEAK':>10}"
+    unit, scale = ("GiB", GiB) if summary["peak_bytes"] >= GiB else ("MiB", 2**20)
+    head = f"{unit + ' on ' + device:<20}" + "".join(f"{short.get(p, p):>10}" for p in phases) + f"{'PEAK':>10}"
     lines = [head]
+    row = lambda name, vals: f"{name:<20}" + "".join(f"{v / scale:>10.3f}" for v in vals)  # noqa: E731
     for c in summary["categories"]:
         vals = [summary["phases"][p]["categories"][c] for p in phases] + [summary["categories"][c]]
         if any(vals):
-            lines.append(f"{c:<20}" + "".join(f"{v / GiB:>10.3f}" for v in vals))
-    totals = [summary["phases"][p]["peak_bytes"] for p in phases] + [summary["peak_bytes"]]
-    lines.append(f"{'total':<20}" + "".join(f"{v / GiB:>10.3f}" for v in totals))
+            lines.append(row(c, vals))
+    lines.append(row("total", [summary["phases"][p]["peak_bytes"] for p in phases] + [summary["peak_bytes"]]))
     if "peak_reserved_bytes" in summary:
-        res = [summary["phases"][p].get("peak_reserved_bytes", 0) for p in phases] + [summary["peak_reserved_bytes"]]
-        lines.append(f"{'reserved (allocator)':<20}" + "".join(f"{v / GiB:>10.3f}" for v in res))
-    lines.append(f"peak {summary['peak_bytes'] / GiB:.3f} GiB in {summary['peak_phase']} "
+        lines.append(row("reserved (allocator)", [summary["phases"][p].get("peak_reserved_bytes", 0) for p in phases]
+                         + [summary["peak_reserved_bytes"]]))
+    lines.append(f"peak {format_bytes(summary['peak_bytes'])} in {summary['peak_phase']} "
                  f"at {summary['peak_time_s']:.2f} s")
     return "\n".join(lines)
 
@@ -351,7 +356,7 @@ def plot_timeline(result: ProfileResult, path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     kinds = list(result.devices)
-    fig, axes = plt.subplots(len(kinds), 1, figsize=(12, 3.8 * len(kinds)), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(13, 3.8 * len(kinds)), squeeze=False, sharex=True)
     colors = plt.get_cmap("tab10").colors
     shade = {p: plt.get_cmap("Pastel2").colors[i] for i, p in enumerate(PHASES)}
     for ax, kind in zip(axes[:, 0], kinds):
@@ -365,7 +370,7 @@ def plot_timeline(result: ProfileResult, path: str, title: str = "") -> None:
             ax.axvspan(s, e, color=shade[name], alpha=0.35, zorder=0, label=None if name in seen else f"[{name}]")
             seen.add(name)
         ax.set_ylabel(f"{'GPU' if kind == 'cuda' else 'host'} GiB")
-        ax.legend(loc="upper left", fontsize=7, ncol=2)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)  # beside the plot
     axes[-1, 0].set_xlabel("seconds")
     if title:
         axes[0, 0].set_title(title)

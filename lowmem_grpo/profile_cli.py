@@ -20,7 +20,7 @@ import torch
 
 from .config import load_config
 from .memory_plan import Arch, plan
-from .memory_profile import GiB, MemoryProfile, format_table, plot_timeline
+from .memory_profile import MemoryProfile, format_bytes, format_table, plot_timeline
 
 
 def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) -> tuple[MemoryProfile, list[float], tuple]:
@@ -95,12 +95,12 @@ def run(recipe: str, overrides: list[str], steps: int, out_dir: Optional[str]) -
     print(f"\nsteps: {', '.join(f'{t:.1f}' for t in times)} s")
     g = cfg.generation
     print(f"measured peak{' (device-equivalent: no host-only reference)' if kind == 'host' else ''}: "
-          f"{measured / GiB:.3f} GiB in {equivalent['peak_phase']}")
+          f"{format_bytes(measured)} in {equivalent['peak_phase']}")
     for label, pred in ((f"at the recipe's maximum lengths ({g.max_prompt_length} + {g.max_completion_length})",
                          predicted),
                         (f"at this run's lengths ({prompt_len} + {completion_len} tokens)", predicted_observed)):
         diff = (pred["peak_bytes"] - measured) / max(measured, 1)
-        print(f"planner {label}: {pred['peak_bytes'] / GiB:.3f} GiB in {pred['peak_phase']} ({diff:+.1%})")
+        print(f"planner {label}: {format_bytes(pred['peak_bytes'])} in {pred['peak_phase']} ({diff:+.1%})")
     try:
         plot_timeline(result, str(out / "timeline.png"), title=f"{Path(recipe).name}: {steps} step(s) on {trainer.device}")
         print(f"wrote {out / 'profile.json'}, {out / 'timeline.png'}" + (f", {snapshot}" if snapshot else ""))
