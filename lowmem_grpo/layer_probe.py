@@ -20,6 +20,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .config import ConfigError
+
 PROBE_LEN = 64
 
 
@@ -104,16 +106,18 @@ def _probe(config_json: str, dtype_name: str, autocast: bool) -> LayerCosts:
     conf.pop("layer_types", None)  # per-layer lists sized for the full depth
     config = AutoConfig.for_model(conf.pop("model_type"), **conf)
     dtype = getattr(torch, dtype_name)
-    state = torch.random.get_rng_state()
-    try:
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(state)
-    decoder = model.model.train()
-    norm, decoder.norm = decoder.norm, torch.nn.Identity()  # the layer alone; the final norm measured apart
-    small = _measure(decoder, norm, config.hidden_size, 1, dtype, autocast)
-    large = _measure(decoder, norm, config.hidden_size, 2, dtype, autocast)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            decoder = model.model.train()
+            norm, decoder.norm = decoder.norm, torch.nn.Identity()  # the layer alone; the final norm apart
+            small = _measure(decoder, norm, config.hidden_size, 1, dtype, autocast)
+            large = _measure(decoder, norm, config.hidden_size, 2, dtype, autocast)
+        except Exception as e:  # an architecture whose decoder is not the usual model.model / inputs_embeds
+            raise ConfigError(f"the planner could not measure one {config.model_type} layer ({type(e).__name__}: "
+                              f"{e}); it supports decoder-only models with model.model.norm, as transformers' "
+                              "Llama/Qwen/SmolLM families") from e
     per_token = [(b - a) / PROBE_LEN for a, b in zip(small, large)]
     return LayerCosts(*per_token)
 

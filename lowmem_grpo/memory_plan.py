@@ -70,6 +70,11 @@ class Arch:
         with torch.device("meta"):  # shapes only: no memory, no weights
             model = AutoModelForCausalLM.from_config(conf)
         sizes = [p.numel() for p in model.parameters()]  # parameters() yields a tied weight once
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                   if not isinstance(getattr(conf, k, None), int)]
+        if missing:
+            raise ConfigError(f"the planner reads decoder-only configs of the Llama/Qwen family; this "
+                              f"{conf.model_type} config has no {', '.join(missing)}")
         head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
         return cls(conf.vocab_size, conf.hidden_size, conf.intermediate_size, conf.num_hidden_layers,
                    conf.num_attention_heads, getattr(conf, "num_key_value_heads", conf.num_attention_heads),

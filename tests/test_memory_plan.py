@@ -123,3 +123,11 @@ def test_plan_cli_errors(capsys):
     assert "give a size such as 8GiB" in capsys.readouterr().err
     assert main(["plan", "--model", "NoSuchModel-7B"]) == 2
     assert "neither a local config.json" in capsys.readouterr().err
+
+
+def test_plan_names_an_architecture_it_cannot_read(tmp_path, capsys):
+    import json
+    from lowmem_grpo.cli import main
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
+    assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
+    assert "has no intermediate_size" in capsys.readouterr().err
