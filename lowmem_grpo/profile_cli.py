@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .config import load_config
+from .config import ConfigError, load_config
 from .memory_plan import Arch, plan
 from .memory_profile import MemoryProfile, format_bytes, format_table, plot_timeline
 
@@ -61,6 +61,8 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
 
 def run(recipe: str, overrides: list[str], steps: int, out_dir: Optional[str]) -> int:
     from .trainer import Trainer  # torch/transformers only when profiling
+    if steps < 1:
+        raise ConfigError(f"--steps {steps}: profile at least one step")
     cfg = load_config(recipe, overrides)
     out = Path(out_dir or Path(cfg.output.output_dir) / "profile")
     out.mkdir(parents=True, exist_ok=True)
