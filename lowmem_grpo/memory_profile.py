@@ -145,9 +145,11 @@ class ProfileResult:
 class MemoryProfile:
     """Profile the memory of the code run inside `with MemoryProfile(...)`, attributing it to categories.
 
-    `params`: the trained parameters (their storages are weights, their .grad gradients);
-    `optimizer`: whose state tensors are optimizer states; `reference`: the reference model's tensors;
-    `batch`: tensors of a generation batch already in hand.
+    `params`: the model's parameters (and buffers, if they should count as weights): their storages
+    are weights, and the .grad of those that require grad are gradients; `optimizer`: whose state
+    tensors are optimizer states; `reference`: the reference model's tensors; `batch`: tensors of a
+    generation batch already in hand. `cuda_snapshot`: a path for the CUDA allocator's history.
+    After the block, `.result` holds a ProfileResult (None if the block raised).
     """
 
     def __init__(self, params: list[torch.Tensor], optimizer=None, reference: Iterable[torch.Tensor] = (),
