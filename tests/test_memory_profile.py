@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,8 +15,8 @@ def _storage_bytes(tensors):
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _at_end(result, category):
-    tl = result.devices["host"]
+def _at_end(result, category, device="host"):
+    tl = result.devices[device]
     return int(tl.bytes[-1, CATEGORIES.index(category)])
 
 
@@ -98,3 +99,33 @@ def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))  # profiling saves nothing
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_session.sh)")
+def test_cuda_profile_matches_the_allocator_and_writes_a_snapshot(tmp_path):
+    from lowmem_grpo.kernels import linear_token_logprobs
+
+    torch.manual_seed(0)
+    n, h, v = 2048, 256, 32_000
+    head = nn.Linear(h, v, bias=False, device="cuda")
+    proj = nn.Linear(h, h, device="cuda")
+    params = list(head.parameters()) + list(proj.parameters())
+    opt = torch.optim.AdamW(params)
+    x, ids = torch.randn(n, h, device="cuda"), torch.randint(0, v, (n,), device="cuda")
+    snapshot = tmp_path / "snapshot.pickle"
+    torch.cuda.reset_peak_memory_stats()
+    with MemoryProfile(params, opt, cuda_snapshot=str(snapshot)) as prof:
+        with phase("forward"):
+            loss = -linear_token_logprobs(proj(x), head.weight, ids).mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+    summary = prof.result.devices["cuda"].summary()
+    # The timeline replays the allocator's own events: its peak is the allocator's peak.
+    assert summary["peak_bytes"] == torch.cuda.max_memory_allocated()
+    assert summary["category_max"]["loss head"] > 0 and summary["category_max"]["gradients"] >= v * h * 4
+    assert _at_end(prof.result, "gradients", "cuda") == _storage_bytes([p.grad for p in params])
+    assert summary["peak_reserved_bytes"] >= summary["peak_bytes"]
+    assert snapshot.stat().st_size > 0
