@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         recipe_dir = Path(args.recipe).resolve().parent
         if args.command == "profile":
             from .profile_cli import run as profile
-            return profile(args.recipe, args.overrides, args.steps, args.out)
+            return profile(args.recipe, cfg, args.overrides, args.steps, args.out)
         if args.command == "eval":
             trainer = Trainer(cfg, recipe_dir=recipe_dir, training=False)
             result = trainer.evaluate()

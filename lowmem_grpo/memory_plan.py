@@ -148,7 +148,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     T, n = b * seq, b * g.max_completion_length
     mb_lp = t.logprob_micro_batch_size or b
     T_lp, n_lp = mb_lp * seq, mb_lp * g.max_completion_length
-    gen_b = min(g.generation_micro_batch_size, batch_plan(cfg).generation_batch_size)
+    batches = batch_plan(cfg)
+    gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
 
     weights = wb * arch.params
     states = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, wb)
@@ -208,7 +209,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
     lp_activations = T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp, costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
-    if batch_plan(cfg).needs_old_logprobs:
+    if batches.needs_old_logprobs:
         phases["old log-probs"] = {**base, "activations": lp_activations + layers * casts, "loss head": lp_head}
     if t.beta > 0:
         ref = {**base}

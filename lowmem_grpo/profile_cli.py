@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .config import ConfigError, load_config
+from .config import Config, ConfigError
 from .memory_plan import Arch, plan
 from .memory_profile import MemoryProfile, format_bytes, format_table, plot_timeline
 
@@ -59,11 +59,11 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
     return "host", result.devices["host"].summary(exclude=excluded)
 
 
-def run(recipe: str, overrides: list[str], steps: int, out_dir: Optional[str]) -> int:
+def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Optional[str]) -> int:
+    """Profile `cfg` (the recipe loaded with `overrides`, as the command line gave them)."""
     from .trainer import Trainer  # torch/transformers only when profiling
     if steps < 1:
         raise ConfigError(f"--steps {steps}: profile at least one step")
-    cfg = load_config(recipe, overrides)
     out = Path(out_dir or Path(cfg.output.output_dir) / "profile")
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent)
