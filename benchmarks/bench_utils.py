@@ -110,7 +110,7 @@ def cpu_memory_events(fn: Callable[[], object]) -> list[tuple[int, int]]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from lowmem_grpo.memory import cpu_running_totals
+    from lowmem_grpo.memory.track import cpu_running_totals
 
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -1,4 +1,4 @@
-"""Predicted device memory of the 8 GB recipes (lowmem_grpo/memory_plan.py), and a CPU check of the
+"""Predicted device memory of the 8 GB recipes (lowmem_grpo/memory/plan.py), and a CPU check of the
 model-state categories against tensors a real run holds.
 
     python benchmarks/memory_accounting.py                      # the table for every 8 GB recipe
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from lowmem_grpo.config import load_config
-from lowmem_grpo.memory_plan import GiB, Arch, format_plan, plan
-from lowmem_grpo.presets import preset
+from lowmem_grpo.memory.plan import GiB, Arch, format_plan, plan
+from lowmem_grpo.memory.presets import preset
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EIGHT_GB = {  # recipe -> (architecture, budget the issue sets for the predicted peak)

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import torch
 
-from lowmem_grpo.memory_plan import Arch, plan
-from lowmem_grpo.memory_profile import CATEGORIES, GiB
-from lowmem_grpo.presets import preset
-from lowmem_grpo.profile_cli import device_equivalent, profile_trainer
+from lowmem_grpo.memory.plan import Arch, plan
+from lowmem_grpo.memory.profile import CATEGORIES, GiB, device_equivalent, profile_trainer
+from lowmem_grpo.memory.presets import preset
 from trainer_step import build, cap_cuda_memory  # the random-weight set-up (a sibling script)
 
 HERE = Path(__file__).resolve().parent

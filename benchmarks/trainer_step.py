@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from lowmem_grpo.config import load_config
-from lowmem_grpo.metrics import peak_memory_bytes, reset_peak_memory
-from lowmem_grpo.presets import preset
-from lowmem_grpo.trainer import Trainer
+from lowmem_grpo.training.metrics import peak_memory_bytes, reset_peak_memory
+from lowmem_grpo.memory.presets import preset
+from lowmem_grpo.training.trainer import Trainer
 
 GiB = 2**30
 
@@ -67,7 +67,7 @@ def cap_cuda_memory(gib: float, device: torch.device) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="Qwen2.5-0.5B", help="architecture preset (lowmem_grpo/presets.py)")
+    ap.add_argument("--arch", default="Qwen2.5-0.5B", help="architecture preset (lowmem_grpo/memory/presets.py)")
     ap.add_argument("--recipe", default=None, help="recipe whose settings to use (default: the config defaults)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")

@@ -62,7 +62,7 @@ class ModelConfig:
     precision: str = _f("fp32", "fp32: fp32 master weights and gradients (exact; 8 bytes/parameter before "
                                 "optimizer states). bf16_sr: bf16 weights and gradients (4 bytes/parameter); the "
                                 "8-bit AdamW update is computed in fp32 chunks and stochastically rounded back, so "
-                                "lr-1e-6 updates land (lowmem_grpo/sr_optim.py). Needs optim.optimizer=adamw_8bit "
+                                "lr-1e-6 updates land (lowmem_grpo/memory_modes/sr_adamw.py). Needs optim.optimizer=adamw_8bit "
                                 "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).")
     offload_activations: bool = _f(False, "Copy the layer inputs that checkpointing keeps to pinned CPU RAM on a "
                                           "side stream (overlapping compute) and back in backward: saves "

@@ -1,0 +1,96 @@
+"""Command line: `lowmem-grpo train|eval|profile|plan ...`; each command's --help says more.
+
+One module per command (train.py: train and eval; plan.py; profile.py); this one parses the
+arguments, dispatches, and turns user errors into one line and exit code 2. The CLI imports the
+library; nothing in the library imports the CLI.
+
+`key=value` overrides use the config's names (`section.key=value` or a bare `key=value`); values are
+YAML (`beta=0.04`, `reward_funcs=[numeric_answer]`). `--help-config` lists every key with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..config import ConfigError, describe, load_config
+from .train import evaluate, train
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowmem-grpo", description="Low-memory full-parameter GRPO.")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and help")
+    sub = p.add_subparsers(dest="command")
+    for name, help in (("train", "train a recipe"), ("eval", "greedy evaluation on the recipe's held-out prompts")):
+        s = sub.add_parser(name, help=help)
+        s.add_argument("recipe", help="a YAML recipe (see recipes/)")
+        s.add_argument("overrides", nargs="*", help="section.key=value or key=value" +
+                       ("; model=PATH evaluates a checkpoint folder" if name == "eval" else ""))
+    s = sub.add_parser("plan", help="predict peak GPU memory from a model config and settings (no GPU, no weights)")
+    s.add_argument("recipe", nargs="?", help="a YAML recipe (optional: the trainer's defaults otherwise)")
+    s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
+    s.add_argument("--model", help="preset (Qwen2.5-1.5B), hub id (Qwen/Qwen2.5-1.5B-Instruct) or config.json path")
+    s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
+    s.add_argument("--json", action="store_true", help="print a machine-readable object")
+    s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
+                                       "(table, profile.json, timeline.png)")
+    s.add_argument("recipe", help="a YAML recipe (see recipes/)")
+    s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
+    s.add_argument("--steps", type=int, default=2, help="trainer steps to profile (default 2)")
+    s.add_argument("--out", default=None, help="folder for the results (default: OUTPUT_DIR/profile)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    # key=value overrides may come after options (`profile R --steps 3 beta=0`): argparse leaves them over
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    if args.help_config:
+        print(describe())
+        return 0
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    if args.command == "plan":
+        from .plan import run
+        recipe, overrides = args.recipe, list(args.overrides)
+        if recipe is not None and "=" in recipe:  # `plan --model X key=value`: no recipe given
+            recipe, overrides = None, [recipe] + overrides
+        try:
+            return run(recipe, args.model, args.gpu_memory, overrides, args.json)
+        except ConfigError as e:
+            print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+            return 2
+    # heavy imports (torch, transformers) only when needed
+    from ..policy.model import ModelError
+    from ..rewards import RewardError
+    from ..training.data import DataError
+    from ..training.trainer import TrainingStopped
+    user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
+    try:
+        if args.command == "profile":
+            from .profile import run as profile
+            return profile(args.recipe, load_config(args.recipe, args.overrides), args.overrides, args.steps, args.out)
+        if args.command == "eval":
+            return evaluate(args.recipe, args.overrides)
+        return train(args.recipe, args.overrides)
+    except TrainingStopped as e:
+        print(f"lowmem-grpo: {e}", file=sys.stderr)
+        return 1
+    except user_errors as e:
+        if os.environ.get("LOWMEM_GRPO_DEBUG"):
+            raise
+        print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [key=value ...] [--json]`
+
+Predicts peak device memory per phase and category from a model config alone (a preset name or hub
+id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
+it fits the card after the documented margin, and if not, which changes make it fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..config import Config, ConfigError, load_config
+from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
+from ..memory.presets import PRESETS, preset
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|G|MiB|MB|M)?\s*", text, re.I)
+    if not m:
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 8GiB, 7.5GB or 8192MiB")
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").lower()
+    scale = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}[unit]
+    return int(value * scale)
+
+
+def architecture(cfg: Config, model: str | None) -> tuple[Arch, str]:
+    """The architecture to plan for: --model, else the recipe's model.config / name_or_path."""
+    source = model or cfg.model.name_or_path
+    if model is None and cfg.model.config is not None:
+        return Arch.from_config(cfg.model.config), "model.config"
+    if not source:
+        raise ConfigError("no model: give --model (a preset such as Qwen2.5-1.5B, a hub id, or a config.json path)")
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        from transformers import AutoConfig
+        return Arch.from_config(AutoConfig.from_pretrained(str(path))), str(path)
+    try:
+        return Arch.from_config(preset(source)), source
+    except KeyError:
+        raise ConfigError(f"{source!r} is neither a local config.json/model folder nor a preset; presets: "
+                          f"{', '.join(PRESETS)} (also by hub id, e.g. Qwen/Qwen2.5-1.5B-Instruct)") from None
+
+
+def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool) -> int:
+    cfg = load_config(recipe, overrides, check=False)
+    arch, source = architecture(cfg, model)
+    budget = parse_bytes(gpu_memory)
+    result = plan(cfg, arch)
+    margin = margin_bytes(result["peak_bytes"])
+    total = result["peak_bytes"] + margin
+    fits = total <= budget
+    ideas = [] if fits else suggestions(cfg, arch, budget)
+    if as_json:
+        print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
+                          "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
+                          "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
+                          "categories": result["categories"], "phase_categories": result["phase_categories"],
+                          "suggestions": ideas}, indent=2))
+        return 0
+    print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)")
+    print(format_plan(result))
+    print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
+          f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB: {'FITS' if fits else 'DOES NOT FIT'}")
+    for s in ideas:
+        mark = "fits" if s["fits"] else "still over"
+        print(f"  {'combined: ' if s.get('combined') else ''}{s['change']}: {s['total_bytes'] / GiB:.3f} GiB ({mark})")
+    return 0

@@ -1,0 +1,39 @@
+"""`lowmem-grpo train RECIPE [key=value ...]` and `lowmem-grpo eval RECIPE [model=PATH] [key=value ...]`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import load_config
+
+
+def split_model_override(overrides: list[str]) -> list[str]:
+    """`model=PATH` (eval's shorthand) -> evaluate that save_pretrained folder instead of the recipe's model."""
+    out = []
+    for item in overrides:
+        if item.startswith("model="):
+            path = item.split("=", 1)[1]
+            out += [f"model.name_or_path={path}", "model.gguf_file=null", "model.config=null"]
+            if (Path(path) / "tokenizer_config.json").is_file():
+                out.append(f"model.tokenizer={path}")
+        else:
+            out.append(item)
+    return out
+
+
+def train(recipe: str, overrides: list[str]) -> int:
+    """Train the recipe; exit code 130 when a signal stopped the run (after it saved)."""
+    from ..training.trainer import Trainer  # torch/transformers only when needed
+    cfg = load_config(recipe, overrides)
+    result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
+    return 130 if result["stopped_by"] else 0
+
+
+def evaluate(recipe: str, overrides: list[str]) -> int:
+    """Greedy evaluation of the recipe's model (or `model=PATH`) on its held-out prompts, printed as JSON."""
+    from ..training.trainer import Trainer
+    cfg = load_config(recipe, split_model_override(overrides))
+    trainer = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent, training=False)
+    print(json.dumps(trainer.evaluate(), indent=2))
+    return 0

@@ -1,0 +1,16 @@
+"""Memory tools: measure, attribute and predict the memory of a GRPO step.
+
+    track.py        memory.track(): peak memory around any code (CUDA allocator / CPU profiler events)
+    profile.py      MemoryProfile: per-phase, per-category memory of real trainer steps over time
+    plan.py         plan(): the predicted peak of each phase from a model config and settings alone
+    layer_probe.py  the per-token activation costs plan() uses, measured on a one-layer model
+    presets.py      architectures (config dicts) of the models people train, for plan() and benchmarks
+
+May import the settings (lowmem_grpo.config), the phase markers (lowmem_grpo.phases), the kernels and
+the training loop's pieces; never the CLI. `track` is importable from here (`memory.track()`); the
+other tools load on first use of their module, so `from lowmem_grpo import memory` stays light.
+"""
+
+from .track import Tracked, cpu_running_totals, track
+
+__all__ = ["track", "Tracked", "cpu_running_totals"]

@@ -1,0 +1,358 @@
+"""Device-memory accounting of a GRPO step from a model config and the run's settings (no weights).
+
+The phases are the trainer's (and the profiler's): rollout, old log-probs, reference log-probs,
+forward, backward, optimizer. Each phase's peak is the sum of what is alive at its worst moment:
+
+    weights             P x bytes(weight dtype)                       (tied embedding counted once)
+    optimizer states    bitsandbytes 8-bit AdamW: 2 B/element + 2 fp32 absmax per 256-block for tensors
+                        >= 4096 elements, 8 B/element (fp32 states) below; torch AdamW: 2 x bytes(dtype)
+    gradients           all of them (bytes(dtype) x P) in backward and at the optimizer step, and in the
+                        forward of every micro-batch after the first when gradients accumulate; with
+                        the optimizer step in backward only the tensors alive at once: the tied
+                        embedding (its gradient lives from the head to the embedding lookup) + the
+                        largest other tensor
+    activations         per token and layer, as measured on a one-layer model of the architecture
+                        (layer_probe.py: what autograd keeps, the forward's and backward's transients);
+                        checkpointing keeps one layer input per layer and recomputes one layer at a
+                        time. Plus autocast's bf16 copies of fp32 weights: all of them while the
+                        forward runs (autocast caches them until it exits), one layer's in recompute.
+    loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
+                        completion hidden states in the compute dtype; backward adds the fp32 [n, H]
+                        gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
+    KV cache            generation micro-batch x (prompt + completion) x layers x measured bytes/token,
+                        + the prefill's transient or the last position's logits through sampling, +
+                        autocast's weight copies (all of generation's working memory, as profiled)
+    reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
+
+Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS workspace and
+fragmentation come on top (`margin_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..config import Config, ConfigError, batch_plan
+from ..kernels.linear import DEFAULT_WORKSPACE_BYTES, default_chunk_size
+from .layer_probe import layer_costs
+
+GiB = 2**30
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
+GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
+
+
+@dataclass
+class Arch:
+    """The shapes that memory depends on, read from a transformers config."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    tensor_sizes: list[int] = field(default_factory=list)  # numel of every parameter tensor (tied once)
+    config: dict = field(default_factory=dict)  # the transformers config (for the layer probe)
+
+    @classmethod
+    def from_config(cls, conf) -> "Arch":
+        """From a transformers PretrainedConfig (or a dict with model_type)."""
+        if isinstance(conf, dict):
+            from transformers import AutoConfig
+            conf = dict(conf)
+            conf = AutoConfig.for_model(conf.pop("model_type"), **conf)
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):  # shapes only: no memory, no weights
+            model = AutoModelForCausalLM.from_config(conf)
+        sizes = [p.numel() for p in model.parameters()]  # parameters() yields a tied weight once
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                   if not isinstance(getattr(conf, k, None), int)]
+        if missing:
+            raise ConfigError(f"the planner reads decoder-only configs of the Llama/Qwen family; this "
+                              f"{conf.model_type} config has no {', '.join(missing)}")
+        head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
+        return cls(conf.vocab_size, conf.hidden_size, conf.intermediate_size, conf.num_hidden_layers,
+                   conf.num_attention_heads, getattr(conf, "num_key_value_heads", conf.num_attention_heads),
+                   head_dim, bool(getattr(conf, "tie_word_embeddings", False)), sizes, conf.to_dict())
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensor_sizes)
+
+    def layer_params(self) -> int:
+        attn = self.hidden * (self.heads * self.head_dim) * 2 + self.hidden * (self.kv_heads * self.head_dim) * 2
+        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+
+def optimizer_state_bytes(sizes: list[int], optimizer: str, weight_bytes: int) -> int:
+    if optimizer == "adamw":
+        return 2 * weight_bytes * sum(sizes)
+    total = 0
+    for n in sizes:
+        if n >= BNB_MIN_8BIT:
+            total += 2 * n + 2 * 4 * -(-n // BNB_BLOCK)  # two uint8 states + two fp32 absmax per block
+        else:
+            total += 8 * n  # bitsandbytes keeps fp32 states for small tensors
+    return total
+
+
+def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:
+    """The fused head's memory for n completion tokens (kernels/linear.py), beyond its inputs."""
+    chunk = default_chunk_size(n, arch.vocab)
+    total = n * chunk * compute_bytes + n * arch.hidden * compute_bytes  # workspace + hidden in compute dtype
+    if compute_bytes != weight_bytes:
+        total += chunk * arch.hidden * compute_bytes  # one weight slice cast per GEMM
+    if backward:
+        total += 4 * n * arch.hidden  # fp32 d hidden accumulator
+    if device == "cpu":  # the torch fallback: row chunks of the slice in fp32, at most three (kernels/logprobs.py)
+        total += min(3 * 4 * n * chunk, DEFAULT_WORKSPACE_BYTES)
+    return total
+
+
+def optimizer_step_bytes(cfg: Config, arch: Arch, device: str, one_tensor: bool = False) -> int:
+    """Temporaries of an optimizer step (of one tensor's step, for the optimizer in backward).
+
+    torch AdamW (foreach) makes ~2 weight-sized temporaries over the whole list; bitsandbytes 8-bit on
+    a GPU updates in one fused kernel (none), on the CPU it makes 5 fp32 copies of the tensor it
+    updates (measured: benchmarks/RESULTS.md); bf16_sr feeds it 4 MiB chunks.
+    """
+    wb = 2 if cfg.model.precision == "bf16_sr" else 4
+    largest = max(arch.tensor_sizes)
+    if cfg.optim.optimizer == "adamw":
+        return 2 * wb * (largest if one_tensor else arch.params)
+    if device != "cpu":
+        return 0
+    return 5 * 4 * (min(largest, 2**20) if cfg.model.precision == "bf16_sr" else largest)
+
+
+def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda") -> dict:
+    """Predicted device bytes per phase, and per category at each phase's peak, for `cfg` on `arch`.
+
+    `autocast`: whether bf16 autocast is on; None resolves model.bf16 as on an Ampere+ GPU (None = on).
+    `device`: "cuda" (what the planner is for), or "cpu" to compare with a CPU run, where the fused
+    head runs its torch fallback and bitsandbytes its CPU update.
+    """
+    g, t, m = cfg.generation, cfg.train, cfg.model
+    wb = 2 if m.precision == "bf16_sr" else 4  # weight (and gradient, and residual stream) bytes
+    if autocast is None:
+        autocast = m.bf16 is not False
+    ab = 2 if (wb == 2 or autocast) else 4  # what matmuls output: the loss head's compute dtype
+    costs = layer_costs(arch.config, torch.bfloat16 if wb == 2 else torch.float32, autocast)
+    H, layers = arch.hidden, arch.layers
+    b, seq = t.per_device_train_batch_size, g.max_prompt_length + g.max_completion_length
+    T, n = b * seq, b * g.max_completion_length
+    mb_lp = t.logprob_micro_batch_size or b
+    T_lp, n_lp = mb_lp * seq, mb_lp * g.max_completion_length
+    batches = batch_plan(cfg)
+    gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
+
+    weights = wb * arch.params
+    states = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, wb)
+    base = {"weights": weights, "optimizer states": states}
+    grads_all = wb * arch.params
+    head_grad = wb * arch.vocab * H  # the output head's gradient: the first one backward makes
+    if t.optimizer_in_backward:  # only the tensors alive at once: the tied embedding + the largest other
+        embedding = arch.vocab * H
+        others = sorted((s for s in arch.tensor_sizes if s != embedding), reverse=True)
+        grads_before = 0
+        grads_head = grads_end = wb * ((embedding if arch.tied else 0) + (others[0] if others else 0))
+    else:  # after the first micro-batch of an accumulation, every gradient exists before backward starts
+        grads_before = grads_all if t.gradient_accumulation_steps > 1 else 0
+        grads_head, grads_end = max(grads_before, head_grad), grads_all
+    casts = 2 * arch.layer_params() if (autocast and wb == 4) else 0  # autocast's bf16 copy of one layer's weights
+
+    head_fwd = loss_head_bytes(n, arch, ab, wb, False, device)
+    head_bwd = loss_head_bytes(n, arch, ab, wb, True, device)
+    norm = costs.norm_saved * T
+    layer_io = T * H * wb  # one layer input (the residual stream is in the weight dtype)
+    # Backward runs from the head down: activations fall layer by layer while gradients grow, so the
+    # peak is at the start (head, then first layer) or at the end (last layer, every gradient made).
+    if m.gradient_checkpointing:
+        kept = 0 if m.offload_activations else layers * layer_io  # the layer inputs
+        recompute = casts + (costs.saved + costs.backward_peak) * T  # one layer recomputed, then its backward
+        fwd_layers, fwd_head = kept + costs.forward_peak * T, kept + norm
+        bwd_head, bwd_first, bwd_last = kept + norm, kept + recompute, layer_io + recompute
+    else:
+        saved = layers * costs.saved * T
+        fwd_layers, fwd_head = saved + (costs.forward_peak - costs.saved) * T, saved + norm
+        bwd_head = saved + norm + layers * casts
+        bwd_first = saved + layers * casts + costs.backward_peak * T
+        bwd_last = costs.saved * T + casts + costs.backward_peak * T
+    total = lambda d: sum(d.values())  # noqa: E731
+    forward = max([{"gradients": grads_before, "activations": fwd_layers + layers * casts},
+                   {"gradients": grads_before, "activations": fwd_head + layers * casts, "loss head": head_fwd}],
+                  key=total)
+    in_backward_step = optimizer_step_bytes(cfg, arch, device, one_tensor=True) if t.optimizer_in_backward else 0
+    # A gradient that meets an existing .grad is made whole, then added: a transient the size of the
+    # tensor. The largest is the embedding: at the head when gradients accumulate, and at the
+    # embedding lookup when the head and the embedding are tied.
+    new_grad = wb * max(arch.tensor_sizes)
+    backward = max([{"gradients": grads_head + (new_grad if grads_before else 0), "activations": bwd_head,
+                     "loss head": head_bwd},
+                    {"gradients": grads_head, "activations": bwd_first},
+                    {"gradients": grads_end + (new_grad if (arch.tied or grads_before) else 0),
+                     "activations": bwd_last}], key=total)
+    forward, backward = {**base, **forward}, {**base, **backward}
+    backward["optimizer states"] += in_backward_step  # each tensor's update runs as its gradient is ready
+
+    kv = gen_b * seq * layers * costs.kv_cache
+    prefill = gen_b * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
+    gen_logits = GENERATION_LOGIT_BUFFERS * 4 * gen_b * arch.vocab
+    # Generation's memory, all under "KV cache" as the profiler counts it: the cache, the prefill's
+    # transient or the sampling logits, and autocast's bf16 weight copies (cached in no-grad passes too).
+    phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits) + layers * casts}}
+    # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
+    lp_activations = T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp, costs.norm_saved * T_lp)
+    lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
+    if batches.needs_old_logprobs:
+        phases["old log-probs"] = {**base, "activations": lp_activations + layers * casts, "loss head": lp_head}
+    if t.beta > 0:
+        ref = {**base}
+        if device != "cpu" and t.reference_compute != "cpu":
+            # streamed (auto on a GPU): the forward runs on the device. (A CPU run counts it as host.)
+            chunk = default_chunk_size(n_lp, arch.vocab)
+            ref["reference buffers"] = 2 * arch.layer_params() * wb + chunk * H * ab + lp_activations + lp_head
+        phases["reference log-probs"] = ref
+    phases["forward"], phases["backward"] = forward, backward
+    if not t.optimizer_in_backward:
+        phases["optimizer"] = {**base, "gradients": grads_all}
+        phases["optimizer"]["optimizer states"] += optimizer_step_bytes(cfg, arch, device)
+    phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
+    phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
+    peak_phase = max(phase_totals, key=phase_totals.get)
+    return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
+            "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase}
+
+
+def format_plan(result: dict) -> str:
+    """Categories (rows) at each phase's predicted peak (columns), GiB."""
+    phases = list(result["phases"])
+    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp"}
+    cats = []
+    for cat in (c for p in phases for c in result["phase_categories"][p]):
+        if cat not in cats:
+            cats.append(cat)
+    lines = [f"{'GiB (predicted)':<20}" + "".join(f"{short.get(p, p):>10}" for p in phases)]
+    for c in cats:
+        lines.append(f"{c:<20}" + "".join(f"{result['phase_categories'][p].get(c, 0) / GiB:>10.3f}" for p in phases))
+    lines.append(f"{'total':<20}" + "".join(f"{result['phases'][p] / GiB:>10.3f}" for p in phases))
+    lines += ["", f"peak: {result['peak_bytes'] / GiB:.3f} GiB ({result['peak_phase']}), allocator view"]
+    return "\n".join(lines)
+
+
+# What the allocator does not show, added to the allocator-view peak before comparing with a card:
+# the CUDA context (~0.3-0.5 GiB with lazy module loading on CUDA 12), cuBLAS/cuDNN workspaces and
+# allocator fragmentation. A stated estimate, not yet fitted to GPU runs (the planner's accuracy
+# table will do that): 0.5 GiB + 5% of the allocator peak.
+CONTEXT_BYTES = GiB // 2
+FRAGMENTATION = 0.05
+
+
+def margin_bytes(peak: int) -> int:
+    return int(CONTEXT_BYTES + FRAGMENTATION * peak)
+
+
+# Changes the planner may suggest, cheapest first (cost to training quality/speed, not bytes):
+# memory-only switches, then switches that cost time, then ones that change the algorithm's batch.
+# Each reads the config it is applied to (so they compose) and returns the changes as
+# {(section, key): value}, or None where it does not apply.
+def _reference_on_cpu(c: Config):
+    return {("train", "reference_compute"): "cpu"} if c.train.beta > 0 and c.train.reference_compute == "auto" else None
+
+
+def _optimizer_in_backward(c: Config):
+    if c.train.optimizer_in_backward:
+        return None
+    micro = batch_plan(c).micro_batches_per_generation  # the same generation batch, one step per micro-batch
+    return {("train", "optimizer_in_backward"): True, ("train", "gradient_accumulation_steps"): 1,
+            ("train", "steps_per_generation"): micro, ("train", "generation_batch_size"): None}
+
+
+def _bf16_sr(c: Config):
+    return {("model", "precision"): "bf16_sr"} if c.model.precision != "bf16_sr" else None
+
+
+def _checkpointing_or_offload(c: Config):
+    if not c.model.gradient_checkpointing:
+        return {("model", "gradient_checkpointing"): True}
+    return {("model", "offload_activations"): True} if not c.model.offload_activations else None
+
+
+def _smaller_generation_micro_batch(c: Config):
+    gen_b = min(c.generation.generation_micro_batch_size, batch_plan(c).generation_batch_size)
+    return {("generation", "generation_micro_batch_size"): gen_b // 2} if gen_b > 8 else None
+
+
+def _half_micro_batch(c: Config):
+    """Half the micro-batch, twice as many of them: the same generation batch and optimizer step."""
+    t = c.train
+    if t.per_device_train_batch_size < 2 or t.per_device_train_batch_size % 2:
+        return None
+    micro = batch_plan(c).micro_batches_per_generation * 2
+    edits = {("train", "per_device_train_batch_size"): t.per_device_train_batch_size // 2}
+    if t.generation_batch_size is None:
+        edits[("train", "steps_per_generation")] = micro
+    if not t.optimizer_in_backward:  # (with it, each micro-batch is its own step)
+        edits[("train", "gradient_accumulation_steps")] = t.gradient_accumulation_steps * 2
+    return edits
+
+
+def _shorter_completions(c: Config):
+    length = c.generation.max_completion_length
+    return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
+
+
+SUGGESTIONS = (_reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload,
+               _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
+
+
+def _apply(cfg: Config, edits: dict) -> Config:
+    import copy
+    new = copy.deepcopy(cfg)
+    for (section, key), value in edits.items():
+        setattr(getattr(new, section), key, value)
+    return new
+
+
+def _describe(edits: dict) -> str:
+    text = " ".join(f"{key}={str(v).lower() if isinstance(v, bool) else v}" for (_, key), v in edits.items()
+                    if v is not None)
+    if ("model", "precision") in edits:
+        text += " (bf16 weights, stochastic rounding; GPU sm_80+)"
+    return text
+
+
+def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
+    """Single changes and a cumulative combination (cheapest first) with their predicted totals."""
+    def predicted(c: Config) -> Optional[int]:
+        try:
+            return plan(c, arch)["peak_bytes"]
+        except ConfigError:  # a change this config cannot take
+            return None
+
+    out = []
+    for option in SUGGESTIONS:
+        edits = option(cfg)
+        peak = predicted(_apply(cfg, edits)) if edits else None
+        if peak is not None:
+            total = peak + margin_bytes(peak)
+            out.append({"change": _describe(edits), "peak_bytes": peak, "total_bytes": total, "fits": total <= budget})
+    combined, steps = cfg, []
+    for option in SUGGESTIONS:  # apply cheapest-first until it fits
+        edits = option(combined)
+        peak = predicted(_apply(combined, edits)) if edits else None
+        if peak is None:
+            continue
+        combined = _apply(combined, edits)
+        steps.append(_describe(edits))
+        if peak + margin_bytes(peak) <= budget:
+            if len(steps) > 1:
+                out.append({"change": " + ".join(steps), "peak_bytes": peak, "total_bytes": peak + margin_bytes(peak),
+                            "fits": True, "combined": True})
+            break
+    return out

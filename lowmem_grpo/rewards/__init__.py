@@ -1,0 +1,17 @@
+"""Rewards: TRL's reward-function signature, loading what a recipe names, calling and checking.
+
+    base.py      RewardError, RewardFunction, completion_text (shared by everything below)
+    builtins.py  the built-in reward functions a recipe names (numeric_answer, exact_match, ...)
+    loading.py   load_reward_functions: built-ins, module:function, path/file.py:function, callables
+    calling.py   compute_rewards (weighted total + per-function table), reward_metrics
+
+Imports nothing of lowmem_grpo outside this package.
+"""
+
+from .base import RewardError, RewardFunction, completion_text
+from .builtins import BUILTINS
+from .calling import compute_rewards, reward_metrics
+from .loading import load_reward_functions
+
+__all__ = ["RewardError", "RewardFunction", "completion_text", "BUILTINS", "compute_rewards", "reward_metrics",
+           "load_reward_functions"]

@@ -1,0 +1,85 @@
+"""Greedy evaluation on held-out prompts: mean reward per function and pass rate (reward >= 1)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..config import GenerationConfig
+from ..policy.rollout import decode_completions, generate
+from ..rewards import compute_rewards
+
+
+def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConfig, *, eos_ids: list[int],
+             pad_id: int, device: torch.device, batch_size: int = 64, max_samples: Optional[int] = None,
+             autocast_bf16: bool = False, output_file: Optional[Path] = None) -> dict:
+    """One greedy completion per held-out prompt, scored by the run's reward functions.
+
+    Returns {"samples", "reward" (mean weighted total), "rewards/<name>/mean", "pass_rate/<name>"
+    (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards), "mean_length",
+    "seconds"}. If output_file is given, every completion is written there with its rewards.
+    """
+    n = len(prompt_set) if max_samples is None else min(max_samples, len(prompt_set))
+    subset = prompt_set.select(list(range(n)))
+    t0 = time.perf_counter()
+    batch = generate(model, subset.prompt_ids, gen_cfg, eos_ids=eos_ids, pad_id=pad_id, device=device,
+                     greedy=True, micro_batch=batch_size, autocast_bf16=autocast_bf16)
+    decoded = decode_completions(batch, subset.prompts, eos_ids, tokenizer)
+    keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
+    per_func, total = compute_rewards(reward_funcs, subset.prompts, completions, completion_ids, subset.columns)
+    result = {"samples": n, "reward": total.mean().item()}
+    for j, f in enumerate(reward_funcs):
+        col = per_func[:, j]
+        valid = ~col.isnan()
+        result[f"rewards/{f.name}/mean"] = col[valid].mean().item() if valid.any() else None
+        result[f"pass_rate/{f.name}"] = (col[valid] >= 1.0).float().mean().item() if valid.any() else None
+    result["mean_length"] = keep.sum(1).float().mean().item()
+    result["seconds"] = time.perf_counter() - t0
+    if output_file is not None:
+        output_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(output_file, "w") as fh:
+            for i in range(n):
+                row = {"prompt": subset.prompts[i], "completion": texts[i], "reward": total[i].item(),
+                       "rewards": {f.name: (None if per_func[i, j].isnan() else per_func[i, j].item())
+                                   for j, f in enumerate(reward_funcs)}}
+                fh.write(json.dumps(row, default=str) + "\n")
+    return result
+
+
+def format_comparison(before: Optional[dict], after: dict) -> str:
+    """A before/after table of every evaluation metric, side by side."""
+    keys = [k for k in after if k not in ("seconds",)]
+    lines = [f"{'held-out evaluation (greedy)':<36} {'before':>10} {'after':>10}"]
+    for k in keys:
+        b = None if before is None else before.get(k)
+        lines.append(f"{k:<36} {_fmt(b):>10} {_fmt(after[k]):>10}")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:d}" if isinstance(v, int) else f"{v:.3f}"
+
+
+def evaluation_before(run_eval: Callable[[], dict], output_dir: str | Path, resumed: bool) -> dict:
+    """eval_on_start: evaluate now and write eval_start.json, or, when resuming a run that already did,
+    read back what it measured before its first step."""
+    path = Path(output_dir, "eval_start.json")
+    if resumed and path.is_file():
+        return json.loads(path.read_text())
+    result = run_eval()
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
+def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, before: Optional[dict]) -> dict:
+    """eval_on_end: evaluate, write eval_end.json and print the before/after table."""
+    after = run_eval()
+    Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
+    print(format_comparison(before, after))
+    return after

@@ -1,0 +1,334 @@
+"""The GRPO training loop, top to bottom:
+
+    sample prompts -> generate G completions each -> rewards -> advantages
+    -> (old log-probs if the policy moves while the batch is in use; reference log-probs if beta > 0)
+    -> loss on micro-batches through the fused head -> optimizer step -> log -> checkpoint
+
+Simplifications, stated plainly:
+- One process, one device. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
+  reference log-probs once per generation batch, on the CPU or streamed to the GPU (memory_modes/reference.py).
+- When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
+  uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
+- Micro-batches of a generation batch are visited in generation order on every iteration.
+- Global loss denominators (dapo) count the completion tokens of the micro-batches of one optimizer
+  step; grpo/bnpo/dr_grpo are per-micro-batch means divided by gradient_accumulation_steps.
+- Completions passed to reward functions exclude the EOS token; `completion_ids` likewise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import random
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..config import Config, ConfigError, batch_plan
+from ..kernels import linear_grpo_loss
+from ..memory_modes.activation_offload import offload_activations
+from ..memory_modes.optimizer_in_backward import OptimizerInBackward
+from ..memory_modes.optimizers import build_optimizer, build_scheduler
+from ..memory_modes.reference import Reference
+from ..phases import phase
+from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, check_fused_head, enable_checkpointing,
+                            load_model, load_tokenizer)
+from ..policy.rollout import Batch, completion_hidden
+from ..rewards import load_reward_functions
+from . import checkpoint as ckpt
+from .data import PromptSampler, build_prompt_set, load_rows, split_eval
+from .evaluate import evaluate, evaluation_after, evaluation_before
+from .generation import GenerationBatch, make_generation_batch
+from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
+from .stopping import StopRequest, save_on_error
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped early on purpose (non-finite steps); a checkpoint was saved."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"train.device={name} but this torch build sees no CUDA GPU; set train.device=cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True):
+        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only)."""
+        self.cfg = cfg
+        self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
+        self.plan = batch_plan(cfg)
+        self.device = pick_device(cfg.train.device)
+        seed_everything(cfg.train.seed)
+        m, t = cfg.model, cfg.train
+        self.autocast = bf16_autocast_wanted(m.bf16, self.device)
+        if m.precision == "bf16_sr":
+            check_bf16_weights(self.device)
+        self.tokenizer = load_tokenizer(m)
+        self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs, cfg.rewards.reward_weights,
+                                                  base_dir=recipe_dir)
+        self.policy = load_model(m, t.seed)
+        self.eos_ids, self.pad_id = self._special_ids()
+        self.train_set, self.eval_set = self._load_data()
+        self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
+        if not training:
+            self.policy.to(self.device)
+            return
+        # The reference is the model as loaded, before any resumed weights: a frozen copy in CPU RAM
+        # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
+        self.ref = None
+        if t.beta > 0:
+            mode = t.reference_compute if t.reference_compute != "auto" else (
+                "stream" if self.device.type == "cuda" else "cpu")
+            self.ref = Reference(copy.deepcopy(self.policy), self.device, mode)
+        self.policy.to(self.device)
+        if m.gradient_checkpointing:
+            enable_checkpointing(self.policy)
+        self.policy.config.use_cache = False  # training forwards never need the KV cache
+        self.head = check_fused_head(self.policy)
+        self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
+                                         in_backward=t.optimizer_in_backward)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.step = 0
+        self.generation: Optional[GenerationBatch] = None
+        self.nonfinite_in_a_row = 0
+        self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
+        self.resumed_from: Optional[Path] = None
+        if cfg.output.resume_from:
+            self._resume(ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir))
+        self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
+
+    # ----- setup -------------------------------------------------------------------------------
+    def _special_ids(self) -> tuple[list[int], int]:
+        m, tok, gen = self.cfg.model, self.tokenizer, self.policy.generation_config
+        eos = m.eos_token_id
+        if eos is None:
+            eos = tok.eos_token_id if tok is not None else gen.eos_token_id
+        if eos is None:
+            raise ConfigError("no EOS token id: set model.eos_token_id")
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
+            eos_ids.append(tok.eos_token_id)
+        pad = m.pad_token_id
+        if pad is None:
+            pad = tok.pad_token_id if tok is not None else gen.pad_token_id
+        return eos_ids, int(eos_ids[0] if pad is None else pad)
+
+    def _load_data(self):
+        d, g = self.cfg.data, self.cfg.generation
+        if not d.train_file:
+            raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
+                             "datasets folder with a prompt (or prompt_ids) column")
+        rows = load_rows(self._find(d.train_file))
+        eval_rows = load_rows(self._find(d.eval_file)) if d.eval_file else []
+        if not d.eval_file and d.eval_holdout:
+            rows, eval_rows = split_eval(rows, d.eval_holdout)
+        vocab = self.policy.get_output_embeddings().weight.shape[0]
+        build = lambda r, src: build_prompt_set(r, self.tokenizer, d, g.max_prompt_length, src, vocab_size=vocab)
+        train = build(rows, d.train_file)
+        if train.num_truncated:
+            print(f"[lowmem-grpo] left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
+        if len(train) < self.plan.prompts_per_generation:
+            print(f"[lowmem-grpo] note: {len(train)} training prompts, fewer than the "
+                  f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
+        return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
+
+    def _find(self, path: str) -> str:
+        """A data path as given (relative to the working directory), else relative to the recipe's folder."""
+        if Path(path).exists() or self.recipe_dir is None or Path(path).is_absolute():
+            return path
+        beside = self.recipe_dir / path
+        return str(beside) if beside.exists() else path
+
+    def _resume(self, path: Path) -> None:
+        ckpt.load_weights(self.policy, path)
+        state = ckpt.load_state(path)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+        self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.generation = GenerationBatch.from_state(state["generation"]) if state["generation"] else None
+        ckpt.set_rng_state(state["rng"])
+        self.last_saved_step = self.step
+        self.resumed_from = path
+        print(f"[lowmem-grpo] resumed from {path} at step {self.step}")
+
+    def save(self) -> Path:
+        state = {
+            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
+            "generation": self.generation.state_dict() if self.generation else None,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
+        path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
+                                    self.cfg.output.save_total_limit, self.cfg.to_dict())
+        self.last_saved_step = self.step
+        return path
+
+    # ----- rollout -----------------------------------------------------------------------------
+    def new_generation_batch(self) -> GenerationBatch:
+        prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
+        return make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
+                                     reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
+                                     eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
+                                     autocast=self.autocast, epoch=self.sampler.epoch)
+
+    # ----- one optimizer step ------------------------------------------------------------------
+    def micro_batch_loss(self, mb: Batch, num_items: int):
+        """Loss of one micro-batch (already on the device) through the fused head, and its metrics."""
+        t, g = self.cfg.train, self.cfg.generation
+        offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), offload:
+            hidden = completion_hidden(self.head, mb)  # (b, c, H)
+            loss, metrics = linear_grpo_loss(
+                hidden, self.head.weight, mb.completion_ids, mb.advantages, bias=self.head.bias,
+                mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
+                epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
+                loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=num_items if t.loss_type == "dapo" else None)
+        if t.loss_type != "dapo":  # per-micro-batch means: average them over the accumulation
+            loss = loss / t.gradient_accumulation_steps
+        return loss, metrics
+
+    def optimizer_step(self) -> dict:
+        t, gb = self.cfg.train, self.generation
+        rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
+        num_items = int(sum(int(r.completion_mask.sum()) for r in rows))
+        self.policy.train()
+        in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        loss_sum, tokens, sums, grad_norm = 0.0, 0, {}, 0.0
+        for mb in rows:
+            n = int(mb.completion_mask.sum())
+            if n == 0:  # every completion here is masked (mask_truncated_completions): nothing to learn
+                continue
+            with phase("forward"):
+                loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
+                loss_sum += loss.item()
+            with phase("backward"):
+                if not in_backward:
+                    loss.backward()
+                elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
+                    self.optimizer.begin_step()
+                    loss.backward()
+                    grad_norm = self.optimizer.end_step()
+            tokens += int(mb.prompt_mask.sum()) + n
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v.item() * n
+        if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
+            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
+        else:
+            with phase("optimizer"):
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                max_norm = self.cfg.optim.max_grad_norm or float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
+                finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+                if finite and num_items:
+                    self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.scheduler.step()
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
+        gb.steps_done += 1
+        out = {k: v / max(num_items, 1) for k, v in sums.items()}  # token-weighted means
+        out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
+                   train_tokens=tokens)
+        return out
+
+    def run_step(self) -> tuple[GenerationBatch, dict, float]:
+        """One optimizer step, generating a new batch first when the current one is used up.
+
+        Returns the generation batch the step used, the step's metrics and the generation time (0 when
+        the batch was already there)."""
+        generation_time = 0.0
+        if self.generation is None:
+            self.generation = self.new_generation_batch()
+            generation_time = self.generation.generation_time
+        gb = self.generation
+        step_metrics = self.optimizer_step()
+        self.step += 1
+        if gb.steps_done >= self.plan.steps_per_generation_batch:
+            self.generation = None
+        return gb, step_metrics, generation_time
+
+    # ----- the loop ----------------------------------------------------------------------------
+    def train(self) -> dict:
+        cfg, out = self.cfg, self.cfg.output
+        log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None)
+        Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        before = (evaluation_before(self.evaluate, out.output_dir, resumed=self.resumed_from is not None)
+                  if cfg.eval.eval_on_start else None)
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not out.progress_bar, desc="grpo")
+        last = {}
+        try:
+            with self.stop.on_signals(), save_on_error(self.save, lambda: self.step > self.last_saved_step):
+                while self.step < cfg.train.max_steps and self.stop.reason is None:
+                    last = self._logged_step(log)
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{last['reward']:.3f}", kl=f"{last.get('kl', 0.0):.4f}",
+                                    step_time=f"{last['step_time']:.1f}s")
+                    if self.nonfinite_in_a_row >= cfg.train.max_nonfinite_steps:
+                        path = self.save()
+                        raise TrainingStopped(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
+                                              f"loss or gradient; stopped and saved {path}. Lower "
+                                              "optim.learning_rate or check the reward scale.")
+                    if out.save_steps and self.step % out.save_steps == 0:
+                        self.save()
+                if self.step > self.last_saved_step:
+                    print(f"[lowmem-grpo] saved {self.save()}")
+        finally:
+            bar.close()
+            log.close()
+        if self.stop.reason is not None:
+            print(f"[lowmem-grpo] stopped by {self.stop.reason} at step {self.step}")
+        result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
+        if cfg.eval.eval_on_end and self.stop.reason is None:
+            result["eval_end"] = evaluation_after(self.evaluate, out.output_dir, before)
+        return result
+
+    def _logged_step(self, log: RunLog) -> dict:
+        """run_step() with its timing and peak memory, written to the logs every logging_steps."""
+        reset_peak_memory(self.device)
+        t0 = time.perf_counter()
+        gb, step_metrics, generation_time = self.run_step()
+        step_time = time.perf_counter() - t0
+        metrics = {**gb.info, **step_metrics, "step_time": step_time, "generation_time": generation_time,
+                   "tokens_per_second": step_metrics.pop("train_tokens") / step_time,
+                   "peak_memory_bytes": peak_memory_bytes(self.device)}
+        metrics.pop("train_tokens", None)
+        out = self.cfg.output
+        if self.step % out.logging_steps == 0 or self.step == self.cfg.train.max_steps:
+            log.metrics(self.step, metrics)
+            if gb.samples:  # each generation batch's samples are written once
+                log.completions(self.step, gb.samples)
+                gb.samples = []
+        return metrics
+
+    def evaluate(self) -> dict:
+        if self.eval_set is None:
+            raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
+        e = self.cfg.eval
+        return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
+                        eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
+                        max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
+                        output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"))

@@ -1,0 +1,133 @@
+"""Memory accounting on hand-checkable cases."""
+
+import pytest
+
+from lowmem_grpo.config import load_config
+from lowmem_grpo.memory.plan import Arch, optimizer_state_bytes, plan
+from lowmem_grpo.memory.presets import preset
+
+MINIMAL = ["model.name_or_path=x", "reward_funcs=[numeric_answer]"]
+
+
+def test_parameter_counts_of_the_presets():
+    assert Arch.from_config(preset("Qwen2.5-0.5B")).params == 494_032_768
+    assert Arch.from_config(preset("Qwen/Qwen2.5-1.5B-Instruct")).params == 1_543_714_304
+
+
+def test_optimizer_state_bytes_per_tensor_size():
+    # 8-bit: 2 bytes/element + two fp32 absmax per 256-block; below 4096 elements bitsandbytes keeps fp32 states
+    assert optimizer_state_bytes([4096], "adamw_8bit", 4) == 2 * 4096 + 2 * 4 * 16
+    assert optimizer_state_bytes([4097], "adamw_8bit", 4) == 2 * 4097 + 2 * 4 * 17
+    assert optimizer_state_bytes([100], "adamw_8bit", 4) == 8 * 100
+    assert optimizer_state_bytes([100, 4096], "adamw", 4) == 8 * 4196
+    assert optimizer_state_bytes([100], "adamw", 2) == 4 * 100
+
+
+TINY = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+
+
+def test_weights_gradients_and_states_by_precision_and_optimizer_mode():
+    arch = Arch.from_config(TINY)
+    p, embedding = arch.params, 1000 * 64
+    assert p == embedding + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64  # tied head counted once
+    fp32 = plan(load_config(None, MINIMAL), arch, device="cuda")["phase_categories"]
+    assert fp32["forward"]["weights"] == 4 * p
+    assert fp32["forward"]["gradients"] == 0  # one micro-batch per step: no gradient exists during forward
+    assert fp32["optimizer"]["gradients"] == 4 * p  # every gradient at the step
+    assert fp32["optimizer"]["optimizer states"] == optimizer_state_bytes(arch.tensor_sizes, "adamw_8bit", 4)
+    accumulating = plan(load_config(None, MINIMAL + ["gradient_accumulation_steps=2", "per_device_train_batch_size=4"]),
+                        arch)["phase_categories"]
+    assert accumulating["forward"]["gradients"] == 4 * p  # kept from the previous micro-batch
+    bf16 = plan(load_config(None, MINIMAL + ["precision=bf16_sr", "optimizer_in_backward=true"]), arch)
+    cats = bf16["phase_categories"]
+    assert cats["forward"]["weights"] == 2 * p and "optimizer" not in cats  # the step runs inside backward
+    others = sorted(s for s in arch.tensor_sizes if s != embedding)
+    # tied embedding (alive from the head to the lookup) + the largest other, + the embedding's second
+    # gradient (from the lookup) while it is added to the first
+    assert cats["backward"]["gradients"] in (2 * (embedding + others[-1]), 2 * (2 * embedding + others[-1]))
+    assert cats["backward"]["optimizer states"] == fp32["optimizer"]["optimizer states"]  # 8-bit: dtype-independent
+    torch_adamw = plan(load_config(None, MINIMAL + ["optimizer=adamw"]), arch)["phase_categories"]["optimizer"]
+    assert torch_adamw["optimizer states"] == 8 * p + 8 * p  # two fp32 states + foreach temporaries
+
+
+def test_layer_probe_kv_cache_bytes_are_the_hand_count():
+    import torch
+    from lowmem_grpo.memory.layer_probe import layer_costs
+    kv_width = 2 * 16  # kv heads x head_dim
+    assert layer_costs(TINY, torch.float32, False).kv_cache == 2 * kv_width * 4  # keys + values, fp32
+    assert layer_costs(TINY, torch.bfloat16, False).kv_cache == 2 * kv_width * 2
+    fp32, bf16 = layer_costs(TINY, torch.float32, False), layer_costs(TINY, torch.bfloat16, False)
+    assert 0 < bf16.saved < fp32.saved  # what autograd keeps shrinks with the dtype
+    assert fp32.saved >= 64 * 4  # at least the layer's output
+
+
+def test_phase_categories_add_up_and_checkpointing_trades_activations():
+    arch = Arch.from_config(preset("SmolLM2-135M"))
+    ckpt = plan(load_config(None, MINIMAL), arch)
+    full = plan(load_config(None, MINIMAL + ["gradient_checkpointing=false"]), arch)
+    for result in (ckpt, full):
+        for name, cats in result["phase_categories"].items():
+            assert sum(cats.values()) == result["phases"][name]
+        assert result["peak_bytes"] == max(result["phases"].values())
+        assert sum(result["categories"].values()) == result["peak_bytes"]
+    assert full["phase_categories"]["forward"]["activations"] > 3 * ckpt["phase_categories"]["forward"]["activations"]
+
+
+@pytest.mark.parametrize("recipe, arch, budget", [("qwen2.5-0.5b_gsm8k_8gb.yaml", "Qwen2.5-0.5B", 6.5),
+                                                   ("qwen2.5-1.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B", 7.4)])
+def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
+    from pathlib import Path
+    cfg = load_config(Path(__file__).parents[2] / "recipes" / recipe)
+    result = plan(cfg, Arch.from_config(preset(arch)))
+    assert result["peak_bytes"] / 2**30 <= budget, result
+
+
+def _plan_json(capsys, *argv):
+    import json
+    from lowmem_grpo.cli import main
+    capsys.readouterr()
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_cli_json_for_presets_by_short_name_and_hub_id(capsys):
+    short = _plan_json(capsys, "--model", "Qwen2.5-1.5B")
+    hub = _plan_json(capsys, "--model", "Qwen/Qwen2.5-1.5B-Instruct")
+    assert short["peak_bytes"] == hub["peak_bytes"] and short["params"] == 1_543_714_304
+    assert {"peak_bytes", "fits", "phases", "categories", "margin_bytes", "suggestions"} <= short.keys()
+    assert set(short["phases"]) == {"rollout", "forward", "backward", "optimizer"}
+    assert sum(short["categories"].values()) == short["peak_bytes"]  # the categories at the peak
+    # fp32 master weights, full gradients: 1.5B does not fit 8 GiB, and the suggestions find a combination that does
+    assert not short["fits"]
+    assert any(s.get("combined") and s["fits"] for s in short["suggestions"])
+
+
+def test_plan_cli_for_the_8gb_recipes_and_overrides(capsys, monkeypatch):
+    from pathlib import Path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network: presets and the layer probe only
+    recipes = Path(__file__).parents[2] / "recipes"
+    for recipe in ("qwen2.5-0.5b_expected-string_8gb.yaml", "qwen2.5-0.5b_gsm8k_8gb.yaml"):
+        assert _plan_json(capsys, str(recipes / recipe))["fits"], recipe
+    big = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"))
+    assert big["fits"] and big["peak_bytes"] / 2**30 <= 7.4
+    longer = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"), "max_completion_length=4096")
+    assert longer["phases"]["backward"] > big["phases"]["backward"] and longer["phases"]["rollout"] > big["phases"]["rollout"]
+    small = _plan_json(capsys, "--model", "SmolLM2-135M", "--gpu-memory", "24GiB")
+    assert small["fits"] and small["gpu_memory_bytes"] == 24 * 2**30
+
+
+def test_plan_cli_errors(capsys):
+    from lowmem_grpo.cli import main
+    assert main(["plan", "--model", "Qwen2.5-1.5B", "--gpu-memory", "lots"]) == 2
+    assert "give a size such as 8GiB" in capsys.readouterr().err
+    assert main(["plan", "--model", "NoSuchModel-7B"]) == 2
+    assert "neither a local config.json" in capsys.readouterr().err
+
+
+def test_plan_names_an_architecture_it_cannot_read(tmp_path, capsys):
+    import json
+    from lowmem_grpo.cli import main
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
+    assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
+    assert "has no intermediate_size" in capsys.readouterr().err

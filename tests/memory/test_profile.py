@@ -1,0 +1,132 @@
+"""The memory profiler: exact categories on hand-checkable steps, and `lowmem-grpo profile` end to end."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lowmem_grpo.memory.profile import CATEGORIES, MemoryProfile
+from lowmem_grpo.phases import phase
+
+MiB = 2**20
+
+
+def _storage_bytes(tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _at_end(result, category, device="host"):
+    tl = result.devices[device]
+    return int(tl.bytes[-1, CATEGORIES.index(category)])
+
+
+def test_weights_gradients_optimizer_states_and_activations_are_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 512))
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(256, 512)
+    params = list(model.parameters())
+    with MemoryProfile(params, opt) as prof:
+        with phase("forward"):
+            loss = model(x).square().mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+    result = prof.result
+    weight_bytes = _storage_bytes(params)
+    assert _at_end(result, "weights") == weight_bytes
+    assert _at_end(result, "gradients") == weight_bytes  # every .grad, found by the grad hooks' markers
+    states = [v for s in opt.state.values() for v in s.values()]
+    assert _at_end(result, "optimizer states") == _storage_bytes(states)
+    summary = result.devices["host"].summary()
+    # the forward keeps the ReLU input/output and the hidden (256 x 1024 fp32 = 1 MiB each)
+    assert summary["phases"]["forward"]["categories"]["activations"] >= 2 * MiB
+    for entry in [summary, *summary["phases"].values()]:  # categories add up to each peak
+        assert sum(entry["categories"].values()) == entry["peak_bytes"]
+    assert set(summary["phases"]) == {"forward", "backward", "optimizer"}
+
+
+def test_fused_head_workspace_is_the_loss_head_and_in_backward_gradients_are_gradients():
+    from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.kernels.linear import default_chunk_size
+
+    n, h, v = 512, 64, 50_000
+    head = nn.Linear(h, v, bias=False)
+    proj = nn.Linear(h, h)
+    params = list(head.parameters()) + list(proj.parameters())
+    opt = OptimizerInBackward([{"params": params, "lr": 1e-3}], lambda groups: torch.optim.SGD(groups, lr=1e-3),
+                              max_grad_norm=None)
+    x, ids = torch.randn(n, h), torch.randint(0, v, (n,))
+    with MemoryProfile(params, opt) as prof:
+        with phase("forward"):
+            loss = -linear_token_logprobs(proj(x), head.weight, ids).mean()
+        with phase("backward"):
+            opt.begin_step()
+            loss.backward()
+            opt.end_step()
+    summary = prof.result.devices["host"].summary()
+    workspace = n * min(default_chunk_size(n, v), v) * 4
+    assert summary["category_max"]["loss head"] >= workspace  # allocated inside the custom op
+    # the head's gradient (v x h fp32) exists, then is freed in the hook: counted as a gradient
+    assert summary["category_max"]["gradients"] >= v * h * 4
+    assert _at_end(prof.result, "gradients") == 0
+
+
+def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
+    from pathlib import Path
+    from lowmem_grpo.cli import main
+
+    recipe = Path(__file__).parents[2] / "recipes" / "toy_tokens.yaml"
+    out = tmp_path / "profile"
+    code = main(["profile", str(recipe), "--steps", "2", "--out", str(out), f"output_dir={tmp_path / 'run'}",
+                 "progress_bar=false"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "PEAK" in text and "planner at this run's lengths" in text
+    data = json.loads((out / "profile.json").read_text())
+    host = data["devices"]["host"]
+    assert sum(host["categories"].values()) == host["peak_bytes"] == data["peak_bytes"]
+    for name, entry in host["phases"].items():
+        assert sum(entry["categories"].values()) == entry["peak_bytes"], name
+    # toy_tokens: beta > 0 (reference on the CPU) and two optimizer steps per generation batch (old log-probs)
+    assert set(host["phases"]) == {"rollout", "old log-probs", "reference log-probs", "forward", "backward",
+                                   "optimizer"}
+    assert host["category_max"]["reference model"] > 0 and host["category_max"]["KV cache"] > 0
+    assert data["measured_peak_bytes"] <= data["peak_bytes"]  # reference categories left out
+    assert {"peak_bytes", "phases", "categories"} <= data["plan"].keys()
+    png = (out / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))  # profiling saves nothing
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_session.sh)")
+def test_cuda_profile_matches_the_allocator_and_writes_a_snapshot(tmp_path):
+    from lowmem_grpo.kernels import linear_token_logprobs
+
+    torch.manual_seed(0)
+    n, h, v = 2048, 256, 32_000
+    head = nn.Linear(h, v, bias=False, device="cuda")
+    proj = nn.Linear(h, h, device="cuda")
+    params = list(head.parameters()) + list(proj.parameters())
+    opt = torch.optim.AdamW(params)
+    x, ids = torch.randn(n, h, device="cuda"), torch.randint(0, v, (n,), device="cuda")
+    snapshot = tmp_path / "snapshot.pickle"
+    torch.cuda.reset_peak_memory_stats()
+    with MemoryProfile(params, opt, cuda_snapshot=str(snapshot)) as prof:
+        with phase("forward"):
+            loss = -linear_token_logprobs(proj(x), head.weight, ids).mean()
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            opt.step()
+    summary = prof.result.devices["cuda"].summary()
+    # The timeline replays the allocator's own events: its peak is the allocator's peak.
+    assert summary["peak_bytes"] == torch.cuda.max_memory_allocated()
+    assert summary["category_max"]["loss head"] > 0 and summary["category_max"]["gradients"] >= v * h * 4
+    assert _at_end(prof.result, "gradients", "cuda") == _storage_bytes([p.grad for p in params])
+    assert summary["peak_reserved_bytes"] >= summary["peak_bytes"]
+    assert snapshot.stat().st_size > 0

