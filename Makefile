@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow demo aot bench-cpu
+.PHONY: setup test test-slow demo aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -36,3 +36,33 @@ aot: setup
 bench-cpu: setup
 	$(BIN)/python benchmarks/loss_head_memory.py --device cpu --tokens 2048 4096 8192
 	$(BIN)/python benchmarks/loss_head_speed.py --device cpu --tokens 4096
+
+# ---- GPU session (README: "GPU session") -------------------------------------------------------------
+# The GPU machine reaches no registry and its image lacks bitsandbytes: carry it as a wheel in .whl/.
+BNB_PIN ?= bitsandbytes==0.50.2
+wheels: .whl/.downloaded
+
+.whl/.downloaded:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl "$(BNB_PIN)"
+	touch $@
+
+# The GPU image's Python packages on a CPU (its torch 2.11 is a CUDA build; 2.13.0 CPU stands in), with
+# no install of this project, no bitsandbytes, no datasets: what first contact with the GPU will have.
+# numpy < 2.4 only because Triton 3.6's *interpreter* (the CPU stand-in for the GPU) fails on numpy
+# 2.4's scalar conversion; the image's numpy 2.5 is fine on the GPU, where kernels are compiled.
+GPU_IMAGE := .venv-gpu-image
+GPU_IMAGE_PACKAGES := "$(TORCH_PIN)" triton==3.6.0 transformers==5.17.0 accelerate pytest pytest-timeout "numpy<2.4" \
+	pyyaml tqdm matplotlib tensorboard pandas pyarrow
+gpu-image: $(GPU_IMAGE)/.installed
+
+$(GPU_IMAGE)/.installed: Makefile
+	$(PYTHON) -m venv $(GPU_IMAGE)
+	$(GPU_IMAGE)/bin/python -m pip install -q --upgrade pip
+	$(GPU_IMAGE)/bin/python -m pip install -q $(GPU_IMAGE_PACKAGES)
+	touch $@
+
+# Every part of benchmarks/gpu_session.sh at toy sizes, in that environment, from the bare tree.
+gpu-rehearsal: gpu-image wheels
+	PYTHON=$(abspath $(GPU_IMAGE))/bin/python OUT=gpu-results/rehearsal bash benchmarks/gpu_session.sh rehearse

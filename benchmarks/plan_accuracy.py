@@ -52,15 +52,17 @@ GPU_CONFIGS = {
 }
 
 
-def measure(name: str, steps: int, device: str) -> dict:
+def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
     arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS}[name]
+    if tiny:  # a rehearsal: every code path at toy sizes (trainer_step.TINY, short sequences)
+        prompt_len, completion_len = min(prompt_len, 16), min(completion_len, 8)
     args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
-                              completion_len=completion_len, overrides=overrides)
+                              completion_len=completion_len, overrides=overrides, tiny=tiny)
     trainer = build(args)
     prof, times, _ = profile_trainer(trainer, steps)
     kind, summary = device_equivalent(prof, trainer)
     measured = summary["peak_bytes"]
-    predicted = plan(trainer.cfg, Arch.from_config(preset(arch_name)), autocast=trainer.autocast,
+    predicted = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
                      device=trainer.device.type)
     row = {"config": name, "arch": arch_name, "recipe": recipe, "prompt_len": prompt_len,
            "completion_len": completion_len, "overrides": overrides, "device": device, "steps": steps,
@@ -93,18 +95,21 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here (rewritten after every configuration)")
+    ap.add_argument("--tiny", action="store_true", help="toy width, depth and lengths (rehearsals)")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and args.memory_cap_gib:
         cap_cuda_memory(args.memory_cap_gib, torch.device(args.device))
     names = args.only or (list(GPU_CONFIGS) if args.gpu_recipes else list(CONFIGS))
-    rows = [measure(name, args.steps, args.device) for name in names]
+    rows = []
+    for name in names:
+        rows.append(measure(name, args.steps, args.device, args.tiny))
+        if args.json:  # after every configuration: a run stopped at its time limit keeps what it measured
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"\n{'config':<32} {'measured GiB':>13} {'predicted GiB':>14} {'error':>7}")
     for r in rows:
         print(f"{r['config']:<32} {r['measured_peak_bytes'] / GiB:>13.3f} {r['predicted_peak_bytes'] / GiB:>14.3f} "
               f"{r['error']:>+7.1%}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 

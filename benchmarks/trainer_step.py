@@ -39,8 +39,17 @@ def even_fraction(prompts, completions, completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
+# --tiny: the architecture's own model type and layer code at toy width and depth, so a CPU rehearsal of
+# a GPU session (benchmarks/gpu_session.sh rehearse) runs every code path of the real set-up in seconds.
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
+
+
 def build(args) -> Trainer:
     arch = preset(args.arch)
+    if getattr(args, "tiny", False):
+        arch.update(TINY)
+        arch.pop("head_dim", None)  # derived from hidden_size / heads at the tiny width
     vocab = arch["vocab_size"]
     arch["eos_token_id"] = vocab - 1  # an id a random model samples with probability ~1/V per token
     rng = random.Random(0)
@@ -74,7 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, help="write the results here (rewritten after every step)")
+    ap.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args(argv)
 
@@ -85,35 +95,36 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     trainer = build(args)
     setup_s = time.perf_counter() - t0
-    steps = []
+    result = {
+        "arch": args.arch, "tiny": args.tiny, "recipe": args.recipe, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+        "overrides": args.overrides, "setup_s": setup_s, "steps": [], "peak_bytes": 0,
+        "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
+    }
     for _ in range(args.steps):
         reset_peak_memory(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         generated = trainer.generation is None
-        _, metrics, _ = trainer.run_step()
+        gb, metrics, generation_s = trainer.run_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         row = {"step": trainer.step, "step_s": time.perf_counter() - t0, "generated": generated,
-               "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+               "generation_s": generation_s, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                "peak_bytes": peak_memory_bytes(device)}
+        if generated:  # rollout speed: rows x decoded positions (every row decodes until the longest ends)
+            row["rollout_tokens_per_s"] = gb.batch.completion_ids.numel() / generation_s
         if device.type == "cuda":
             row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        steps.append(row)
+        result["steps"].append(row)
+        result["peak_bytes"] = max(result["peak_bytes"], row["peak_bytes"])
         print(json.dumps(row))
-    result = {
-        "arch": args.arch, "recipe": args.recipe, "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-        "overrides": args.overrides, "setup_s": setup_s, "steps": steps,
-        "peak_bytes": max(s["peak_bytes"] for s in steps),
-        "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
-    }
+        if args.json:  # after every step: a run stopped at its time limit still leaves what it measured
+            Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"{args.arch} on {result['device_name']}: peak {result['peak_bytes'] / GiB:.2f} GiB, "
-          f"step times {[round(s['step_s'], 1) for s in steps]} s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+          f"step times {[round(s['step_s'], 1) for s in result['steps']]} s")
     return 0
 
 

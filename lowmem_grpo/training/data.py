@@ -33,12 +33,15 @@ def load_rows(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path} (give a local .jsonl/.json/.csv/.parquet file or a "
                         "folder made by datasets' save_to_disk)")
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.isfile(path) and ext not in SUPPORTED_EXTENSIONS:
+        raise DataError(f"unsupported data file type {ext or '(no extension)'!r} for {path}: use one of "
+                        f"{', '.join(SUPPORTED_EXTENSIONS)} or a folder made by save_to_disk")
     try:
         import datasets  # slow to import: only when data is actually loaded
     except ImportError:  # a bare GPU image (benchmarks): JSONL needs no library; other formats do
-        if path.endswith(".jsonl") and os.path.isfile(path):
-            with open(path) as f:
-                return [json.loads(line) for line in f if line.strip()]
+        if ext == ".jsonl" and os.path.isfile(path):
+            return _read_jsonl(path)
         raise DataError(f"reading {path} needs the `datasets` package: pip install datasets") from None
 
     # Quiet datasets' progress bars and its own copy of the parse error (ours says it better), then restore.
@@ -61,9 +64,6 @@ def _load_file(path: str) -> list[dict]:
     from datasets import load_dataset
 
     ext = os.path.splitext(path)[1].lower()
-    if ext not in SUPPORTED_EXTENSIONS:
-        raise DataError(f"unsupported data file type {ext or '(no extension)'!r} for {path}: use one of "
-                        f"{', '.join(SUPPORTED_EXTENSIONS)} or a folder made by save_to_disk")
     if os.path.getsize(path) == 0:
         raise DataError(f"{path} is empty")
     # load_dataset writes Arrow files to a cache; point that at a throw-away folder so nothing lands in
@@ -77,6 +77,22 @@ def _load_file(path: str) -> list[dict]:
                 raise DataError(f"{path} has no rows") from e
             raise DataError(f"could not read {path} as {SUPPORTED_EXTENSIONS[ext]}: {_root_message(e)}") from e
         return ds.to_list()
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    """JSONL without `datasets`, with the same errors (the file and line that do not parse; no rows)."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"could not read {path} as JSON lines: line {i}: {e.msg}") from None
+    if not rows:
+        raise DataError(f"{path} has no rows")
+    return rows
 
 
 def _load_dir(path: str) -> list[dict]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowmem_grpo.rewards.builtins import BUILTINS, parse_last_number
+from tests.optional import needs_math_verify
 from lowmem_grpo.rewards import (RewardError, RewardFunction, completion_text, compute_rewards,
                                  load_reward_functions, reward_metrics)
 
@@ -115,6 +116,7 @@ def test_char_count():
         f(prompts=[[1]], completions=[[1, 2]], completion_ids=[[1, 2]])
 
 
+@needs_math_verify
 def test_math_verify():
     f = builtin("math_verify")
     comps = [r"So the answer is $\boxed{\frac{1}{2}}$", "0.5", "it is 8", "3"]

@@ -47,7 +47,7 @@ def toy_config(tmp_path):
             "data.eval_file": evalf, "num_generations": 4, "max_prompt_length": 8, "max_completion_length": 6,
             "per_device_train_batch_size": 8, "max_steps": 2, "learning_rate": 1e-3, "optimizer": "adamw",
             "reward_funcs": "[tests.training.conftest:label_reward]", "output_dir": str(output_dir or tmp_path / "run"),
-            "progress_bar": "false", "save_steps": 0,
+            "progress_bar": "false", "save_steps": 0, "device": "cpu",  # CUDA paths have their own tests
         }
         items = [f"{k}={v}" for k, v in base.items()] + list(overrides)
         return load_config(None, items)

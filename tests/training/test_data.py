@@ -6,6 +6,7 @@ import pytest
 
 from lowmem_grpo.config import DataConfig
 from lowmem_grpo.training.data import DataError, PromptSampler, build_prompt_set, load_rows, split_eval
+from tests.optional import needs_datasets
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -53,7 +54,7 @@ def _write(path, fmt):
         pd.DataFrame(ROWS).to_parquet(path)
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+@pytest.mark.parametrize("fmt", ["jsonl", *(pytest.param(f, marks=needs_datasets) for f in ("json", "csv", "parquet"))])
 def test_load_rows_file_formats_round_trip(tmp_path, fmt):
     path = tmp_path / f"data.{fmt}"
     _write(path, fmt)
@@ -61,6 +62,7 @@ def test_load_rows_file_formats_round_trip(tmp_path, fmt):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no cache files written next to the data
 
 
+@needs_datasets
 def test_load_rows_save_to_disk_folders(tmp_path):
     from datasets import Dataset, DatasetDict
 
@@ -91,6 +93,10 @@ def test_load_rows_errors(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match="no rows|empty"):
         load_rows(str(tmp_path / "empty.jsonl"))
+
+
+@needs_datasets
+def test_load_rows_errors_of_the_datasets_formats(tmp_path):
     (tmp_path / "header.csv").write_text("prompt,answer\n")
     with pytest.raises(DataError, match="no rows"):
         load_rows(str(tmp_path / "header.csv"))
@@ -137,6 +143,7 @@ def test_message_list_prompts(tok):
         _build([{"prompt": msgs}], _tokenizer(chat_template=None))
 
 
+@needs_datasets
 def test_message_list_from_parquet(tmp_path, tok):
     import pandas as pd
 

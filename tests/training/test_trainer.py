@@ -15,6 +15,7 @@ from lowmem_grpo.policy.model import position_ids_for
 from lowmem_grpo.policy.rollout import Batch
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.trainer import Trainer, TrainingStopped
+from tests.optional import needs_bitsandbytes
 
 REQUIRED_METRICS = ["step", "reward", "reward_std", "frac_reward_zero_std", "rewards/label_reward/mean", "kl",
                     "entropy", "clip_ratio", "completions/mean_length", "completions/clipped_ratio", "loss",
@@ -27,8 +28,8 @@ def snapshot(model):
 
 
 @pytest.mark.parametrize("optimizer, precision, in_backward", [
-    ("adamw", "fp32", False), ("adamw_8bit", "fp32", False), ("adamw_8bit", "bf16_sr", False),
-    ("adamw_8bit", "bf16_sr", True)])
+    ("adamw", "fp32", False), *(pytest.param(*p, marks=needs_bitsandbytes) for p in (
+        ("adamw_8bit", "fp32", False), ("adamw_8bit", "bf16_sr", False), ("adamw_8bit", "bf16_sr", True)))])
 def test_smoke_two_steps_change_every_parameter(toy_config, optimizer, precision, in_backward):
     cfg = toy_config(f"optimizer={optimizer}", f"precision={precision}", "beta=0.04", "num_iterations=2",
                      f"optimizer_in_backward={in_backward}")
@@ -124,6 +125,7 @@ def _run(cfg):
     return trainer
 
 
+@needs_bitsandbytes  # every case uses adamw_8bit
 @pytest.mark.parametrize("precision, in_backward, reference", [("fp32", False, "cpu"), ("bf16_sr", False, "cpu"),
                                                                ("bf16_sr", True, "stream")])
 def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, precision, in_backward, reference):
