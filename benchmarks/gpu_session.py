@@ -72,9 +72,9 @@ def parts(tiny: bool) -> dict[str, list[Step]]:
             Step("row kernels: bandwidth", [PY, "benchmarks/row_kernel_bandwidth.py", "--tokens", kernel_tokens[-1],
                                             *(["--vocab", "4096", "--repeats", "1"] if tiny else []), *cuda_only], 200),
             Step("loss head: peak memory", [PY, "benchmarks/loss_head_memory.py", "--tokens", *kernel_tokens,
-                                            *cuda_only], 200),
+                                            *(["--vocab", "4096"] if tiny else []), *cuda_only], 200),
             Step("loss head: time", [PY, "benchmarks/loss_head_speed.py", "--tokens", *kernel_tokens,
-                                     *(["--repeats", "1"] if tiny else []), *cuda_only], 200),
+                                     *(["--vocab", "4096", "--repeats", "1"] if tiny else []), *cuda_only], 200),
         ],
         # The 8 GB recipes on random-weight models of their architectures (no hub weights there).
         "trainer-0.5b-gsm8k": _trainer_steps("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 256, 1024, tiny),
@@ -194,16 +194,16 @@ def _append(path: Path, record: dict) -> None:
 def main(argv=None) -> int:
     every = list(parts(tiny=False))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", help=f"parts to run, in order: {', '.join(every)}; or `rehearse` "
-                                             "(all of them on a CPU at toy sizes)")
+    ap.add_argument("parts", nargs="*", help=f"parts to run, in order: {', '.join(every)}; or `rehearse [PART ...]` "
+                                             "(those parts, default all, on a CPU at toy sizes)")
     ap.add_argument("--budget", type=float, default=540, help="seconds this call may take (device calls: 600)")
     ap.add_argument("--check-env", action="store_true", help="only check versions, the GPU and imports (part env)")
     ap.add_argument("--json", default=None, help="with --check-env: write what it found here")
     args = ap.parse_args(argv)
     if args.check_env:
         return check_env(args.json)
-    rehearse = args.parts == ["rehearse"]
-    chosen = every if rehearse else args.parts
+    rehearse = args.parts[:1] == ["rehearse"]
+    chosen = (args.parts[1:] or every) if rehearse else args.parts
     unknown = [p for p in chosen if p not in every]
     if not chosen or unknown:
         ap.error(f"give parts from: {', '.join(every)} (or `rehearse`); unknown: {unknown}")

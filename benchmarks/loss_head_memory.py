@@ -53,7 +53,7 @@ def nh_terms(n_tokens: int, hidden_bytes: int = 2) -> int:
 
 
 def measure(impl: str, n_tokens: int, device: str) -> dict:
-    inputs = make_inputs(n_tokens, device)
+    inputs = make_inputs(n_tokens, device, vocab=VOCAB)
     fn = IMPLS[impl]
     if device == "cuda":  # first-call allocations (cuBLAS workspace) are not the head's
         forward_backward(fn, inputs)
@@ -110,12 +110,15 @@ def report(records: list[dict]) -> list[str]:
 
 
 def main() -> None:
+    global VOCAB  # --vocab: read by the measuring function and the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="N values")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
     parser.add_argument("--impl", choices=["ours", "naive", "both"], default="both")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (smaller only for rehearsals)")
     args = parser.parse_args()
+    VOCAB = args.vocab
     impls = ["ours", "naive"] if args.impl == "both" else [args.impl]
 
     info = machine_info(args.device)

@@ -42,7 +42,7 @@ def sync(device: str) -> None:
 
 def time_impl(impl: str, n_tokens: int, device: str, repeats: int) -> dict:
     fn = torch.compile(naive_loss) if impl == "naive-compile" else IMPLS[impl]
-    inputs = make_inputs(n_tokens, device)
+    inputs = make_inputs(n_tokens, device, vocab=VOCAB)
     times = []
     for i in range(repeats + 1):  # the first step is the warm-up
         clear_grads(inputs)
@@ -89,6 +89,7 @@ def report(records: list[dict], device: str) -> list[str]:
 
 
 def main() -> None:
+    global VOCAB  # --vocab: read by the measuring function and the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="N values (default: 4096 on CPU, 2048 4096 8192 on CUDA)")
@@ -96,7 +97,9 @@ def main() -> None:
     parser.add_argument("--impl", choices=["ours", "naive", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per implementation (median)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (smaller only for rehearsals)")
     args = parser.parse_args()
+    VOCAB = args.vocab
     tokens = args.tokens or ([4096] if args.device == "cpu" else [2048, 4096, 8192])
     impls = ["naive", "ours"] if args.impl == "both" else [args.impl]
     if args.device == "cuda" and "naive" in impls:

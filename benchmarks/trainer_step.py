@@ -52,6 +52,9 @@ def build(args) -> Trainer:
         arch.pop("head_dim", None)  # derived from hidden_size / heads at the tiny width
     vocab = arch["vocab_size"]
     arch["eos_token_id"] = vocab - 1  # an id a random model samples with probability ~1/V per token
+    for key in ("bos_token_id", "pad_token_id"):  # the preset's ids can lie outside a --tiny vocabulary
+        if key in arch:
+            arch[key] = vocab - 1
     rng = random.Random(0)
     data = Path(tempfile.mkdtemp(prefix="lowmem_bench_")) / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt_ids": [rng.randrange(vocab - 1) for _ in range(args.prompt_len)]})
