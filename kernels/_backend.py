@@ -86,6 +86,12 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and HAS_TRITON
 
 
+def launch_guard(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: a tensor on cuda:1 while cuda:0 is current would
+    be read by a kernel running on the wrong device. Enter the tensor's device around every launch."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def debug_checks() -> bool:
     """Extra checks that cost a device sync (ids range on CUDA): ``LOWMEM_GRPO_DEBUG=1``."""
     return os.environ.get("LOWMEM_GRPO_DEBUG", "0") not in ("", "0")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._backend import launch_guard
 from .logprobs_triton import block_config, row_stats
 
 TOKEN_BLOCK = 1024
@@ -117,20 +118,22 @@ def grpo_token_terms_launch(logp, adv, mask, old, ref, outputs, *, eps_low, eps_
     loss, kl, code, dloss, dkl = outputs
     n = logp.numel()
     grid = (triton.cdiv(n, TOKEN_BLOCK),)
-    grpo_token_kernel[grid](
-        logp, adv, logp if mask is None else mask, logp if old is None else old, logp if ref is None else ref,
-        loss, kl, code, dloss, dkl, n, eps_low, eps_high, beta,
-        HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None, BLOCK=TOKEN_BLOCK,
-    )
+    with launch_guard(logp):
+        grpo_token_kernel[grid](
+            logp, adv, logp if mask is None else mask, logp if old is None else old, logp if ref is None else ref,
+            loss, kl, code, dloss, dkl, n, eps_low, eps_high, beta,
+            HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None, BLOCK=TOKEN_BLOCK,
+        )
 
 
 def grpo_row_launch(logits, ids, adv, mask, old, ref, outputs, *, inv_temp, eps_low, eps_high, beta):
     """outputs = (loss, logp, kl, code, dloss, dkl, lse), all [N]; logits [N, V]."""
     n_rows, n_cols = logits.shape
     block, warps = block_config(n_cols)
-    grpo_row_kernel[(n_rows,)](
-        logits, ids, adv, adv if mask is None else mask, adv if old is None else old, adv if ref is None else ref,
-        *outputs, logits.stride(0), n_cols, inv_temp, eps_low, eps_high, beta,
-        HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None,
-        BLOCK_V=block, num_warps=warps,
-    )
+    with launch_guard(logits):
+        grpo_row_kernel[(n_rows,)](
+            logits, ids, adv, adv if mask is None else mask, adv if old is None else old, adv if ref is None else ref,
+            *outputs, logits.stride(0), n_cols, inv_temp, eps_low, eps_high, beta,
+            HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None,
+            BLOCK_V=block, num_warps=warps,
+        )

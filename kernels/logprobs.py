@@ -35,6 +35,11 @@ def _rows_per_chunk(n_cols: int) -> int:
     return max(1, DEFAULT_WORKSPACE_BYTES // (3 * 4 * n_cols))
 
 
+def _finite_or_zero(m: Tensor) -> Tensor:
+    """The shift for exp(x - shift): m itself, or 0 where m is -inf (every column so far banned)."""
+    return torch.where(m == float("-inf"), torch.zeros_like(m), m)
+
+
 def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate, with_entropy):
     # Statistics in the form (m = lse, s = 1, t = -H, x_y): the kernel's (m, s, t) with m = lse, so
     # the same merge rule holds, and torch's fused logsumexp / softmax do each chunk in few passes.
@@ -45,11 +50,11 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
         x = logits[r].to(torch.float32, copy=True).mul_(inv_temp)  # bounded fp32 copy of a chunk
         y = ids[r] - col_offset
         in_row = (y >= 0) & (y < n_cols)
-        x_y = x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0] * in_row
-        m = torch.logsumexp(x, dim=1)
+        x_y = torch.where(in_row, x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)  # not -inf * 0
+        m = torch.logsumexp(x, dim=1)  # -inf for a row whose columns here are all -inf (banned)
         s = torch.ones_like(m)
         if with_entropy:  # t = sum p log p = -H, with two chunk buffers alive
-            log_p = x.sub_(m[:, None])
+            log_p = x.sub_(_finite_or_zero(m)[:, None])  # never -inf - -inf: such a row gets t = 0
             p = log_p.exp()
             log_p.clamp_(min=torch.finfo(torch.float32).min)  # banned tokens (-inf): 0 * log p = 0
             t = p.mul_(log_p).sum(dim=1)  # torch's sum is pairwise: accurate over 150k terms
@@ -59,9 +64,12 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
         if accumulate:
             m_prev = stats[0][r]
             m_new = torch.maximum(m_prev, m)
-            a, b = (m_prev - m_new).exp(), (m - m_new).exp()
+            m_ref = _finite_or_zero(m_new)  # both sides all -inf so far: no -inf - -inf
+            a, b = (m_prev - m_ref).exp(), (m - m_ref).exp()
             s_prev = stats[1][r]
-            t = a * (stats[2][r] + (m_prev - m_new) * s_prev) + b * (t + (m - m_new) * s)
+            # a side without mass (a or b == 0) adds nothing to t, rather than 0 * -inf = NaN
+            t = (torch.where(a > 0, a * (stats[2][r] + (m_prev - m_ref) * s_prev), 0.0)
+                 + torch.where(b > 0, b * (t + (m - m_ref) * s), 0.0))
             s = s_prev * a + s * b
             x_y = stats[3][r] + x_y
             m = m_new

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backend import launch_guard
+
 MAX_BLOCK_V = 4096
 
 
@@ -34,13 +36,16 @@ def row_stats(row_ptr, y, n_cols, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: 
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_temp
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        scale = tl.exp(m - m_new)
-        e = tl.exp(x - m_new)
+        # While every column so far is -inf (banned tokens), m_new is -inf too: shift by 0 instead, so
+        # exp never sees -inf - -inf (NaN); s and t stay 0 until a finite column arrives.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp(m - m_ref)
+        e = tl.exp(x - m_ref)
         if HAS_ENTROPY:
-            # re-centre t on m_new; e == 0 where x == -inf (and s == 0 before the first block):
+            # re-centre t on m_ref; e == 0 where x == -inf (and s == 0 before the first finite block):
             # select first so that 0 * -inf never forms a NaN
-            shift = tl.where(s > 0, m - m_new, 0.0)
-            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0, x - m_new, 0.0), axis=0)
+            shift = tl.where(s > 0, m - m_ref, 0.0)
+            t = scale * (t + shift * s) + tl.sum(e * tl.where(e > 0, x - m_ref, 0.0), axis=0)
         s = s * scale + tl.sum(e, axis=0)
         m = m_new
     in_row = (y >= 0) & (y < n_cols)
@@ -62,11 +67,14 @@ def logits_stats_kernel(
     if ACCUMULATE:  # merge with the statistics of the slices before this one
         m_prev = tl.load(m_ptr + row)
         m_new = tl.maximum(m_prev, m)
-        a = tl.exp(m_prev - m_new)
-        b = tl.exp(m - m_new)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # both sides all -inf so far: no NaN
+        a = tl.exp(m_prev - m_ref)
+        b = tl.exp(m - m_ref)
         s_prev = tl.load(s_ptr + row)
-        if HAS_ENTROPY:
-            t = a * (tl.load(t_ptr + row) + (m_prev - m_new) * s_prev) + b * (t + (m - m_new) * s)
+        if HAS_ENTROPY:  # a side without mass (a or b == 0) adds nothing, not 0 * -inf
+            t_prev = tl.load(t_ptr + row)
+            t = (tl.where(a > 0, a * (t_prev + (m_prev - m_ref) * s_prev), 0.0)
+                 + tl.where(b > 0, b * (t + (m - m_ref) * s), 0.0))
         s = s_prev * a + s * b
         x_y = tl.load(xy_ptr + row) + x_y
         m = m_new
@@ -125,10 +133,11 @@ def logits_stats(
     n_rows, n_cols = logits.shape
     block, warps = block_config(n_cols)
     m, s, t, x_y = stats
-    logits_stats_kernel[(n_rows,)](
-        logits, ids, m, s, t, x_y, logits.stride(0), n_cols, col_offset, inv_temp,
-        ACCUMULATE=accumulate, HAS_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
-    )
+    with launch_guard(logits):
+        logits_stats_kernel[(n_rows,)](
+            logits, ids, m, s, t, x_y, logits.stride(0), n_cols, col_offset, inv_temp,
+            ACCUMULATE=accumulate, HAS_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
+        )
 
 
 def logits_grad_(
@@ -139,8 +148,9 @@ def logits_grad_(
     n_rows, n_cols = logits.shape
     block, warps = block_config(n_cols)
     has_ent = grad_entropy is not None
-    logits_grad_kernel[(n_rows,)](
-        logits, ids, lse, grad, entropy if has_ent else lse, grad_entropy if has_ent else grad,
-        logits.stride(0), n_cols, col_offset, inv_temp,
-        HAS_ENT_GRAD=has_ent, BLOCK_V=block, num_warps=warps,
-    )
+    with launch_guard(logits):
+        logits_grad_kernel[(n_rows,)](
+            logits, ids, lse, grad, entropy if has_ent else lse, grad_entropy if has_ent else grad,
+            logits.stride(0), n_cols, col_offset, inv_temp,
+            HAS_ENT_GRAD=has_ent, BLOCK_V=block, num_warps=warps,
+        )

@@ -44,6 +44,24 @@ def _bnb():
     return bnb
 
 
+def _flat_state(state: Tensor):
+    """A function (a, b) -> elements [a, b) of a state buffer, as a view that bitsandbytes accepts.
+
+    Paged states (PagedAdamW8bit on CUDA) are CUDA managed memory wrapped as CPU tensors and marked
+    with `is_paged` / `page_deviceid` attributes; a view or slice is a new tensor object without them,
+    which bitsandbytes would reject as a CPU tensor mixed with CUDA ones. Copy the marks over."""
+    flat = state.view(-1)
+    marks = {k: getattr(state, k) for k in ("is_paged", "page_deviceid") if hasattr(state, k)}
+
+    def chunk(a: int, b: int) -> Tensor:
+        view = flat[a:b]
+        for k, v in marks.items():
+            setattr(view, k, v)
+        return view
+
+    return chunk
+
+
 def sr_adamw8bit_class(paged: bool = False):
     """AdamW8bit (or PagedAdamW8bit) with stochastic rounding for bf16 parameters."""
     bnb = _bnb()
@@ -66,7 +84,7 @@ def sr_adamw8bit_class(paged: bool = False):
             b1, b2 = config["betas"][0], config["betas"][1]
             b3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
             flat_p, flat_g = p.data.view(-1), grad.view(-1)
-            s1, s2 = state["state1"].view(-1), state["state2"].view(-1)
+            s1, s2 = (_flat_state(state[k]) for k in ("state1", "state2"))
             eight_bit = state["state1"].dtype == torch.uint8
             for a in range(0, flat_p.numel(), CHUNK):
                 b = min(a + CHUNK, flat_p.numel())
@@ -75,13 +93,13 @@ def sr_adamw8bit_class(paged: bool = False):
                 if eight_bit:  # the chunk starts on a block boundary, so its absmax slice lines up
                     blocks = slice(a // BLOCK, (b + BLOCK - 1) // BLOCK)
                     F.optimizer_update_8bit_blockwise(
-                        self.optimizer_name, g32, p32, s1[a:b], s2[a:b], b1, b2, b3, config.get("alpha", 0.0),
+                        self.optimizer_name, g32, p32, s1(a, b), s2(a, b), b1, b2, b3, config.get("alpha", 0.0),
                         config["eps"], step, config["lr"], state["qmap1"], state["qmap2"],
                         state["absmax1"][blocks], state["absmax2"][blocks], config["weight_decay"],
                         gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
                 else:  # tensors under min_8bit_size keep fp32 states, as in bitsandbytes
                     F.optimizer_update_32bit(
-                        self.optimizer_name, g32, p32, s1[a:b], b1, config["eps"], step, config["lr"], s2[a:b], b2,
+                        self.optimizer_name, g32, p32, s1(a, b), b1, config["eps"], step, config["lr"], s2(a, b), b2,
                         b3, config.get("alpha", 0.0), config["weight_decay"], 1.0, None,
                         max_unorm=0.0, skip_zeros=config["skip_zeros"])
                 flat_p[a:b].copy_(stochastic_round_to_bf16(p32))

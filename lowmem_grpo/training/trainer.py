@@ -55,11 +55,20 @@ class TrainingStopped(RuntimeError):
 
 
 def pick_device(name: str) -> torch.device:
+    """The training device. A CUDA device also becomes the current one: Triton kernels, bitsandbytes
+    and the side streams of the memory modes run on the current device, not on their tensors'."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={name} but this torch build sees no CUDA GPU; set train.device=cpu")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"train.device={name} but this torch build sees no CUDA GPU; set train.device=cpu")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"train.device={name} but this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     return device
 
 

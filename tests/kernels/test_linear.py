@@ -174,3 +174,26 @@ def test_qwen_sized_head_with_default_chunking():
         del h, w, r_logp, r_ent
     for i, (name, a) in enumerate((("logp", logp), ("entropy", entropy), ("d_hidden", dh), ("d_weight", dw))):
         assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("banned", [(0, 256), (256, 512), (0, 700)], ids=["first_slice", "middle_slice", "slices_0_to_2"])
+def test_banned_vocabulary_slices(device, banned):
+    # A bias of -inf bans tokens; when it bans whole vocabulary slices, merging a slice without mass
+    # into the running statistics must not form -inf - -inf or 0 * -inf (NaN).
+    H, V = 16, 1000
+    hidden = torch.randn(6, H, device=device, requires_grad=True)
+    weight = torch.randn(V, H, device=device, requires_grad=True)
+    bias = torch.zeros(V, device=device)
+    bias[banned[0]:banned[1]] = float("-inf")
+    allowed = torch.cat([torch.arange(0, banned[0]), torch.arange(banned[1], V)]).to(device)
+    ids = allowed[torch.randint(0, len(allowed), (6,), device=device)]
+    logp, entropy = linear_token_logprobs(hidden, weight, ids, bias=bias, chunk_size=256, return_entropy=True)
+    ref_logp, ref_entropy = reference.linear_token_logprobs(hidden, weight, ids, bias=bias, return_entropy=True)
+    ref_entropy = -(torch.log_softmax(hidden @ weight.T + bias, -1).exp()
+                    * torch.log_softmax(hidden @ weight.T + bias, -1).nan_to_num(neginf=0.0)).sum(-1)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(logp.sum() + entropy.sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad(ref_logp.sum() + ref_entropy.sum(), (hidden, weight))
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)

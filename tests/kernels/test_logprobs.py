@@ -140,3 +140,25 @@ def test_minus_inf_logits_are_banned_tokens(device):
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(entropy, torch.where(torch.isnan(ref_entropy), entropy, ref_entropy))
     assert torch.isfinite(grad).all() and (grad[~keep] == 0).all()
+
+
+@pytest.mark.parametrize("banned", ["first_block", "all_but_last_block", "first_and_middle"])
+def test_minus_inf_whole_blocks(device, banned):
+    # The online logsumexp must not form exp(-inf - -inf) = NaN when a whole vocabulary block (the
+    # kernel reads 4096 columns at a time) or everything before the last block is -inf.
+    V = 9000
+    base = torch.randn(3, V, device=device) * 3
+    cut = {"first_block": (0, 4096), "all_but_last_block": (0, 8192), "first_and_middle": (0, 6000)}[banned]
+    base[:, cut[0]:cut[1]] = float("-inf")
+    base.requires_grad_()
+    ids = torch.randint(cut[1], V, (3,), device=device)
+    logp, entropy = token_logprobs(base * 1, ids, return_entropy=True)
+    (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), base)
+    ref_base = base.detach()[:, cut[1]:].double().requires_grad_()  # banned tokens have probability 0
+    ref_logp, ref_entropy = reference.token_logprobs(ref_base, ids - cut[1], return_entropy=True,
+                                                     dtype=torch.float64)
+    (ref_grad,) = torch.autograd.grad(ref_logp.sum() + ref_entropy.sum(), ref_base)
+    torch.testing.assert_close(logp.double(), ref_logp.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy.double(), rtol=1e-5, atol=1e-5)
+    assert (grad[:, :cut[1]] == 0).all()
+    torch.testing.assert_close(grad[:, cut[1]:].double(), ref_grad, rtol=1e-4, atol=1e-6)

@@ -81,3 +81,57 @@ def test_chunked_update_keeps_bitsandbytes_state_format(monkeypatch):
         for key in ("state1", "state2", "absmax1", "absmax2"):
             if key in b:
                 torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+def test_paged_state_slices_keep_their_paged_marks(monkeypatch):
+    # On CUDA, PagedAdamW8bit's states are managed memory wrapped as CPU tensors marked `is_paged`;
+    # bitsandbytes rejects an unmarked slice as a CPU tensor next to CUDA ones. The CPU has no paged
+    # memory, so mark the states by hand and check what reaches bitsandbytes' update kernel.
+    monkeypatch.setattr(sr_optim, "CHUNK", 2 * sr_optim.BLOCK)
+    F = bnb.functional
+    seen = []
+    real_update = F.optimizer_update_8bit_blockwise
+
+    def spy(name, g, p, state1, state2, *args, **kwargs):
+        seen.append((getattr(state1, "is_paged", False), getattr(state2, "page_deviceid", None)))
+        return real_update(name, g, p, state1, state2, *args, **kwargs)
+
+    monkeypatch.setattr(F, "optimizer_update_8bit_blockwise", spy)
+    p = torch.nn.Parameter(torch.randn(4 * sr_optim.BLOCK + 7).to(torch.bfloat16))
+    opt = sr_adamw8bit_class(paged=True)([p], lr=1e-3, min_8bit_size=1)
+    p.grad = torch.randn_like(p)
+    opt.step()  # creates the states (plain CPU tensors here) ...
+    for key in ("state1", "state2"):
+        opt.state[p][key].is_paged, opt.state[p][key].page_deviceid = True, 0  # ... marked as on CUDA
+    monkeypatch.setattr(opt, "prefetch_state", lambda p: None)  # no managed memory to prefetch on a CPU
+    seen.clear()
+    opt.step()
+    assert seen == [(True, 0)] * 3  # three chunks, each state slice still marked
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["adamw_8bit", "paged_adamw_8bit"])
+def test_cuda_chunked_sr_update_matches_bitsandbytes_own_step(monkeypatch, paged):
+    # The chunked fp32 update on CUDA (paged states included) computes bitsandbytes' own 8-bit step:
+    # on fp32 copies of the same bf16 weights, bitsandbytes' step gives the same states and, before
+    # rounding, the same weights; stochastic rounding then lands within one bf16 ulp of them.
+    monkeypatch.setattr(sr_optim, "CHUNK", 3 * sr_optim.BLOCK)
+    torch.manual_seed(0)
+    base = torch.randn(5, 4 * sr_optim.BLOCK + 3, device="cuda").to(torch.bfloat16)
+    grads = [torch.randn_like(base, dtype=torch.float32) * 0.01 for _ in range(3)]
+    ours = torch.nn.Parameter(base.clone())
+    theirs = torch.nn.Parameter(base.float())
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+    opt_ours = sr_adamw8bit_class(paged)([ours], lr=1e-3, min_8bit_size=1)
+    opt_theirs = cls([theirs], lr=1e-3, min_8bit_size=1)
+    for g in grads:
+        ours.grad, theirs.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
+        theirs.data.copy_(ours.data.float())  # same starting point each step: compare one update
+        opt_ours.step()
+        opt_theirs.step()
+        torch.cuda.synchronize()
+        ulp = torch.finfo(torch.bfloat16).eps * theirs.detach().abs().clamp(min=1e-30)
+        assert ((ours.detach().float() - theirs.detach()).abs() <= ulp).all()
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        torch.testing.assert_close(opt_ours.state[ours][key].cuda(), opt_theirs.state[theirs][key].cuda(),
+                                   rtol=0, atol=0)

@@ -1,0 +1,61 @@
+"""The optimizer step inside backward on a GPU: the same parameters as a normal step.
+
+On CUDA the hooks run while backward kernels are still queued, bitsandbytes' 8-bit kernels run on
+the device, and the stochastic-rounding variant draws its noise on the device: what the CPU tests
+of test_optimizer_in_backward.py cannot show.
+"""
+
+import pytest
+import torch
+
+from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
+
+pytestmark = pytest.mark.cuda
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def _model(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).to("cuda", dtype)
+
+
+def _loss(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 512, (4, 33), generator=g).cuda()
+    logits = model(input_ids=ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
+def test_cuda_in_backward_equals_a_normal_step(precision):
+    from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+    dtype = torch.bfloat16 if precision == "bf16_sr" else torch.float32
+    cls = sr_adamw8bit_class() if precision == "bf16_sr" else bnb.optim.AdamW8bit
+    make = lambda groups: cls(groups, lr=1e-3, min_8bit_size=256)  # noqa: E731
+    normal, fused = _model(dtype), _model(dtype)
+    opt = make([{"params": list(normal.parameters())}])
+    in_bwd = OptimizerInBackward([{"params": list(fused.parameters()), "lr": 1e-3}], make, None)
+    # Stochastic rounding draws its noise per parameter, in a different order in the hooks (reverse
+    # order of use) than in a normal step, so with bf16_sr only one step is comparable element-wise:
+    # the same weights and gradients, so the results lie within one bf16 spacing of each other. Later
+    # steps would start from weights that differ by such roundings and drift apart through Adam.
+    steps = 3 if precision == "fp32" else 1
+    for step in range(steps):
+        _loss(normal, step).backward()
+        opt.step()
+        opt.zero_grad()
+        in_bwd.begin_step()
+        _loss(fused, step).backward()
+        in_bwd.end_step()
+        assert all(p.grad is None for p in fused.parameters())
+    torch.cuda.synchronize()
+    for (k, a), (_, b) in zip(normal.named_parameters(), fused.named_parameters()):
+        if precision == "fp32":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)
+        else:
+            a, b = a.detach().float(), b.detach().float()
+            spacing = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs())
+            assert ((a - b).abs() <= spacing).all(), k
