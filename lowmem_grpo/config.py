@@ -102,6 +102,10 @@ class GenerationConfig:
     repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0 = off).")
     generation_micro_batch_size: int = _f(64, "Completions generated per generate() call: bounds the KV cache "
                                               "(bytes ~ this x (prompt + completion) x layers x 2 x kv_dim x dtype).")
+    fast_rollout: bool = _f(True, "Sample with lowmem-grpo's decode loop instead of transformers' generate(): each "
+                                  "prompt is prefilled once and its KV cache shared by its G samples, and rows that "
+                                  "have produced EOS leave the batch. Same sampling distribution and settings; "
+                                  "false = generate().")
 
 
 @dataclass
@@ -153,6 +157,17 @@ class TrainConfig:
                                         "a GPU, cpu otherwise.")
     logprob_micro_batch_size: Optional[int] = _f(None, "Completions per old/ref log-prob pass (default: "
                                                        "per_device_train_batch_size).")
+    pack_prompts: Optional[bool] = _f(None, "Shared-prompt packing: a micro-batch's completions of one prompt run "
+                                            "as one sequence [prompt, c_1, c_2, ...] with a block attention mask, so "
+                                            "the prompt is computed once (P + sum|c_i| tokens instead of G*P + "
+                                            "sum|c_i|), in the loss and the old/reference log-prob passes. Same "
+                                            "log-probs. None = on where the attention implementation can take the "
+                                            "mask (sdpa, eager, flex_attention); true = error where it cannot.")
+    skip_zero_advantage: bool = _f(True, "With beta == 0, completions whose advantage is exactly 0 (e.g. every "
+                                         "group member got the same reward) have an exactly zero gradient: leave "
+                                         "them out of the forward/backward and the old log-prob pass. Loss "
+                                         "denominators count them as before and the optimizer still steps, so the "
+                                         "update is the same.")
 
 
 @dataclass

@@ -130,6 +130,25 @@ def optimizer_step_bytes(cfg: Config, arch: Arch, device: str, one_tensor: bool 
     return 5 * 4 * (min(largest, 2**20) if cfg.model.precision == "bf16_sr" else largest)
 
 
+def decoder_positions(cfg: Config, arch: Arch, micro_batch: int) -> tuple[int, int]:
+    """(decoder positions, packing mask bytes) of one micro-batch of completions at full lengths.
+
+    Packed (train.pack_prompts, policy/packing.py): the worst-case layout over where the micro-batch
+    falls in its groups, only where the trainer would pack it (always with pack_prompts=true; where it
+    does less work when unset). The sdpa mask is bool, (rows, 1, L, L); eager's is additive (4 bytes).
+    The probe's per-position costs are used as they are: attention scores that grow with L^2 are not
+    in them (sdpa's CUDA kernels do not materialise them).
+    """
+    from ..policy.packing import MASKED_IMPLEMENTATIONS, packing_pays, planned_token_counts
+    g, t, impl = cfg.generation, cfg.train, cfg.model.attn_implementation
+    counts = planned_token_counts(micro_batch, g.num_generations, g.max_prompt_length, g.max_completion_length)
+    packs = t.pack_prompts is not False and impl in MASKED_IMPLEMENTATIONS and (
+        t.pack_prompts or packing_pays(counts, arch.layer_params(), arch.heads * arch.head_dim, impl))
+    if not packs:
+        return counts.unpacked, 0
+    return counts.packed, counts.mask_bytes(4 if impl == "eager" else 1 if impl == "sdpa" else 0)
+
+
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda") -> dict:
     """Predicted device bytes per phase, and per category at each phase's peak, for `cfg` on `arch`.
 
@@ -145,9 +164,10 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     costs = layer_costs(arch.config, torch.bfloat16 if wb == 2 else torch.float32, autocast)
     H, layers = arch.hidden, arch.layers
     b, seq = t.per_device_train_batch_size, g.max_prompt_length + g.max_completion_length
-    T, n = b * seq, b * g.max_completion_length
     mb_lp = t.logprob_micro_batch_size or b
-    T_lp, n_lp = mb_lp * seq, mb_lp * g.max_completion_length
+    T, mask = decoder_positions(cfg, arch, b)  # shared-prompt packing runs fewer positions, plus its mask
+    T_lp, mask_lp = decoder_positions(cfg, arch, mb_lp)
+    n, n_lp = b * g.max_completion_length, mb_lp * g.max_completion_length
     batches = batch_plan(cfg)
     gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
 
@@ -161,6 +181,10 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         others = sorted((s for s in arch.tensor_sizes if s != embedding), reverse=True)
         grads_before = 0
         grads_head = grads_end = wb * ((embedding if arch.tied else 0) + (others[0] if others else 0))
+        if device == "cuda":  # gradients held while their norms reach the host (optimizer_in_backward.py)
+            from ..memory_modes.optimizer_in_backward import LAG_BYTES
+            lag = min(LAG_BYTES, grads_all)
+            grads_head, grads_end = grads_head + lag, grads_end + lag
     else:  # after the first micro-batch of an accumulation, every gradient exists before backward starts
         grads_before = grads_all if t.gradient_accumulation_steps > 1 else 0
         grads_head, grads_end = max(grads_before, head_grad), grads_all
@@ -183,6 +207,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         bwd_head = saved + norm + layers * casts
         bwd_first = saved + layers * casts + costs.backward_peak * T
         bwd_last = costs.saved * T + casts + costs.backward_peak * T
+    fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last = (
+        x + mask for x in (fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last))  # the mask lives all step
     total = lambda d: sum(d.values())  # noqa: E731
     forward = max([{"gradients": grads_before, "activations": fwd_layers + layers * casts},
                    {"gradients": grads_before, "activations": fwd_head + layers * casts, "loss head": head_fwd}],
@@ -207,7 +233,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     # transient or the sampling logits, and autocast's bf16 weight copies (cached in no-grad passes too).
     phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits) + layers * casts}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
-    lp_activations = T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp, costs.norm_saved * T_lp)
+    lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp,
+                                                   costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
     if batches.needs_old_logprobs:
         phases["old log-probs"] = {**base, "activations": lp_activations + layers * casts, "loss head": lp_head}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from ..policy.model import check_fused_head, position_ids_for
+from ..policy.packing import packed_completion_hidden, should_pack
 from ..policy.rollout import Batch
 
 
@@ -98,20 +100,24 @@ class Reference:
             self.streamer = _LayerStreamer(decoder.layers, self.device)
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch, *, temperature: float, micro_batch: int, autocast_bf16: bool = False) -> Tensor:
-        """log pi_ref(completion token): (N, C) fp32 on the CPU, 0 on padding."""
+    def logprobs(self, batch: Batch, *, temperature: float, micro_batch: int, autocast_bf16: bool = False,
+                 pack: Union[bool, str] = False) -> Tensor:
+        """log pi_ref(completion token): (N, C) fp32 on the CPU, 0 on padding. `pack`: each prompt runs
+        once per micro-batch (policy/packing.py)."""
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
         for start in range(0, len(batch), micro_batch):
             mb = batch.rows(start, start + micro_batch)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                hidden = self._completion_hidden(mb)  # (b, c, H) on self.device
+                hidden = self._completion_hidden(mb, pack)  # (b, c, H) on self.device
                 ids = mb.completion_ids.masked_fill(~mb.completion_mask, 0).to(self.device)
                 logp = self._head_logprobs(hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), temperature)
             c = mb.completion_ids.shape[1]
             out[start:start + len(mb), :c] = logp.view(len(mb), c).float().cpu() * mb.completion_mask
         return out
 
-    def _completion_hidden(self, mb: Batch) -> Tensor:
+    def _completion_hidden(self, mb: Batch, pack: Union[bool, str] = False) -> Tensor:
+        if should_pack(pack, mb, self.head.decoder):  # embeddings looked up on the CPU, like below
+            return packed_completion_hidden(self.head.decoder, mb, device=self.device, embed_on_cpu=True)
         input_ids = torch.cat([mb.prompt_ids, mb.completion_ids], 1)  # (b, P + C), on the CPU
         attention = torch.cat([mb.prompt_mask, mb.completion_mask], 1)
         decoder = self.head.decoder

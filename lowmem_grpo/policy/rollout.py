@@ -13,7 +13,7 @@ generation.generation_micro_batch_size completions), in eval mode (no checkpoint
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..config import GenerationConfig
 from ..kernels import linear_token_logprobs
 from .model import Head, hidden_states
+from .packing import packed_completion_hidden, should_pack
 
 
 @dataclass
@@ -53,6 +54,13 @@ class Batch:
             if sl[name] is not None:
                 sl[name] = sl[name][:, :c1]
         return Batch(**sl)
+
+    def select(self, keep: Tensor) -> "Batch":
+        """The rows where `keep` (N,) bool is True, trimmed like rows()."""
+        index = keep.nonzero().squeeze(1)
+        picked = Batch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
+                          for f in fields(self)})
+        return picked.rows(0, len(index))
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
@@ -97,26 +105,40 @@ def sampling_kwargs(cfg: GenerationConfig, greedy: bool = False) -> dict:
 def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, *, eos_ids: list[int], pad_id: int,
              device: torch.device, greedy: bool = False, micro_batch: Optional[int] = None,
              autocast_bf16: bool = False, max_new_tokens: Optional[int] = None) -> Batch:
-    """One completion per entry of `prompts` (repeat a prompt G times to get G samples)."""
+    """One completion per entry of `prompts` (repeat a prompt G times to get G samples).
+
+    generation.fast_rollout: runs of identical consecutive prompts (a prompt's G copies) are prefilled
+    once and finished rows stop costing compute (policy/sampling.py); same distribution as generate(),
+    which is used where sampling.py cannot match it (the reason is logged once).
+    """
     from transformers import GenerationConfig as HFGenerationConfig
-    was_training = model.training
-    model.eval()  # checkpointing only acts in training mode, so the KV cache is used here
+
+    from .sampling import group_runs, sample, use_fast_sampling  # sampling.py imports this module
     micro_batch = micro_batch or cfg.generation_micro_batch_size
     max_new = max_new_tokens or cfg.max_completion_length
-    gen_cfg = HFGenerationConfig(max_new_tokens=max_new, eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
-                                 **sampling_kwargs(cfg, greedy))
-    completions: list[Tensor] = []
-    try:
-        for start in range(0, len(prompts), micro_batch):
-            ids, mask = left_pad(prompts[start:start + micro_batch], pad_id)
-            ids, mask = ids.to(device), mask.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gen_cfg)
-            completions.append(out[:, ids.shape[1]:].cpu())  # (n, <= max_new)
-    finally:
-        model.train(was_training)
-    width = max(max(c.shape[1] for c in completions), 1)
-    completion_ids = torch.cat([nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id) for c in completions])
+    if cfg.fast_rollout and use_fast_sampling(model, cfg, greedy):
+        distinct, counts = group_runs(prompts)
+        completion_ids = sample(model, distinct, counts, cfg, eos_ids=eos_ids, pad_id=pad_id, device=device,
+                                greedy=greedy, micro_batch=micro_batch, autocast_bf16=autocast_bf16,
+                                max_new_tokens=max_new)  # (N, C)
+    else:
+        was_training = model.training
+        model.eval()  # checkpointing only acts in training mode, so the KV cache is used here
+        gen_cfg = HFGenerationConfig(max_new_tokens=max_new, eos_token_id=eos_ids, pad_token_id=pad_id,
+                                     use_cache=True, **sampling_kwargs(cfg, greedy))
+        completions: list[Tensor] = []
+        try:
+            for start in range(0, len(prompts), micro_batch):
+                ids, mask = left_pad(prompts[start:start + micro_batch], pad_id)
+                ids, mask = ids.to(device), mask.to(device)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+                    out = model.generate(input_ids=ids, attention_mask=mask.long(), generation_config=gen_cfg)
+                completions.append(out[:, ids.shape[1]:].cpu())  # (n, <= max_new)
+        finally:
+            model.train(was_training)
+        width = max(max(c.shape[1] for c in completions), 1)
+        completion_ids = torch.cat([nn.functional.pad(c, (0, width - c.shape[1]), value=pad_id)
+                                    for c in completions])
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     completion_mask, is_truncated = eos_mask(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(~completion_mask, pad_id)
@@ -142,8 +164,14 @@ def decode_completions(batch: Batch, prompts: list, eos_ids: list[int], tokenize
     return Decoded(keep, ids, texts, completions)
 
 
-def completion_hidden(head: Head, batch: Batch) -> Tensor:
-    """Hidden states at the positions that predict the completion tokens: (B, C, H)."""
+def completion_hidden(head: Head, batch: Batch, pack: Union[bool, str] = False) -> Tensor:
+    """Hidden states at the positions that predict the completion tokens: (B, C, H).
+
+    `pack`: run each prompt once for its completions in this batch (policy/packing.py); same values.
+    "auto": where that does less work (packing.packing_pays).
+    """
+    if should_pack(pack, batch, head.decoder):
+        return packed_completion_hidden(head.decoder, batch)
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)  # (B, P + C)
     attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
     hidden = hidden_states(head, input_ids, attention)  # (B, P + C, H)
@@ -153,16 +181,17 @@ def completion_hidden(head: Head, batch: Batch) -> Tensor:
 
 @torch.no_grad()
 def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch: int, device: torch.device,
-                   autocast_bf16: bool = False) -> Tensor:
+                   autocast_bf16: bool = False, pack: Union[bool, str] = False) -> Tensor:
     """log pi(completion token) for every completion of `batch`: (N, C) fp32 on the CPU, 0 on padding.
 
-    Runs in micro-batches through the fused head, so no (tokens, V) tensor exists here either.
+    Runs in micro-batches through the fused head, so no (tokens, V) tensor exists here either;
+    `pack` runs each prompt once per micro-batch (see completion_hidden).
     """
     out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
     for start in range(0, len(batch), micro_batch):
         mb = batch.rows(start, start + micro_batch).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            hidden = completion_hidden(head, mb)  # (b, c, H)
+            hidden = completion_hidden(head, mb, pack)  # (b, c, H)
             ids = mb.completion_ids.masked_fill(~mb.completion_mask, 0)
             logp = linear_token_logprobs(hidden, head.weight, ids, bias=head.bias, temperature=temperature)
         c = mb.completion_ids.shape[1]

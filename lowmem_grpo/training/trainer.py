@@ -40,12 +40,13 @@ from ..memory_modes.reference import Reference
 from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, check_fused_head, enable_checkpointing,
                             load_model, load_tokenizer)
+from ..policy.packing import resolve_pack_prompts
 from ..policy.rollout import Batch, completion_hidden
 from ..rewards import load_reward_functions
 from . import checkpoint as ckpt
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluation_after, evaluation_before
-from .generation import GenerationBatch, make_generation_batch
+from .generation import GenerationBatch, make_generation_batch, skipped_rows_scale, trained_rows
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .stopping import StopRequest, save_on_error
 
@@ -112,6 +113,10 @@ class Trainer:
             enable_checkpointing(self.policy)
         self.policy.config.use_cache = False  # training forwards never need the KV cache
         self.head = check_fused_head(self.policy)
+        g = cfg.generation
+        packing = resolve_pack_prompts(t.pack_prompts, self.policy,
+                                       max_length=g.max_prompt_length + g.max_completion_length)
+        self.pack = (t.pack_prompts or "auto") if packing else False  # "auto": per micro-batch, where it pays
         self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
@@ -198,15 +203,16 @@ class Trainer:
         return make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
                                      reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
                                      eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
-                                     autocast=self.autocast, epoch=self.sampler.epoch)
+                                     autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack)
 
     # ----- one optimizer step ------------------------------------------------------------------
-    def micro_batch_loss(self, mb: Batch, num_items: int):
-        """Loss of one micro-batch (already on the device) through the fused head, and its metrics."""
+    def micro_batch_loss(self, mb: Batch, num_items: int, scale: float = 1.0):
+        """Loss of one micro-batch (already on the device) through the fused head, and its metrics.
+        `scale` restores the loss denominators of rows left out (skipped zero-advantage completions)."""
         t, g = self.cfg.train, self.cfg.generation
         offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), offload:
-            hidden = completion_hidden(self.head, mb)  # (b, c, H)
+            hidden = completion_hidden(self.head, mb, self.pack)  # (b, c, H)
             loss, metrics = linear_grpo_loss(
                 hidden, self.head.weight, mb.completion_ids, mb.advantages, bias=self.head.bias,
                 mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
@@ -215,8 +221,8 @@ class Trainer:
                 max_completion_length=g.max_completion_length,
                 num_items_in_batch=num_items if t.loss_type == "dapo" else None)
         if t.loss_type != "dapo":  # per-micro-batch means: average them over the accumulation
-            loss = loss / t.gradient_accumulation_steps
-        return loss, metrics
+            scale = scale / t.gradient_accumulation_steps
+        return (loss if scale == 1.0 else loss * scale), metrics
 
     def optimizer_step(self) -> dict:
         t, gb = self.cfg.train, self.generation
@@ -224,13 +230,20 @@ class Trainer:
         num_items = int(sum(int(r.completion_mask.sum()) for r in rows))
         self.policy.train()
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
-        loss_sum, tokens, sums, grad_norm = 0.0, 0, {}, 0.0
+        loss_sum, tokens, computed, sums, grad_norm, backwards = 0.0, 0, 0, {}, 0.0, 0
         for mb in rows:
-            n = int(mb.completion_mask.sum())
-            if n == 0:  # every completion here is masked (mask_truncated_completions): nothing to learn
+            if int(mb.completion_mask.sum()) == 0:  # all masked (mask_truncated_completions): nothing to learn
                 continue
+            keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
+            if not keep.any():
+                if in_backward:  # this micro-batch is a whole optimizer step, with a zero gradient
+                    with phase("optimizer"):
+                        self.optimizer.step_zero_gradients()
+                continue
+            part = mb if keep.all() else mb.select(keep)
             with phase("forward"):
-                loss, metrics = self.micro_batch_loss(mb.to(self.device), num_items)
+                loss, metrics = self.micro_batch_loss(part.to(self.device), num_items,
+                                                      scale=skipped_rows_scale(mb, keep, t.loss_type))
                 loss_sum += loss.item()
             with phase("backward"):
                 if not in_backward:
@@ -239,7 +252,10 @@ class Trainer:
                     self.optimizer.begin_step()
                     loss.backward()
                     grad_norm = self.optimizer.end_step()
-            tokens += int(mb.prompt_mask.sum()) + n
+            backwards += 1
+            n = int(part.completion_mask.sum())
+            tokens += int(part.prompt_mask.sum()) + n
+            computed += n
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item() * n
         if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
@@ -247,6 +263,9 @@ class Trainer:
         else:
             with phase("optimizer"):
                 params = [p for p in self.policy.parameters() if p.requires_grad]
+                if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
+                    for p in params:
+                        p.grad = torch.zeros_like(p)
                 max_norm = self.cfg.optim.max_grad_norm or float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
                 finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
@@ -259,7 +278,11 @@ class Trainer:
             self.scheduler.step()
         self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
         gb.steps_done += 1
-        out = {k: v / max(num_items, 1) for k, v in sums.items()}  # token-weighted means
+        # Token-weighted means. Skipped completions have no clipped tokens (A == 0), so clip ratios are
+        # over every token; entropy is known only for the tokens computed.
+        out = {k: v / max(computed if k == "entropy" else num_items, 1) for k, v in sums.items()}
+        if not backwards:  # nothing computed: no token was clipped and (beta == 0) the KL is 0; entropy unknown
+            out.update(kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0)
         out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
                    train_tokens=tokens)
         return out

@@ -2,8 +2,10 @@
 
 import pytest
 
+
 from lowmem_grpo.config import load_config
 from lowmem_grpo.memory.plan import Arch, optimizer_state_bytes, plan
+from lowmem_grpo.memory_modes.optimizer_in_backward import LAG_BYTES
 from lowmem_grpo.memory.presets import preset
 
 MINIMAL = ["model.name_or_path=x", "reward_funcs=[numeric_answer]"]
@@ -45,7 +47,9 @@ def test_weights_gradients_and_states_by_precision_and_optimizer_mode():
     others = sorted(s for s in arch.tensor_sizes if s != embedding)
     # tied embedding (alive from the head to the lookup) + the largest other, + the embedding's second
     # gradient (from the lookup) while it is added to the first
-    assert cats["backward"]["gradients"] in (2 * (embedding + others[-1]), 2 * (2 * embedding + others[-1]))
+    # On CUDA, up to LAG_BYTES more are held while their norms reach the host (all of them, at this size).
+    lag = min(LAG_BYTES, 2 * p)
+    assert cats["backward"]["gradients"] - lag in (2 * (embedding + others[-1]), 2 * (2 * embedding + others[-1]))
     assert cats["backward"]["optimizer states"] == fp32["optimizer"]["optimizer states"]  # 8-bit: dtype-independent
     torch_adamw = plan(load_config(None, MINIMAL + ["optimizer=adamw"]), arch)["phase_categories"]["optimizer"]
     assert torch_adamw["optimizer states"] == 8 * p + 8 * p  # two fp32 states + foreach temporaries

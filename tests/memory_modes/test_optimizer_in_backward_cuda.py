@@ -5,10 +5,13 @@ the device, and the stochastic-rounding variant draws its noise on the device: w
 of test_optimizer_in_backward.py cannot show.
 """
 
+import copy
+import math
+
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
+from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward, fp32_norm
 
 pytestmark = pytest.mark.cuda
 bnb = pytest.importorskip("bitsandbytes")
@@ -59,3 +62,47 @@ def test_cuda_in_backward_equals_a_normal_step(precision):
             a, b = a.detach().float(), b.detach().float()
             spacing = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs())
             assert ((a - b).abs() <= spacing).all(), k
+
+
+def test_cuda_hooks_make_no_sync(monkeypatch):
+    # No host read of a norm in the hooks (torch's sync debug mode raises on one), no
+    # torch.cuda.synchronize() from bitsandbytes' 8-bit step in the whole step (counted), and end_step
+    # waits at most once; the parameters are those of a normal step with the same per-tensor clipping.
+    # A stack of linear layers: an embedding's backward reads a count on the host by itself.
+    torch.manual_seed(0)
+    normal = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).cuda()
+    fused = copy.deepcopy(normal)
+    make = lambda groups: bnb.optim.AdamW8bit(groups, lr=1e-3, min_8bit_size=256)  # noqa: E731
+    opt = make([{"params": list(normal.parameters())}])
+    max_norm = 0.05
+    in_bwd = OptimizerInBackward([{"params": list(fused.parameters()), "lr": 1e-3}], make, max_norm)
+    total = sum(p.numel() for p in normal.parameters())
+    syncs = []
+    real_synchronize = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (syncs.append(a), real_synchronize(*a))[1])
+    for step in range(3):
+        x = torch.randn(64, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        (normal(x) ** 2).mean().backward()
+        for p in normal.parameters():  # the hooks' clipping rule, on the normal step's gradients
+            norm, cap = fp32_norm(p.grad), max_norm * math.sqrt(p.numel() / total)
+            if norm > cap:
+                p.grad.mul_(cap / (norm + 1e-6))
+        opt.step()
+        opt.zero_grad()
+        loss = (fused(x) ** 2).mean()
+        in_bwd.begin_step()
+        syncs.clear()
+        if step == 0:  # the first step creates bitsandbytes' states (its tables copied to the GPU: a sync)
+            loss.backward()
+        else:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        in_bwd.end_step()
+        if step > 0:
+            assert syncs == [] and in_bwd.host_waits <= 1
+    real_synchronize()
+    for (k, a), (_, b) in zip(normal.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=k)

@@ -103,8 +103,9 @@ def test_loss_parity_with_reference_formula(toy_config, loss_type, level):
     batch = gb.batch
     # Move the stored old/ref log-probs off the current policy so ratios and clipping are exercised.
     g = torch.Generator().manual_seed(0)
-    batch.old_logp = batch.old_logp + 0.3 * torch.randn(batch.old_logp.shape, generator=g) * batch.completion_mask
+    batch.old_logp = batch.old_logp + 0.6 * torch.randn(batch.old_logp.shape, generator=g) * batch.completion_mask
     batch.ref_logp = batch.ref_logp + 0.2 * torch.randn(batch.ref_logp.shape, generator=g) * batch.completion_mask
+    batch.advantages = torch.randn(len(batch), generator=g)  # non-zero everywhere, whatever was sampled
     mb = batch.rows(0, 8)
     num_items = int(batch.completion_mask.sum()) + 5  # a global denominator different from this micro-batch's
     loss, metrics = trainer.micro_batch_loss(mb, num_items)
@@ -212,7 +213,7 @@ def test_nonfinite_steps_are_skipped_then_stop_with_checkpoint(toy_config, monke
     before = snapshot(trainer.policy)
     real = trainer.micro_batch_loss
     monkeypatch.setattr(trainer, "micro_batch_loss",
-                        lambda mb, n: (lambda loss, m: (loss * float("nan"), m))(*real(mb, n)))
+                        lambda mb, n, **kw: (lambda loss, m: (loss * float("nan"), m))(*real(mb, n, **kw)))
     with pytest.raises(TrainingStopped, match="3 optimizer steps in a row had a non-finite loss"):
         trainer.train()
     after = snapshot(trainer.policy)

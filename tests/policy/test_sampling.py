@@ -1,0 +1,255 @@
+"""policy/sampling.py against transformers' generate(): greedy token for token, sampling in distribution.
+
+Models are tiny random Llama / Qwen2 decoders with untied, wide-initialised heads (initializer_range
+0.2), so logits are spread out (a near-uniform random model would hide an ignored temperature) and
+greedy choices are not near-ties that batch-shape rounding could flip.
+"""
+
+import dataclasses
+import logging
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from lowmem_grpo.config import GenerationConfig
+from lowmem_grpo.policy.rollout import generate
+from lowmem_grpo.policy.sampling import (SamplingStats, fast_sampling_problem, group_runs, plan_micro_batches,
+                                         sample)
+
+CPU = torch.device("cpu")
+PAD = 0
+
+
+def tiny_model(arch: str, vocab: int = 64, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+              initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
+    return model.eval()
+
+
+def random_prompts(lengths, vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]  # no pad id inside
+
+
+def both_paths(model, prompts, cfg, **kw):
+    slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), device=CPU, **kw)
+    fast = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=True), device=CPU, **kw)
+    return slow, fast
+
+
+def assert_same_batch(a, b):
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "is_truncated"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.shape == y.shape and torch.equal(x, y), f"{name} differs:\n{x}\n{y}"
+
+
+def frequent_token(model, prompts, cfg) -> int:
+    """An EOS id the greedy model emits at varying depths: the second most common greedy token."""
+    free = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[], pad_id=PAD,
+                    device=CPU, greedy=True)
+    return Counter(free.completion_ids.flatten().tolist()).most_common(2)[1][0]
+
+
+# ---- greedy: token for token ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("autocast_bf16", [False, True])
+@pytest.mark.parametrize("G, micro_batch", [(3, 8), (6, 4)])  # whole prompts per micro-batch; split prompts
+def test_greedy_matches_generate(arch, autocast_bf16, G, micro_batch):
+    model = tiny_model(arch)
+    distinct = random_prompts([3, 7, 5, 9, 4, 6], 64)  # left padding of 0..6 tokens
+    prompts = [p for p in distinct for _ in range(G)]
+    cfg = GenerationConfig(max_completion_length=20, generation_micro_batch_size=micro_batch)
+    eos = frequent_token(model, distinct, cfg)
+    kw = dict(eos_ids=[eos], pad_id=PAD, greedy=True, autocast_bf16=autocast_bf16)
+    slow, fast = both_paths(model, prompts, cfg, **kw)
+    assert_same_batch(slow, fast)
+    lengths = fast.completion_mask.sum(1)
+    assert lengths.min() < lengths.max() and (~fast.is_truncated).any()  # rows end at different steps
+
+    stats = SamplingStats()
+    sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True,
+           autocast_bf16=autocast_bf16, stats=stats)
+    assert stats.compactions > 0, "rows finished at different steps, so the batch must have been compacted"
+    assert stats.prefill_rows == len(distinct) + (len(distinct) if G > micro_batch else 0)
+    assert stats.generated_tokens == int(lengths.sum())
+    # finished rows stopped costing compute: fewer row-steps than every row decoding to the longest
+    assert stats.decode_row_steps < len(prompts) * (fast.completion_ids.shape[1] - 1)
+
+
+def test_greedy_takes_model_generation_config_like_generate():
+    """generate() fills settings left unset (greedy sets no repetition penalty) from the model's own
+    generation_config; the fast path must resolve them the same way."""
+    model = tiny_model("llama")
+    model.generation_config.repetition_penalty = 1.5
+    distinct = random_prompts([2, 6, 4], 64)
+    cfg = GenerationConfig(max_completion_length=16)
+    slow, fast = both_paths(model, distinct, cfg, eos_ids=[], pad_id=PAD, greedy=True)
+    assert_same_batch(slow, fast)
+    model.generation_config.repetition_penalty = 1.0
+    plain = generate(model, distinct, cfg, eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    assert not torch.equal(plain.completion_ids, fast.completion_ids), "the penalty should change greedy output"
+
+
+def test_unsupported_setting_falls_back_to_generate(caplog):
+    model = tiny_model("llama")
+    model.generation_config.no_repeat_ngram_size = 2
+    cfg = GenerationConfig(max_completion_length=12)
+    assert "no_repeat_ngram_size" in fast_sampling_problem(model, cfg, greedy=True)
+    prompts = random_prompts([3, 5], 64)
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        sample(model, prompts, 1, cfg, eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    with caplog.at_level(logging.WARNING, logger="lowmem_grpo.policy.sampling"):
+        slow, fast = both_paths(model, prompts, cfg, eos_ids=[], pad_id=PAD, greedy=True)
+    assert_same_batch(slow, fast)
+    assert any("no_repeat_ngram_size" in r.getMessage() for r in caplog.records)
+
+
+# ---- format -----------------------------------------------------------------------------------
+
+
+def test_sampled_batch_format_and_max_new_tokens():
+    model = tiny_model("qwen2")
+    distinct = random_prompts([4, 8, 2], 64)
+    G, max_new, eos = 8, 5, [7, 11, 13, 17]  # several EOS ids, some rows end early
+    prompts = [p for p in distinct for _ in range(G)]
+    torch.manual_seed(0)
+    batch = generate(model, prompts, GenerationConfig(max_completion_length=50, generation_micro_batch_size=16),
+                     eos_ids=eos, pad_id=PAD, device=CPU, max_new_tokens=max_new)
+    N, C = batch.completion_ids.shape
+    assert N == len(prompts) and C <= max_new
+    is_eos = torch.isin(batch.completion_ids, torch.tensor(eos))
+    for row, mask, trunc, e in zip(batch.completion_ids, batch.completion_mask, batch.is_truncated, is_eos):
+        n = int(mask.sum())
+        assert mask[:n].all() and not mask[n:].any() and (row[n:] == PAD).all()
+        assert bool(trunc) == (not e.any()) and (n == max_new if trunc else bool(e[n - 1]) and not e[:n - 1].any())
+    assert batch.is_truncated.any() and (~batch.is_truncated).any()
+    for i, p in enumerate(distinct):  # the cache copy must not make a prompt's samples the same
+        rows = batch.completion_ids[i * G:(i + 1) * G]
+        assert len({tuple(r.tolist()) for r in rows}) > 1
+        assert (batch.prompt_ids[i * G:(i + 1) * G, -len(p):] == torch.tensor(p)).all()
+
+
+def test_plan_micro_batches_and_group_runs():
+    assert plan_micro_batches([3, 3, 3], 8) == [[(0, 3), (1, 3)], [(2, 3)]]
+    assert plan_micro_batches([10], 4) == [[(0, 4)], [(0, 4)], [(0, 2)]]
+    assert plan_micro_batches([2, 7], 4) == [[(0, 2), (1, 2)], [(1, 4)], [(1, 1)]]
+    for counts, mb in [([5, 1, 8, 2, 3], 4), ([1] * 9, 2), ([16], 16)]:
+        plan = plan_micro_batches(counts, mb)
+        assert all(sum(c for _, c in b) <= mb for b in plan)
+        flat = [i for b in plan for i, c in b for _ in range(c)]
+        assert flat == [i for i, c in enumerate(counts) for _ in range(c)]  # order kept, nothing lost
+    assert group_runs([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
+
+
+# ---- sampling: in distribution -----------------------------------------------------------------
+
+V, N_PER_PROMPT, DELTA = 16, 6000, 1e-6
+EOS = 5
+
+
+def processors(temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0):
+    """generate()'s processors for these settings, built by hand in generate()'s order."""
+    from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    procs = LogitsProcessorList()
+    if repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    if min_p:
+        procs.append(MinPLogitsWarper(min_p))
+    return procs
+
+
+@torch.no_grad()
+def exact_first_two(model, prompt, procs, history_prefix=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact distributions of completion token 1 (V,) and token 2 (V + 1,), the last entry "ended at EOS".
+
+    The model sees the prompt unpadded; `procs` see `history_prefix + prompt (+ token 1)` (to model a
+    repetition penalty that wrongly counts left padding).
+    """
+    ids = torch.tensor([prompt])  # (1, P)
+    hist = torch.tensor([list(history_prefix) + prompt])  # (1, P')
+    p1 = torch.softmax(procs(hist, model(ids).logits[:, -1].float()), -1)[0]  # (V,)
+    first = torch.arange(V)[:, None]  # (V, 1): every first token
+    logits2 = model(torch.cat([ids.expand(V, -1), first], 1)).logits[:, -1].float()  # (V, V)
+    p2_given = torch.softmax(procs(torch.cat([hist.expand(V, -1), first], 1), logits2), -1)  # (V, V)
+    cont = p1.clone()
+    cont[EOS] = 0
+    p2 = torch.cat([cont @ p2_given, p1[EOS:EOS + 1]])  # (V + 1,)
+    return p1.double(), p2.double()
+
+
+def empirical_first_two(batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = batch.completion_ids[rows], batch.completion_mask[rows]
+    t2 = torch.where(mask[:, 1], ids[:, 1], torch.full_like(ids[:, 1], V))  # V = "ended at EOS"
+    n = ids.shape[0]
+    return (torch.bincount(ids[:, 0], minlength=V).double() / n, torch.bincount(t2, minlength=V + 1).double() / n)
+
+
+def tv(p, q) -> float:
+    return 0.5 * (p - q).abs().sum().item()
+
+
+def tv_tolerance(p, n: int) -> float:
+    """TV(empirical of n draws, p) exceeds this with probability <= DELTA: E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / n)
+    (Jensen), and TV moves by <= 1/n per draw, so McDiarmid adds sqrt(ln(1/DELTA) / 2n)."""
+    return 0.5 * (p * (1 - p) / n).sqrt().sum().item() + math.sqrt(math.log(1 / DELTA) / (2 * n))
+
+
+SETTINGS = {
+    # name: (settings, [(mistake, the settings it samples with, does it penalise left padding)])
+    "temperature_top_k_top_p": (dict(temperature=0.6, top_k=10, top_p=0.9),
+                                [("temperature ignored", dict(top_k=10, top_p=0.9), False)]),
+    "repetition_penalty": (dict(repetition_penalty=2.0),
+                           [("penalty ignored", dict(), False),
+                            ("left padding penalised", dict(repetition_penalty=2.0), True)]),
+    "min_p": (dict(temperature=1.5, min_p=0.1), [("min_p ignored", dict(temperature=1.5), False)]),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampled_distribution_matches_generate(name):
+    settings, mistakes = SETTINGS[name]
+    model = tiny_model("llama", vocab=V, seed=9)
+    distinct = [[9, 3, 12], [1, 14, 9, 7, 2, 11]]  # one micro-batch: the first is left-padded by 3
+    with torch.no_grad():  # pad with the first prompt's likeliest next token, so penalising padding would show
+        first = model(torch.tensor([distinct[0]])).logits[0, -1]
+    pad = next(t for t in first.argsort(descending=True).tolist() if t != EOS and all(t not in p for p in distinct))
+    prefix = [pad] * (len(distinct[1]) - len(distinct[0]))
+    prompts = [p for p in distinct for _ in range(N_PER_PROMPT)]
+    cfg = GenerationConfig(max_completion_length=2, generation_micro_batch_size=len(prompts),
+                           **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **settings})
+    kw = dict(eos_ids=[EOS], pad_id=pad, device=CPU)
+    torch.manual_seed(0)
+    slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw)
+    torch.manual_seed(1)
+    fast = generate(model, prompts, cfg, **kw)
+    power = {m: 0.0 for m, _, _ in mistakes}  # the largest TV(exact, mistaken) / (2 tol) over the comparisons
+    for i, prompt in enumerate(distinct):
+        rows = slice(i * N_PER_PROMPT, (i + 1) * N_PER_PROMPT)
+        exact = exact_first_two(model, prompt, processors(**settings))
+        for pos, p in enumerate(exact):
+            tol = tv_tolerance(p, N_PER_PROMPT)
+            for path, batch in (("generate", slow), ("fast", fast)):
+                got = empirical_first_two(batch, rows)[pos]
+                err = tv(got, p)
+                assert err <= tol, f"{name}, prompt {i}, token {pos + 1}, {path}: TV {err:.4f} > {tol:.4f}"
+        for mistake, wrong, pads in mistakes:
+            mistaken = exact_first_two(model, prompt, processors(**wrong), prefix if i == 0 and pads else ())
+            for p, q in zip(exact, mistaken):
+                power[mistake] = max(power[mistake], tv(p, q) / (2 * tv_tolerance(p, N_PER_PROMPT)))
+    # a sampler drawing from a mistaken distribution would fail some comparison with probability >= 1 - DELTA
+    assert all(v > 1 for v in power.values()), f"{name}: the test cannot tell these mistakes apart: {power}"
