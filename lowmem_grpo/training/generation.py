@@ -8,8 +8,8 @@ stops inside a batch resumes on the same completions.
 from __future__ import annotations
 
 import time
-from typing import Union
 from dataclasses import dataclass, field
+from typing import Union
 
 import torch
 
@@ -118,8 +118,8 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
         policy.train(was_training)
     if reference is not None:
         with phase("reference log-probs"):
-            batch.ref_logp = reference.logprobs(batch, temperature=temperature, micro_batch=micro,
-                                                autocast_bf16=autocast and reference.device.type != "cpu", pack=pack)
+            batch.ref_logp = reference.logprobs(batch, temperature=temperature, micro_batch=micro, pack=pack,
+                                                autocast_bf16=autocast and reference.device.type != "cpu")
     lengths = decoded.keep.sum(1).float()
     info = {
         "reward": total.mean().item(),
