@@ -138,9 +138,24 @@ def _cache_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
+def repetition_penalty_problem() -> Optional[str]:
+    """None where transformers' repetition penalty takes per-row prompt padding lengths (as its own
+    generate() passes them); older releases (e.g. 5.17) take one int, and generate() there treats
+    padding differently, so the fast path does not try to match it."""
+    from transformers.generation import RepetitionPenaltyLogitsProcessor
+    try:
+        RepetitionPenaltyLogitsProcessor(1.1, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
+    except (TypeError, ValueError):
+        return "this transformers' repetition penalty takes no per-row prompt lengths"
+    return None
+
+
 def fast_sampling_problem(model: nn.Module, cfg: GenerationConfig, greedy: bool = False) -> Optional[str]:
     """Why `sample` cannot reproduce generate() for this model and these settings, or None if it can."""
-    return _resolve(model, cfg, greedy)[1] or _cache_problem(model)
+    problem = _resolve(model, cfg, greedy)[1] or _cache_problem(model)
+    if problem is None and _resolve(model, cfg, greedy)[0].repetition_penalty not in (None, 1.0):
+        problem = repetition_penalty_problem()
+    return problem
 
 
 def _processors(s: _Settings, pad_lengths: Tensor):

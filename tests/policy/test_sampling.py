@@ -16,7 +16,7 @@ import torch
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.policy.rollout import generate
 from lowmem_grpo.policy.sampling import (SamplingStats, fast_sampling_problem, group_runs, plan_micro_batches,
-                                         sample)
+                                         repetition_penalty_problem, sample)
 
 CPU = torch.device("cpu")
 PAD = 0
@@ -87,6 +87,8 @@ def test_greedy_matches_generate(arch, autocast_bf16, G, micro_batch):
 def test_greedy_takes_model_generation_config_like_generate():
     """generate() fills settings left unset (greedy sets no repetition penalty) from the model's own
     generation_config; the fast path must resolve them the same way."""
+    if repetition_penalty_problem():  # older transformers: the fast path hands these to generate()
+        pytest.skip(repetition_penalty_problem())
     model = tiny_model("llama")
     model.generation_config.repetition_penalty = 1.5
     distinct = random_prompts([2, 6, 4], 64)
@@ -222,6 +224,8 @@ SETTINGS = {
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_sampled_distribution_matches_generate(name):
+    if "repetition_penalty" in name and repetition_penalty_problem():
+        pytest.skip(repetition_penalty_problem())
     settings, mistakes = SETTINGS[name]
     model = tiny_model("llama", vocab=V, seed=9)
     distinct = [[9, 3, 12], [1, 14, 9, 7, 2, 11]]  # one micro-batch: the first is left-padded by 3
