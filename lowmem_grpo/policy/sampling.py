@@ -152,8 +152,9 @@ def repetition_penalty_problem() -> Optional[str]:
 
 def fast_sampling_problem(model: nn.Module, cfg: GenerationConfig, greedy: bool = False) -> Optional[str]:
     """Why `sample` cannot reproduce generate() for this model and these settings, or None if it can."""
-    problem = _resolve(model, cfg, greedy)[1] or _cache_problem(model)
-    if problem is None and _resolve(model, cfg, greedy)[0].repetition_penalty not in (None, 1.0):
+    settings, problem = _resolve(model, cfg, greedy)
+    problem = problem or _cache_problem(model)
+    if problem is None and settings.repetition_penalty not in (None, 1.0):
         problem = repetition_penalty_problem()
     return problem
 
