@@ -54,7 +54,6 @@ def shared_settings(args) -> dict:
 
 def model_folder() -> str:
     """The dequantised SmolLM2 folder (made once, cached), loadable by transformers and TRL alike."""
-    sys.path.insert(0, str(ROOT))
     from lowmem_grpo.config import ModelConfig
     from lowmem_grpo.policy.model import materialize_model_source
     return materialize_model_source(ModelConfig(name_or_path=MODEL))
@@ -175,7 +174,6 @@ WORKERS = {"trl": run_trl, "ours": run_ours, "eval": run_eval}
 
 def worker_main(kind: str, cfg_path: str) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
-    sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     out = WORKERS[kind](cfg)
     out["wall_s"] = time.perf_counter() - t0
@@ -189,8 +187,9 @@ def spawn(kind: str, cfg: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"cmp_{kind}_"))
     cfg = {**cfg, "result": str(work / "result.json")}
     (work / "cfg.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TOKENIZERS_PARALLELISM": "false"}
+    # lowmem-grpo comes from the installed package, never from the tree on sys.path: the tree's
+    # top-level `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers probes.
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     print(f"[compare_trl] {kind} {cfg.get('setting', '')} seed {cfg.get('seed', '-')}: running", flush=True)
     subprocess.run([sys.executable, __file__, "--worker", kind, str(work / "cfg.json")], check=True, env=env, cwd=ROOT)
     return json.loads((work / "result.json").read_text())
@@ -244,8 +243,11 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(*args.worker)
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_utils import machine_info
+    try:
+        import lowmem_grpo  # noqa: F401
+    except ImportError:
+        ap.error('lowmem-grpo is not installed in this Python: run `pip install -e ".[bench]"` from the repository root')
+    from bench_utils import machine_info  # benchmarks/ is sys.path[0] when this file is run as a script
 
     model = model_folder()
     base = {"model": model, "threads": args.threads, "shared": shared_settings(args), "setting": args.settings}
