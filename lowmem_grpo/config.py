@@ -72,6 +72,10 @@ class ModelConfig:
                                     "capability >= 8.0, off otherwise. Weights stay fp32 (master weights).")
     attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa | eager | flash_attention_2).")
     trust_remote_code: bool = _f(False, "Passed to transformers when loading.")
+    disable_dropout: bool = _f(True, "Set every dropout probability of the model to 0 when it is loaded (TRL's "
+                                     "disable_dropout), so the loss (train mode) and the old/reference log-probs "
+                                     "(eval mode) see the same function: ratio 1 on the first pass, no KL noise "
+                                     "floor. Default differs from TRL: see README, 'Where we differ from TRL'.")
     cache_dir: str = _f("~/.cache/lowmem_grpo", "Where dequantised GGUF models are cached.")
 
 
@@ -180,9 +184,17 @@ class OptimConfig:
     adam_beta2: float = _f(0.99, "Adam beta2.")
     adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).")
-    lr_scheduler_type: str = _f("constant", "constant | linear | cosine (decay to 0 at max_steps), after warm-up.")
-    warmup_steps: int = _f(0, "Linear warm-up steps (overrides warmup_ratio when > 0).")
-    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps.")
+    lr_scheduler_type: str = _f("constant", "transformers.get_scheduler's schedule, by its name and semantics (as "
+                                            "TRL): constant (no warm-up) | constant_with_warmup | linear | cosine | "
+                                            "cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | "
+                                            "cosine_warmup_with_min_lr | warmup_stable_decay. Decays reach their end "
+                                            "at max_steps.")
+    lr_scheduler_kwargs: Optional[dict] = _f(None, "Extra arguments of the schedule (transformers' "
+                                                   "scheduler_specific_kwargs), e.g. {min_lr_rate: 0.1} for "
+                                                   "cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts.")
+    warmup_steps: int = _f(0, "Linear warm-up from lr 0 over this many optimizer steps (overrides warmup_ratio "
+                              "when > 0); step k of the warm-up uses learning_rate x k / warmup_steps.")
+    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps (rounded up).")
 
 
 @dataclass
@@ -382,6 +394,12 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
     return cfg
 
 
+# transformers.get_scheduler's schedules that need nothing but the step (not reduce_lr_on_plateau or greedy,
+# which read a metric).
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
+
+
 def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}{_nearest(value, list(choices))}")
@@ -466,7 +484,12 @@ def validate(cfg: Config) -> None:
     _choice(t.scale_rewards, ("group", "batch", "none"), "scale_rewards")
     _choice(t.reference_compute, ("auto", "cpu", "stream"), "reference_compute")
     _choice(o.optimizer, ("adamw_8bit", "paged_adamw_8bit", "adamw"), "optimizer")
-    _choice(o.lr_scheduler_type, ("constant", "linear", "cosine"), "lr_scheduler_type")
+    _choice(o.lr_scheduler_type, LR_SCHEDULES, "lr_scheduler_type")
+    if o.lr_scheduler_type == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
+        raise ConfigError(f"lr_scheduler_type=constant has no warm-up (transformers' and TRL's meaning), but "
+                          f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
+                          f"lr_scheduler_type=constant_with_warmup (before issue 13, 'constant' warmed up), or "
+                          f"warmup_steps=0 and warmup_ratio=0")
     _positive(o.learning_rate, "learning_rate", allow_zero=True)
     _positive(o.warmup_steps, "warmup_steps", allow_zero=True)
     if not 0 <= o.warmup_ratio < 1:

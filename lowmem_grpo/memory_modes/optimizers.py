@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule: bitsandbytes 8-bit AdamW by default, torch AdamW selectable."""
+"""Optimizer and learning-rate schedule: bitsandbytes 8-bit AdamW by default, torch AdamW selectable;
+transformers' schedules by name."""
 
 from __future__ import annotations
 
@@ -54,22 +55,27 @@ def _optimizer_class(name: str, stochastic_rounding: bool):
     return bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
 
 
-def lr_lambda(cfg: OptimConfig, max_steps: int):
-    """Multiplier of the peak LR at each step: linear warm-up, then constant / linear / cosine decay to 0."""
-    warmup = cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * max_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if cfg.lr_scheduler_type == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        if cfg.lr_scheduler_type == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
+def warmup_steps(cfg: OptimConfig, max_steps: int) -> int:
+    """transformers' rule: warmup_steps when > 0, else ceil(warmup_ratio x max_steps)."""
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * max_steps)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, max_steps))
+    """transformers.get_scheduler(lr_scheduler_type) with transformers' (and so TRL's) names and semantics:
+    optimizer step k (from 0) uses learning_rate x lambda(k), so a warm-up starts at lr 0; `constant`
+    has no warm-up (config validation refuses one: use `constant_with_warmup`). Its state_dict holds
+    the step count only, so a resumed run continues the same sequence."""
+    from transformers import SchedulerType, get_scheduler
+
+    if cfg.lr_scheduler_type not in {t.value for t in SchedulerType}:
+        import transformers
+        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type} is not in transformers "
+                         f"{transformers.__version__}; upgrade transformers or choose another schedule")
+    try:
+        return get_scheduler(cfg.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(cfg, max_steps),
+                             num_training_steps=max_steps,
+                             scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs or {}))
+    except (TypeError, ValueError) as e:  # a keyword the schedule does not take, or a required one missing
+        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type} with lr_scheduler_kwargs="
+                         f"{cfg.lr_scheduler_kwargs}: {e}. See transformers' get_scheduler for each "
+                         f"schedule's arguments (e.g. cosine_with_min_lr takes min_lr or min_lr_rate)") from None

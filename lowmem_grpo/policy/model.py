@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,48 @@ def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Mo
         except OSError as e:
             raise ModelError(f"could not load model {path!r}: {e}") from e
     check_fused_head(model)
+    if cfg.disable_dropout:
+        disable_dropout(model)
     return model
+
+
+def disable_dropout(model: nn.Module) -> int:
+    """Set every dropout probability of `model` to 0, in place; returns how many were non-zero.
+
+    Old and reference log-probs run in eval mode and the loss in train mode: with dropout on, the
+    ratio is not 1 on the first pass and the KL has a noise floor. TRL's disable_dropout zeroes
+    nn.Dropout modules only; many transformers models (Llama, Qwen2, OPT, ...) instead keep the
+    probability as a float attribute (`attention_dropout`, `dropout`) that they pass to F.dropout or to
+    the attention kernel, and a few read it from the config at each forward, so all three are zeroed.
+    The config change is saved with checkpoints: it records that the weights were trained without
+    dropout."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            changed += module.p > 0
+            module.p = 0.0
+            continue
+        changed += _zero_dropout_floats(module)
+    configs = [model.config] + [getattr(model.config, k) for k in ("text_config", "vision_config", "audio_config")
+                                if getattr(model.config, k, None) is not None]
+    for config in configs:
+        changed += _zero_dropout_floats(config)
+    return changed
+
+
+# Probabilities of random behaviour in train mode: dropout (attention_dropout, hidden_dropout_prob,
+# resid_pdrop, ...), LayerDrop (layerdrop: skips whole layers) and stochastic depth (drop_path_rate).
+_DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop|drop_path")
+
+
+def _zero_dropout_floats(obj) -> int:
+    """Zero float attributes named like a dropout probability; leaves modules, flags and ints alone."""
+    changed = 0
+    for name, value in list(vars(obj).items()):
+        if isinstance(value, float) and _DROPOUT_NAME.search(name) and value > 0:
+            setattr(obj, name, 0.0)
+            changed += 1
+    return changed
 
 
 def check_logits_are_linear(config) -> None:

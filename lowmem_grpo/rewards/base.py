@@ -9,9 +9,13 @@ A reward function has TRL's GRPOTrainer signature::
 tasks); ``completions`` the completions (a string, ``[{"role": "assistant", "content": text}]``
 when the prompt is conversational, or the list[int] of ids when the task has no tokenizer);
 ``completion_ids`` the completion token ids (EOS excluded); every other dataset column arrives as a
-keyword argument holding one entry per completion (each row repeated G times). ``None`` means
+keyword argument holding one entry per completion (each row repeated G times). During training,
+as in TRL, ``trainer_state`` (transformers' ``TrainerState``: ``global_step``, ``epoch``,
+``max_steps``, ``num_input_tokens_seen``, ...), ``log_metric(name, value)`` and
+``log_extra(column, values)`` arrive too, so a function should take ``**kwargs``. ``None`` means
 "not applicable to this sample": it becomes NaN in the per-function table, is left out of that
-function's mean and adds 0 to the weighted total (TRL semantics).
+function's mean and adds 0 to the weighted total. A completion for which every function returns
+None is left out of its group's mean and std and of ``reward``, and gets advantage 0 (TRL >= 1.6).
 
 Specs accepted by :func:`load_reward_functions` (see :data:`lowmem_grpo.rewards.builtins.BUILTINS`):
 a built-in name, a dict ``{"name": ..., "label": ..., **kwargs}``, ``"package.module:function"``,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -13,23 +15,71 @@ from .base import RewardError, RewardFunction, describe_sample, preview
 _MAX_LOCATE_CALLS = 256  # single-sample re-calls spent finding which sample made a function raise
 
 
-_RESERVED = ("prompts", "completions", "completion_ids")
+# Keyword arguments the trainer passes itself (TRL's names); a dataset column must not take one.
+_RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions logged through TRL's `log_metric(name, value)` (scalars, averaged per
+    generation batch) and `log_extra(column, values)` (one value per completion, shown next to it in
+    completions.jsonl) keyword arguments."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra.setdefault(str(column), []).extend(values)
+
+    def metric_means(self) -> dict[str, float]:
+        return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
 
 
 def compute_rewards(funcs: list[RewardFunction], prompts: list, completions: list,
-                    completion_ids: list[list[int]], columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
+                    completion_ids: list[list[int]], columns: dict[str, list], *, trainer_state: Any = None,
+                    logs: Optional[RewardLogs] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Call every function on the batch; return (per_func (N, F) with NaN for None, total (N,)).
 
-    total = nansum over functions of weight * reward, so a None adds 0 (TRL semantics).
+    total = nansum over functions of weight * reward, so a None adds 0; a completion for which every
+    function returned None is "unscorable" (see scorable_totals, which marks it NaN for the statistics).
+    `trainer_state` (transformers' TrainerState during training) and `logs` (log_metric / log_extra)
+    are passed as TRL passes them, when given.
     """
     n = len(completions)
     _check_inputs(n, prompts, completion_ids, columns)
+    shared = {} if trainer_state is None else {"trainer_state": trainer_state}
+    if logs is not None:
+        shared.update(log_extra=logs.log_extra, log_metric=logs.log_metric)
     per_func = torch.empty(n, len(funcs), dtype=torch.float32)
     for j, f in enumerate(funcs):
-        per_func[:, j] = _call_one(f, prompts, completions, completion_ids, columns)
+        per_func[:, j] = _call_one(f, prompts, completions, completion_ids, columns, shared)
+    for column, values in ({} if logs is None else logs.extra).items():
+        if len(values) != n:
+            raise RewardError(f"log_extra({column!r}, ...) received {len(values)} values for {n} completions; "
+                              f"a reward function must log one value per completion")
     weights = torch.tensor([f.weight for f in funcs], dtype=torch.float32)
     total = (per_func * weights).nansum(dim=1)
     return per_func, total
+
+
+def scorable_totals(per_func: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """`total` with NaN where every reward function returned None (TRL >= 1.6): such a completion is left
+    out of its group's mean and std, of the logged `reward`, and gets advantage 0."""
+    return total.masked_fill(torch.isnan(per_func).all(dim=1), math.nan)
+
+
+def nan_std(x: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sample std (Bessel) over the non-NaN entries, as TRL's nanstd: NaN where fewer than 2 remain."""
+    valid = ~torch.isnan(x)
+    count = valid.sum() if dim is None else valid.sum(dim)
+    mean = x.nanmean() if dim is None else x.nanmean(dim, keepdim=True)
+    sq = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x))
+    sq = sq.sum() if dim is None else sq.sum(dim)
+    var = sq / (count - 1).clamp(min=1)
+    return torch.where(count > 1, var.sqrt(), torch.full_like(var, math.nan))
 
 
 def _check_inputs(n, prompts, completion_ids, columns) -> None:
@@ -42,13 +92,13 @@ def _check_inputs(n, prompts, completion_ids, columns) -> None:
                           f"rename them in the dataset")
 
 
-def _call_one(f: RewardFunction, prompts, completions, completion_ids, columns) -> torch.Tensor:
+def _call_one(f: RewardFunction, prompts, completions, completion_ids, columns, shared: dict) -> torch.Tensor:
     n = len(completions)
     try:
-        out = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        out = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **shared)
     except Exception as e:
         where = "" if isinstance(e, RewardError) else _locate_failure(f, prompts, completions, completion_ids,
-                                                                      columns)
+                                                                      columns, shared)
         raise RewardError(f"reward function '{f.name}' raised {type(e).__name__}: {e}{where}") from e
     if isinstance(out, torch.Tensor) or type(out).__module__ == "numpy":
         if getattr(out, "ndim", 1) != 1:
@@ -90,25 +140,31 @@ def _to_float(f: RewardFunction, v, i: int, prompts, completions) -> float:
     return v
 
 
-def _locate_failure(f: RewardFunction, prompts, completions, completion_ids, columns) -> str:
+def _locate_failure(f: RewardFunction, prompts, completions, completion_ids, columns, shared: dict) -> str:
     """Re-call the function one sample at a time to show the user which sample it fails on."""
+    # Re-calls log nothing: their log_metric / log_extra would duplicate the batch call's entries.
+    quiet = {**shared, **{k: (lambda *a, **kw: None) for k in ("log_extra", "log_metric") if k in shared}}
     for i in range(min(len(completions), _MAX_LOCATE_CALLS)):
         try:
             f.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
-                 completion_ids=completion_ids[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+                 completion_ids=completion_ids[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()}, **quiet)
         except Exception:
             return f"\n  (first sample it fails on when called one at a time){describe_sample(prompts, completions, i)}"
     return ""
 
 
 def reward_metrics(funcs: list[RewardFunction], per_func: torch.Tensor, total: torch.Tensor) -> dict[str, float]:
-    """``reward`` (mean weighted total) and, per function, ``rewards/<label>/mean`` and ``/std``.
+    """TRL's reward metrics: ``reward`` and ``reward_std`` (mean and sample std of the weighted total over
+    the batch, leaving out completions no function scored) and, per function, ``rewards/<label>/mean``
+    and ``/std`` (over the samples it scored).
 
-    Means and stds skip None (NaN) samples; std is the sample std (Bessel, as TRL's nanstd), 0.0
-    for a single value. A function that returned None for every sample gets float('nan') for
-    both: the caller should drop NaN metrics before logging.
+    Stds are sample stds (Bessel, as TRL's nanstd), 0.0 for a single value. A function that returned
+    None for every sample gets float('nan') for both (written as null in metrics.jsonl).
     """
-    out = {"reward": float(total.float().mean()) if total.numel() else math.nan}
+    scored = scorable_totals(per_func, total).double()
+    scored = scored[~torch.isnan(scored)]
+    out = {"reward": float(scored.mean()) if len(scored) else math.nan,
+           "reward_std": float(scored.std()) if len(scored) > 1 else (0.0 if len(scored) else math.nan)}
     for j, f in enumerate(funcs):
         vals = per_func[:, j].double()
         vals = vals[~torch.isnan(vals)]

@@ -7,16 +7,18 @@ stops inside a batch resumes on the same completions.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Optional, Union
 
 import torch
 
 from ..config import BatchPlan, Config, TrainConfig
 from ..phases import phase
+from ..policy.packing import prompt_groups, should_pack
 from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
-from ..rewards import compute_rewards, reward_metrics
+from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
 
 
 @dataclass
@@ -48,20 +50,29 @@ class GenerationBatch:
 def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages (N,), per-group std (N/G,)). A = (r - group mean) / (std + 1e-4), TRL's formula.
 
-    A group whose G rewards are all equal gets advantages of exactly 0. The formula gives that too,
-    except for rounding: the float mean of equal values can miss them by an ulp, which the division by
-    (std + 1e-4) would turn into advantages of ~1e-3 that are pure noise. Exact zeros are what lets the
-    trainer skip those completions (train.skip_zero_advantage) without changing the update.
+    NaN rewards (completions no reward function scored: rewards.scorable_totals) are left out of the
+    group's mean and std (nan-mean, nan-std, as TRL >= 1.6) and get advantage exactly 0. A group's std
+    is NaN when fewer than 2 of its rewards are scored (TRL's nanstd).
+
+    A group whose scored rewards are all equal (or that has fewer than 2) gets advantages of exactly 0.
+    The formula gives that too, except for rounding: the float mean of equal values can miss them by
+    an ulp, which the division by (std + 1e-4) would turn into advantages of ~1e-3 that are pure
+    noise. Exact zeros are what lets the trainer skip those completions (train.skip_zero_advantage)
+    without changing the update.
     """
     grouped = rewards.view(-1, group_size)  # (prompts, G)
-    std_group = grouped.std(1)  # unbiased, as TRL
-    adv = grouped - grouped.mean(1, keepdim=True)  # (prompts, G)
-    adv = adv.masked_fill((grouped == grouped[:, :1]).all(1, keepdim=True), 0.0).view(-1)
+    scored = ~torch.isnan(grouped)
+    std_group = nan_std(grouped, dim=1)  # unbiased, as TRL
+    adv = grouped - grouped.nanmean(1, keepdim=True)  # (prompts, G)
     if scale == "group":
-        adv = adv / (std_group.repeat_interleave(group_size) + 1e-4)
+        adv = adv / (std_group.repeat_interleave(group_size).view_as(adv) + 1e-4)
     elif scale == "batch":
-        adv = adv / (rewards.std() + 1e-4)
-    return adv, std_group
+        adv = adv / (nan_std(rewards) + 1e-4)
+    lowest = grouped.masked_fill(~scored, math.inf).amin(1, keepdim=True)
+    highest = grouped.masked_fill(~scored, -math.inf).amax(1, keepdim=True)
+    equal = (lowest == highest) | (scored.sum(1, keepdim=True) < 2)
+    # masked_fill last: it also replaces the NaNs of unscored rows and of groups whose std is NaN
+    return adv.masked_fill(equal | ~scored, 0.0).view(-1), std_group
 
 
 def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
@@ -86,20 +97,55 @@ def skipped_rows_scale(mb: Batch, keep: torch.Tensor, loss_type: str) -> float:
     return int(keep.sum()) / len(keep)
 
 
+def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch: float, num_input_tokens_seen: int):
+    """transformers' TrainerState, filled as TRL's GRPOTrainer fills it, for the reward functions'
+    `trainer_state` argument: TRL reward functions read `global_step` (optimizer steps done),
+    `epoch` (fractional: epochs of prompts drawn before this batch), `max_steps`, ..."""
+    from transformers import TrainerState
+
+    return TrainerState(epoch=float(epoch), global_step=int(global_step), max_steps=cfg.train.max_steps,
+                        logging_steps=cfg.output.logging_steps, save_steps=cfg.output.save_steps,
+                        train_batch_size=cfg.train.per_device_train_batch_size,
+                        num_input_tokens_seen=int(num_input_tokens_seen))
+
+
+def computed_tokens(mb: Batch, pack: Union[bool, str], decoder) -> int:
+    """Decoder positions a loss micro-batch actually computes (padding excluded): each row's prompt and
+    completion tokens, or, when the micro-batch runs packed (policy/packing.py), each prompt once."""
+    prompt = mb.prompt_mask.sum(1)
+    if pack and should_pack(pack, mb, decoder):
+        groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
+        first = torch.ones_like(groups, dtype=torch.bool)
+        first[1:] = groups[1:] != groups[:-1]
+        prompt = prompt[first]
+    return int(prompt.sum()) + int(mb.completion_mask.sum())
+
+
 def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head, reference, tokenizer,
                           reward_funcs, eos_ids: list[int], pad_id: int, device: torch.device, autocast: bool,
-                          epoch: int, pack: Union[bool, str] = False) -> GenerationBatch:
+                          epoch: int, pack: Union[bool, str] = False,
+                          trainer_state: Optional[Any] = None) -> GenerationBatch:
     """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection). `pack`:
-    shared-prompt packing in the log-prob passes (policy/packing.py)."""
+    shared-prompt packing in the log-prob passes (policy/packing.py). `trainer_state`
+    (make_trainer_state) reaches the reward functions; its num_input_tokens_seen grows by this batch's
+    prompt + completion tokens (TRL's `num_tokens`)."""
     G, t0 = cfg.generation.num_generations, time.perf_counter()
+    logs = RewardLogs()
     with phase("rollout"):
         batch = generate(policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
                          eos_ids=eos_ids, pad_id=pad_id, device=device, autocast_bf16=autocast)
+        # TRL's lengths count the EOS token; taken before mask_truncated_completions edits the mask
+        lengths = batch.completion_mask.sum(1).float()
+        tokens = int(batch.prompt_mask.sum()) + int(lengths.sum())
+        if trainer_state is not None:
+            trainer_state.num_input_tokens_seen += tokens
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
         decoded = decode_completions(batch, prompt_list, eos_ids, tokenizer)
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
-        per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns)
-        batch.advantages, std_group = compute_advantages(total, G, cfg.train.scale_rewards)
+        per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
+                                          trainer_state=trainer_state, logs=logs)
+        scored = scorable_totals(per_func, total)  # NaN: no function scored it
+        batch.advantages, std_group = compute_advantages(scored, G, cfg.train.scale_rewards)
         if cfg.train.mask_truncated_completions:
             batch.completion_mask &= ~batch.is_truncated[:, None]
     micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
@@ -120,22 +166,34 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
         with phase("reference log-probs"):
             batch.ref_logp = reference.logprobs(batch, temperature=temperature, micro_batch=micro, pack=pack,
                                                 autocast_bf16=autocast and reference.device.type != "cpu")
-    lengths = decoded.keep.sum(1).float()
+    terminated = lengths[~batch.is_truncated]
+    if not len(terminated):  # TRL's convention when every completion was cut off
+        terminated = torch.zeros(1)
     info = {
-        "reward": total.mean().item(),
-        "reward_std": std_group.mean().item(),
+        **reward_metrics(reward_funcs, per_func, total),  # reward, reward_std, rewards/<name>/mean and /std
         "frac_reward_zero_std": (std_group < 1e-6).float().mean().item(),
-        **reward_metrics(reward_funcs, per_func, total),
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
         "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "completions/min_terminated_length": terminated.min().item(),
+        "completions/max_terminated_length": terminated.max().item(),
         "frac_zero_advantage_skipped": 1.0 - trained_rows(batch, cfg.train).float().mean().item(),
         "epoch": epoch,
     }
+    logged = logs.metric_means()  # what reward functions logged with log_metric
+    clash = sorted(set(logged) & set(info))
+    if clash:
+        raise RewardError(f"a reward function logged the metric(s) {clash} with log_metric; those names are the "
+                          f"trainer's own: choose other names")
+    info.update(logged)
+    if trainer_state is not None:
+        info["num_tokens"] = trainer_state.num_input_tokens_seen
     n_log = min(cfg.output.num_completions_to_log, len(decoded.texts))
-    samples = [{"prompt": prompt_list[i], "completion": decoded.texts[i], "reward": total[i].item(),
+    samples = [{"prompt": prompt_list[i], "completion": decoded.texts[i], "reward": scored[i].item(),
                 "advantage": batch.advantages[i].item(),
-                "rewards": {f.name: per_func[i, j].item() for j, f in enumerate(reward_funcs)}}
+                "rewards": {f.name: per_func[i, j].item() for j, f in enumerate(reward_funcs)},
+                **({"extra": {k: v[i] for k, v in logs.extra.items()}} if logs.extra else {})}
                for i in range(n_log)]
     return GenerationBatch(batch, 0, info, time.perf_counter() - t0, samples)

@@ -46,7 +46,8 @@ from ..rewards import load_reward_functions
 from . import checkpoint as ckpt
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluation_after, evaluation_before
-from .generation import GenerationBatch, make_generation_batch, skipped_rows_scale, trained_rows
+from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
+                         skipped_rows_scale, trained_rows)
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .stopping import StopRequest, save_on_error
 
@@ -123,6 +124,7 @@ class Trainer:
         self.step = 0
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
+        self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
         self.resumed_from: Optional[Path] = None
         if cfg.output.resume_from:
@@ -179,6 +181,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
+        self.num_input_tokens_seen = int(state.get("num_input_tokens_seen", 0))  # absent before issue 13
         self.generation = GenerationBatch.from_state(state["generation"]) if state["generation"] else None
         ckpt.set_rng_state(state["rng"])
         self.last_saved_step = self.step
@@ -190,7 +193,7 @@ class Trainer:
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
             "generation": self.generation.state_dict() if self.generation else None,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row, "num_input_tokens_seen": self.num_input_tokens_seen,
         }
         path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
                                     self.cfg.output.save_total_limit, self.cfg.to_dict())
@@ -199,11 +202,18 @@ class Trainer:
 
     # ----- rollout -----------------------------------------------------------------------------
     def new_generation_batch(self) -> GenerationBatch:
+        drawn = self.sampler.state_dict()  # epochs of prompts drawn so far: TrainerState.epoch, as TRL's
+        state = make_trainer_state(self.cfg, self.plan, global_step=self.step,
+                                   epoch=drawn["epoch"] + drawn["position"] / drawn["num_prompts"],
+                                   num_input_tokens_seen=self.num_input_tokens_seen)
         prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
-        return make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
-                                     reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
-                                     eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
-                                     autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack)
+        gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
+                                   reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
+                                   eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
+                                   autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
+                                   trainer_state=state)
+        self.num_input_tokens_seen = state.num_input_tokens_seen
+        return gb
 
     # ----- one optimizer step ------------------------------------------------------------------
     def micro_batch_loss(self, mb: Batch, num_items: int, scale: float = 1.0):
@@ -254,7 +264,7 @@ class Trainer:
                     grad_norm = self.optimizer.end_step()
             backwards += 1
             n = int(part.completion_mask.sum())
-            tokens += int(part.prompt_mask.sum()) + n
+            tokens += computed_tokens(part, self.pack, self.head.decoder)
             computed += n
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item() * n
@@ -283,6 +293,10 @@ class Trainer:
         out = {k: v / max(computed if k == "entropy" else num_items, 1) for k, v in sums.items()}
         if not backwards:  # nothing computed: no token was clipped and (beta == 0) the KL is 0; entropy unknown
             out.update(kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0)
+        for ours, trl in (("clip_ratio", "clip_ratio/region_mean"), ("clip_ratio_low", "clip_ratio/low_mean"),
+                          ("clip_ratio_high", "clip_ratio/high_mean")):  # the loss's names -> TRL's log names
+            if ours in out:
+                out[trl] = out.pop(ours)
         out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
                    train_tokens=tokens)
         return out

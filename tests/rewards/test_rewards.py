@@ -232,7 +232,8 @@ def test_compute_rewards_weights_none_and_passthrough():
     m = reward_metrics(funcs, per_func, total)
     assert m["rewards/spy/mean"] == 0.75 and m["rewards/spy/std"] == pytest.approx(math.sqrt(0.125))
     assert m["rewards/other/mean"] == 1.0 and m["rewards/other/std"] == 0.0
-    assert m["reward"] == pytest.approx(2 / 3)
+    assert m["reward"] == pytest.approx(1.0)  # the mean of 2.0 and 0.0: row 1 (every function None) is left out
+    assert m["reward_std"] == pytest.approx(math.sqrt(2.0))
 
 
 def test_compute_rewards_accepts_arrays_and_all_none_metric():

@@ -41,4 +41,4 @@ def test_toy_tokens_recipe_learns(tmp_path):
     first = sum(r["reward"] for r in rows[:8]) / 8
     last = sum(r["reward"] for r in rows[-8:]) / 8
     assert last > first + 0.5, (first, last)
-    assert any(r["clip_ratio"] > 0 for r in rows) and all(r["kl"] >= 0 for r in rows)
+    assert any(r["clip_ratio/region_mean"] > 0 for r in rows) and all(r["kl"] >= 0 for r in rows)

@@ -18,8 +18,10 @@ from lowmem_grpo.training.trainer import Trainer, TrainingStopped
 from tests.optional import needs_bitsandbytes
 
 REQUIRED_METRICS = ["step", "reward", "reward_std", "frac_reward_zero_std", "rewards/label_reward/mean", "kl",
-                    "entropy", "clip_ratio", "completions/mean_length", "completions/clipped_ratio", "loss",
-                    "grad_norm", "learning_rate", "step_time", "tokens_per_second", "peak_memory_bytes"]
+                    "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                    "completions/mean_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+                    "num_tokens", "loss", "grad_norm", "learning_rate", "step_time", "tokens_per_second",
+                    "peak_memory_bytes"]
 TIMING = {"step_time", "generation_time", "tokens_per_second", "peak_memory_bytes"}
 
 

@@ -28,7 +28,7 @@ def _assert_same_run(a, b, rows_a, rows_b, atol):
     for (k, p), (_, q) in zip(a.policy.named_parameters(), b.policy.named_parameters()):
         torch.testing.assert_close(p.float(), q.float(), rtol=0, atol=atol, msg=k)
     for ra, rb in zip(rows_a, rows_b):
-        for key in ("loss", "reward", "clip_ratio", "grad_norm"):
+        for key in ("loss", "reward", "clip_ratio/region_mean", "grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
 
 
@@ -136,3 +136,12 @@ def test_nothing_skipped_with_a_kl_term(toy_config):
     mb = Batch(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, 1, dtype=torch.long),
                torch.ones(2, 1, dtype=torch.bool), torch.zeros(2, dtype=torch.bool), advantages=torch.zeros(2))
     assert trained_rows(mb, trainer.cfg.train).all()  # the KL term has a gradient even where A == 0
+
+
+def test_equal_scored_rewards_with_unscored_members_give_exact_zeros():
+    # Unscored completions (NaN: no reward function scored them) are left out of the equality test too:
+    # the six scored members agree, so the whole group is skippable.
+    r = torch.tensor([0.7] * 6 + [float("nan")] * 2 + [0.0, 1.0, float("nan"), 1.0, 0.0, 1.0, 3.0, 0.0])
+    adv, std = compute_advantages(r, 8, "group")
+    assert torch.equal(adv[:8], torch.zeros(8)) and torch.isfinite(adv).all()
+    assert adv[10] == 0 and (adv[8:] != 0).sum() == 7
