@@ -27,7 +27,7 @@ class LossType(str, Enum):
 
     GRPO = "grpo"  # mean over sequences of each sequence's token mean
     BNPO = "bnpo"  # token mean over this micro-batch
-    DAPO = "dapo"  # token sum / tokens in the whole generation batch (num_items_in_batch)
+    DAPO = "dapo"  # token sum / num_items_in_batch (the caller's global token count; default: this micro-batch's)
     DR_GRPO = "dr_grpo"  # token sum / (num_sequences * max_completion_length)
 
 
@@ -107,9 +107,11 @@ def linear_grpo_loss(
         loss_type: "grpo" | "bnpo" | "dapo" | "dr_grpo" (see LossType; TRL semantics).
         importance_sampling_level: "token" | "sequence" (GSPO).
         max_completion_length: dr_grpo's per-sequence denominator (default T).
-        num_items_in_batch: dapo's denominator: masked tokens in the whole generation batch, so that
-            gradient accumulation over micro-batches sums to the full-batch loss (default: this
-            micro-batch's masked tokens).
+        num_items_in_batch: dapo's denominator, a token count over more than this micro-batch, so that
+            the losses of accumulated micro-batches sum to one token mean (default: this micro-batch's
+            masked tokens). lowmem-grpo's trainer passes the masked tokens of the optimizer step's
+            micro-batches; TRL passes the generation batch's count scaled to one step (README, "Where
+            we differ from TRL, on purpose").
         chunk_size: vocabulary slice width of the fused head (see linear_token_logprobs).
 
     Returns:

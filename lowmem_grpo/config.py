@@ -87,7 +87,8 @@ class DataConfig:
     eval_file: Optional[str] = _f(None, "Held-out prompts for evaluation (same format).")
     eval_holdout: int = _f(0, "If no eval_file: hold out this many training rows (taken before shuffling) for eval.")
     system_prompt: Optional[str] = _f(None, "Prepended as a system message when prompts go through the chat template.")
-    chat_template: bool = _f(True, "Apply the tokenizer's chat template to string prompts (if it has one).")
+    chat_template: bool = _f(True, "Apply the tokenizer's chat template to string prompts (if it has one). TRL "
+                                   "does not: see README, 'Where we differ from TRL'.")
     prompt_truncation: str = _f("error", "Prompts longer than max_prompt_length: 'error' stops with the row "
                                          "number, 'left' keeps the last max_prompt_length tokens.")
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
@@ -143,8 +144,8 @@ class TrainConfig:
     beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.")
     epsilon: float = _f(0.2, "Lower clip range of the ratio.")
     epsilon_high: Optional[float] = _f(None, "Upper clip range (default: epsilon). DAPO uses 0.28.")
-    loss_type: str = _f("dapo", "grpo | bnpo | dapo | dr_grpo (TRL semantics; the denominators are global over "
-                                "the micro-batches of one optimizer step).")
+    loss_type: str = _f("dapo", "grpo | bnpo | dapo | dr_grpo (TRL's; dapo divides by the completion tokens of "
+                                "the optimizer step's micro-batches: README, 'Where we differ from TRL').")
     importance_sampling_level: str = _f("token", "token | sequence (GSPO).")
     scale_rewards: str = _f("group", "Advantage scaling: group (divide by the group's std) | batch (by the "
                                      "generation batch's std) | none (Dr. GRPO).")
