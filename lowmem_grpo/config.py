@@ -180,6 +180,11 @@ class OptimConfig:
     adam_beta2: float = _f(0.99, "Adam beta2.")
     adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).")
+    offload_optimizer: bool = _f(False, "Keep the optimizer states, a copy of the weights and a gradient buffer in "
+                                        "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
+                                        "holds no optimizer state. Needs train.optimizer_in_backward (its hooks send "
+                                        "each gradient to the host as soon as it is complete). Host RAM: ~6 bytes "
+                                        "per parameter with bf16_sr + adamw_8bit, 16 with fp32 + adamw.")
     lr_scheduler_type: str = _f("constant", "constant | linear | cosine (decay to 0 at max_steps), after warm-up.")
     warmup_steps: int = _f(0, "Linear warm-up steps (overrides warmup_ratio when > 0).")
     warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps.")
@@ -445,6 +450,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("optimizer_in_backward updates the weights during each backward, so gradients cannot be "
                           f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
                           "use steps_per_generation for the number of micro-batches per generation batch")
+    if o.offload_optimizer and not t.optimizer_in_backward:
+        raise ConfigError("optim.offload_optimizer sends each gradient to the host from the optimizer-in-backward "
+                          "hooks: set train.optimizer_in_backward=true (and gradient_accumulation_steps=1)")
+    if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
+        raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
+                          "there: set optim.optimizer=adamw_8bit")
     _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
     _positive(g.num_generations, "num_generations")
     if g.num_generations < 2:
