@@ -17,14 +17,19 @@ of the weights and a gradient buffer live in host RAM. The host update of one te
 device works through the backward kernels already queued, in the hooks of later tensors (on the
 autograd thread; a separate update thread would overlap more and is not done).
 
-The inner optimizer is the one the recipe names, unchanged, applied to the host copy: bitsandbytes
-8-bit AdamW (its CPU path), its stochastic-rounding variant for bf16 weights (sr_adamw.py: updates
-land in the bf16 copy without an fp32 master), or torch AdamW. The host copy has the weight's dtype,
-so the device weight is always exactly the host copy. Host RAM per parameter (`host_bytes_per_param`):
-weight copy + gradient buffer (2 + 2 bf16, 4 + 4 fp32) + optimizer states (~2 for 8-bit, 8 for torch
-AdamW): 6 B for the bf16_sr 8-bit recipes (1.5B: 9.3 GB, 3B: 18.5 GB), 16 B for fp32 + torch AdamW.
-An fp32 master copy with round-to-nearest device weights would cost 4 B instead of 2 for the copy
-(8 B/parameter with 8-bit states); stochastic rounding makes it unnecessary, so it is not offered.
+The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
+updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
+
+    optimizer      host copy             gradient buffer   states          host RAM   CPU update (this machine)
+    adamw          fp32 master (4)       bf16 or fp32      fp32 (8)        14 / 16    torch's fused AdamW: fast
+    adamw_8bit     bf16 + stochastic     bf16 (2)          8-bit (~2)       6         bitsandbytes' CPU 8-bit
+                   rounding (2)                                                       path: ~20x slower
+
+With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets it rounded to
+nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With
+`adamw_8bit` on bf16 weights the stochastic-rounding optimizer (sr_adamw.py) updates the bf16 copy
+itself. fp32 weights: the copy is fp32 and the device weight is exactly it. Measured costs:
+benchmarks/offload_host_update.py and RESULTS.md.
 
 Per step, across PCIe: every gradient down and every weight up, 2 x bytes(dtype) x parameters (1.5B
 bf16: 6.2 GB); see `pcie_bytes_per_step`.
@@ -40,10 +45,11 @@ from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, _Finished, fp
 
 
 def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
-    """Host RAM per parameter with the optimizer offloaded: weight copy, gradient buffer, states
-    (8-bit: 2 bytes plus two fp32 absmax per 256-element block)."""
-    states = 8.0 if optimizer == "adamw" else 2.0 + 8.0 / 256
-    return 2 * weight_bytes + states
+    """Host RAM per parameter with the optimizer offloaded: weight copy (an fp32 master for torch AdamW),
+    gradient buffer (the weight dtype), states (8-bit: 2 bytes plus two fp32 absmax per 256-block)."""
+    if optimizer == "adamw":
+        return 4 + weight_bytes + 8.0
+    return 2 * weight_bytes + 2.0 + 8.0 / 256
 
 
 def pcie_bytes_per_step(num_params: int, weight_bytes: int) -> int:
@@ -81,13 +87,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     on a CPU-only machine the two give identical parameters and states (the tests check it)."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
-                 max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES):
+                 max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
+                 master_fp32: bool = False):
         params = [p for g in groups for p in g["params"]]
-        check_host_ram(sum(2 * p.numel() * p.element_size() for p in params))  # before the states exist
+        # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
+        self.master_fp32 = master_fp32
+        master = lambda p: torch.float32 if master_fp32 else p.dtype  # noqa: E731
+        check_host_ram(sum(p.numel() * (p.element_size() + master(p).itemsize) for p in params))  # before states
         self.on_cuda = any(p.device.type == "cuda" for p in params)
         pin = self.on_cuda  # pinned memory needs a CUDA runtime; it makes the copies asynchronous
         # Built before the base class makes the inner optimizers, which take these host tensors.
-        self.host = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params}
+        # (an fp32 master is never copied across PCIe itself: it goes up rounded, via the gradient buffer)
+        self.host = {p: torch.empty(p.shape, dtype=master(p), pin_memory=pin and master(p) == p.dtype)
+                     for p in params}
         self.host_grad = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params}
         self._host_norm_slots = torch.empty(len(params), dtype=torch.float32, pin_memory=pin)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
@@ -132,16 +144,23 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         return _Finished(index, host_grad, host_norm, ready, None, nbytes)
 
     def _apply(self, index, grad, norm, stream) -> None:
-        super()._apply(index, grad, norm, None)  # the update runs on the host, in host memory
         p = self.params[index]
+        host = self.host[p]
+        if grad.dtype != host.dtype:  # a bf16 gradient for an fp32 master (exact widening)
+            grad = grad.float()
+        super()._apply(index, grad, norm, None)  # the update runs on the host, in host memory
+        upload = host
+        if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
+            upload = self.host_grad[p]  # its gradient is used up; the next one arrives after this upload
+            upload.copy_(host)
         if self.on_cuda:
             # Kernels that read the old weight (this tensor's backward) were queued before its hook ran.
             self.side.wait_stream(torch.cuda.current_stream(p.device))
             with torch.cuda.stream(self.side):  # the new weight goes back while backward goes on
-                p.data.copy_(self.host[p], non_blocking=True)
+                p.data.copy_(upload, non_blocking=True)
         else:
             with torch.no_grad():
-                p.copy_(self.host[p])
+                p.copy_(upload)
 
     def end_step(self) -> float:
         norm = super().end_step()
@@ -149,6 +168,20 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
         return norm
 
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.master_fp32:  # the device weights are the master rounded: resume needs the master itself
+            state["master"] = [self.host[p] for p in self.params]
+        return state
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.refresh_host_weights()  # the weights were loaded into the model just before (trainer._resume)
+        if self.master_fp32:
+            if "master" not in state:
+                raise ValueError("this optimizer state has no fp32 master weights (saved without "
+                                 "optim.offload_optimizer and optim.optimizer=adamw): resume with the settings it was "
+                                 "saved with")
+            with torch.no_grad():
+                for p, m in zip(self.params, state["master"]):
+                    self.host[p].copy_(m)

@@ -33,6 +33,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if in_backward and cfg.offload_optimizer:
         from .offload import OffloadedOptimizerInBackward
+        if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
+            return OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
+                                                cfg.max_grad_norm, defaults=kw, master_fp32=True)
         return OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward

@@ -168,3 +168,44 @@ def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
     monkeypatch.setattr(offload, "available_host_ram", lambda: 1024)
     with pytest.raises(MemoryError, match="needs 0.0 GiB of host RAM.*1024|available"):
         OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+
+
+def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
+    # bf16 device weights, torch AdamW on fp32 host masters: the masters follow AdamW exactly (reference:
+    # the same per-tensor AdamW on fp32 copies, fed the same gradients), the device weights are the masters
+    # rounded to nearest, and updates far below a bf16 ulp accumulate instead of being lost.
+    lr = 1e-5
+    make = lambda groups: torch.optim.AdamW(groups, lr=lr, fused=True)  # noqa: E731
+    model, ref_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": lr}], make, None, master_fp32=True)
+    ref_master = [p.detach().float().clone() for p in ref_model.parameters()]
+    ref_opts = [make([m]) for m in ref_master]
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(6):
+        opt.begin_step()
+        _loss(model, step).backward()
+        opt.end_step()
+        _loss(ref_model, step).backward()
+        with torch.no_grad():
+            for p, m, o in zip(ref_model.parameters(), ref_master, ref_opts):
+                m.grad = p.grad.float()
+                o.step()
+                p.grad = None
+                p.copy_(m)
+    for (k, p), m, p0 in zip(model.named_parameters(), ref_master, start):
+        assert torch.equal(opt.host[p], m), k
+        assert torch.equal(p.detach(), m.to(torch.bfloat16)), k
+        assert (opt.host[p] != p0.float()).float().mean() > 0.9, k  # the masters moved almost everywhere
+    moved_device = sum(int((p.detach() != p0).sum()) for p, p0 in zip(model.parameters(), start))
+    moved_master = sum(int((opt.host[p] != p0.float()).sum()) for p, p0 in zip(model.parameters(), start))
+    assert moved_device < moved_master  # some updates are still below half a bf16 ulp: kept in the master
+    # resume: the master travels in the state dict (the device weights alone would lose it)
+    state = opt.state_dict()
+    again_model = _model(torch.bfloat16)
+    again_model.load_state_dict(model.state_dict())
+    again = OffloadedOptimizerInBackward([{"params": list(again_model.parameters()), "lr": lr}], make, None,
+                                         master_fp32=True)
+    again.load_state_dict(state)
+    assert all(torch.equal(again.host[q], opt.host[p]) for p, q in zip(model.parameters(), again_model.parameters()))
+    with pytest.raises(ValueError, match="no fp32 master weights"):
+        again.load_state_dict({k: v for k, v in state.items() if k != "master"})
