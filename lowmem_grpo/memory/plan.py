@@ -274,9 +274,10 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0) -> 
     host = {}
     if cfg.train.beta > 0:
         host["reference model"] = wb * arch.params
-    if cfg.optim.offload_optimizer:
-        host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, wb)
-        host["weights copy"] = wb * arch.params
+    if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (memory_modes/offload.py)
+        master = 4 if cfg.optim.optimizer == "adamw" else wb
+        host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
+        host["weights copy"] = master * arch.params
         host["gradient buffer"] = wb * arch.params
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations

@@ -151,6 +151,9 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
     assert offloaded["host_categories"] == {"reference model": 2 * p, "optimizer states": states,
                                             "weights copy": 2 * p, "gradient buffer": 2 * p}
     assert offloaded["host_bytes"] == 6 * p + states
+    masters = plan(load_config(None, common + ["offload_optimizer=true", "optimizer=adamw"]), arch)
+    assert masters["host_categories"] == {"reference model": 2 * p, "optimizer states": 8 * p,  # fp32 m and v
+                                          "weights copy": 4 * p, "gradient buffer": 2 * p}  # fp32 master, bf16 grads
 
 
 def test_plan_suggests_the_offload_and_checks_host_ram(capsys):
