@@ -185,6 +185,13 @@ class OptimConfig:
     adam_beta2: float = _f(0.99, "Adam beta2.")
     adam_epsilon: float = _f(1e-8, "Adam epsilon.")
     max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).")
+    offload_optimizer: bool = _f(False, "Keep the optimizer states, a copy of the weights and a gradient buffer in "
+                                        "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
+                                        "holds no optimizer state. Needs train.optimizer_in_backward (its hooks send "
+                                        "each gradient to the host as soon as it is complete). Host RAM per "
+                                        "parameter: 6 bytes with bf16_sr + adamw_8bit (slow: bitsandbytes' CPU "
+                                        "8-bit update), 14 with bf16_sr + adamw (fp32 master and states, torch's "
+                                        "fused CPU AdamW, ~20x faster), 16 with fp32 + adamw.")
     lr_scheduler_type: str = _f("constant", "transformers.get_scheduler's schedule, by its name and semantics (as "
                                             "TRL): constant (no warm-up) | constant_with_warmup | linear | cosine | "
                                             "cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | "
@@ -457,13 +464,19 @@ def validate(cfg: Config) -> None:
     if m.offload_activations and not m.gradient_checkpointing:
         raise ConfigError("model.offload_activations moves the layer inputs that checkpointing keeps: set "
                           "model.gradient_checkpointing=true")
-    if m.precision == "bf16_sr" and o.optimizer == "adamw":
+    if m.precision == "bf16_sr" and o.optimizer == "adamw" and not o.offload_optimizer:  # (offloaded: fp32 master)
         raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
                           "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")
     if t.optimizer_in_backward and t.gradient_accumulation_steps != 1:
         raise ConfigError("optimizer_in_backward updates the weights during each backward, so gradients cannot be "
                           f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
                           "use steps_per_generation for the number of micro-batches per generation batch")
+    if o.offload_optimizer and not t.optimizer_in_backward:
+        raise ConfigError("optim.offload_optimizer sends each gradient to the host from the optimizer-in-backward "
+                          "hooks: set train.optimizer_in_backward=true (and gradient_accumulation_steps=1)")
+    if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
+        raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
+                          "there: set optim.optimizer=adamw_8bit")
     _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
     _positive(g.num_generations, "num_generations")
     if g.num_generations < 2:

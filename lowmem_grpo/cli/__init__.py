@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
     s.add_argument("--model", help="preset (Qwen2.5-1.5B), hub id (Qwen/Qwen2.5-1.5B-Instruct) or config.json path")
     s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
+    s.add_argument("--host-memory", default=None, help="the machine's RAM for the host-side check (default: this "
+                                                         "machine's), e.g. 32GiB")
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
     s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
                                        "(table, profile.json, timeline.png)")
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
         if recipe is not None and "=" in recipe:  # `plan --model X key=value`: no recipe given
             recipe, overrides = None, [recipe] + overrides
         try:
-            return run(recipe, args.model, args.gpu_memory, overrides, args.json)
+            return run(recipe, args.model, args.gpu_memory, overrides, args.json, args.host_memory)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2

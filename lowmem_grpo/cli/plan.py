@@ -1,8 +1,10 @@
-"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [key=value ...] [--json]`
+"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [--host-memory 32GiB] [key=value ...] [--json]`
 
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
-it fits the card after the documented margin, and if not, which changes make it fit.
+it fits the card after the documented margin, and if not, which changes make it fit. Also the host
+RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), checked
+against --host-memory (default: this machine's RAM); exit status 1 when that does not fit.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestion
 from ..memory.presets import PRESETS, preset
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     m = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|G|MiB|MB|M)?\s*", text, re.I)
     if not m:
-        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 8GiB, 7.5GB or 8192MiB")
+        raise ConfigError(f"{option} {text!r}: give a size such as 8GiB, 7.5GB or 8192MiB")
     value, unit = float(m.group(1)), (m.group(2) or "GiB").lower()
     scale = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}[unit]
     return int(value * scale)
@@ -45,27 +47,44 @@ def architecture(cfg: Config, model: str | None) -> tuple[Arch, str]:
                           f"{', '.join(PRESETS)} (also by hub id, e.g. Qwen/Qwen2.5-1.5B-Instruct)") from None
 
 
-def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool) -> int:
+def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool,
+        host_memory: str | None = None) -> int:
     cfg = load_config(recipe, overrides, check=False)
     arch, source = architecture(cfg, model)
     budget = parse_bytes(gpu_memory)
+    host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
     result = plan(cfg, arch)
     margin = margin_bytes(result["peak_bytes"])
     total = result["peak_bytes"] + margin
     fits = total <= budget
     ideas = [] if fits else suggestions(cfg, arch, budget)
+    host_fits = result["host_bytes"] <= host_budget
     if as_json:
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
                           "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
                           "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
                           "categories": result["categories"], "phase_categories": result["phase_categories"],
-                          "suggestions": ideas}, indent=2))
-        return 0
+                          "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
+                          "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas}, indent=2))
+        return 0 if host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)")
     print(format_plan(result))
     print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
           f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB: {'FITS' if fits else 'DOES NOT FIT'}")
     for s in ideas:
         mark = "fits" if s["fits"] else "still over"
-        print(f"  {'combined: ' if s.get('combined') else ''}{s['change']}: {s['total_bytes'] / GiB:.3f} GiB ({mark})")
+        host = f", host RAM {s['host_bytes'] / GiB:.1f} GiB" if s["host_bytes"] else ""
+        print(f"  {'combined: ' if s.get('combined') else ''}{s['change']}: {s['total_bytes'] / GiB:.3f} GiB "
+              f"({mark}{host})")
+    if not host_fits:
+        print(f"error: the run keeps {result['host_bytes'] / GiB:.2f} GiB in host RAM but "
+              f"{'--host-memory is' if host_memory else 'this machine has'} {host_budget / GiB:.2f} GiB: "
+              "turn off optim.offload_optimizer / model.offload_activations, or use a machine with more RAM")
+        return 1
     return 0
+
+
+def physical_ram_bytes() -> int:
+    """This machine's RAM (POSIX); what --host-memory defaults to."""
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -26,6 +26,14 @@ forward, backward, optimizer. Each phase's peak is the sum of what is alive at i
 
 Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS workspace and
 fragmentation come on top (`margin_bytes`).
+
+With optim.offload_optimizer the device holds no optimizer state and no update temporaries (the
+update runs on the CPU); the gradients alive at once are those of the optimizer in backward.
+
+Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
+the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py), and the
+layer inputs of activation offload (one micro-batch's). Not counted: the Python process itself
+(torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files.
 """
 
 from __future__ import annotations
@@ -172,8 +180,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
 
     weights = wb * arch.params
+    offload = cfg.optim.offload_optimizer
     states = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, wb)
-    base = {"weights": weights, "optimizer states": states}
+    base = {"weights": weights, "optimizer states": 0 if offload else states}
     grads_all = wb * arch.params
     head_grad = wb * arch.vocab * H  # the output head's gradient: the first one backward makes
     if t.optimizer_in_backward:  # only the tensors alive at once: the tied embedding + the largest other
@@ -213,7 +222,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     forward = max([{"gradients": grads_before, "activations": fwd_layers + layers * casts},
                    {"gradients": grads_before, "activations": fwd_head + layers * casts, "loss head": head_fwd}],
                   key=total)
-    in_backward_step = optimizer_step_bytes(cfg, arch, device, one_tensor=True) if t.optimizer_in_backward else 0
+    in_backward_step = (optimizer_step_bytes(cfg, arch, device, one_tensor=True)
+                        if t.optimizer_in_backward and not offload else 0)
     # A gradient that meets an existing .grad is made whole, then added: a transient the size of the
     # tensor. The largest is the embedding: at the head when gradients accumulate, and at the
     # embedding lookup when the head and the embedding are tied.
@@ -252,8 +262,26 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
+    host = host_categories(cfg, arch, layers * layer_io if m.offload_activations else 0)
     return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
-            "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase}
+            "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
+            "host_categories": host, "host_bytes": sum(host.values())}
+
+
+def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0) -> dict:
+    """Host RAM the run keeps on purpose, per category (module docstring)."""
+    wb = 2 if cfg.model.precision == "bf16_sr" else 4
+    host = {}
+    if cfg.train.beta > 0:
+        host["reference model"] = wb * arch.params
+    if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (memory_modes/offload.py)
+        master = 4 if cfg.optim.optimizer == "adamw" else wb
+        host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
+        host["weights copy"] = master * arch.params
+        host["gradient buffer"] = wb * arch.params
+    if offloaded_activations:
+        host["activations (offloaded)"] = offloaded_activations
+    return {k: int(v) for k, v in host.items()}
 
 
 def format_plan(result: dict) -> str:
@@ -269,6 +297,9 @@ def format_plan(result: dict) -> str:
         lines.append(f"{c:<20}" + "".join(f"{result['phase_categories'][p].get(c, 0) / GiB:>10.3f}" for p in phases))
     lines.append(f"{'total':<20}" + "".join(f"{result['phases'][p] / GiB:>10.3f}" for p in phases))
     lines += ["", f"peak: {result['peak_bytes'] / GiB:.3f} GiB ({result['peak_phase']}), allocator view"]
+    if result.get("host_categories"):
+        parts = ", ".join(f"{k} {v / GiB:.3f}" for k, v in result["host_categories"].items())
+        lines.append(f"host RAM: {result['host_bytes'] / GiB:.3f} GiB ({parts}), plus the Python process")
     return "\n".join(lines)
 
 
@@ -310,6 +341,17 @@ def _checkpointing_or_offload(c: Config):
     return {("model", "offload_activations"): True} if not c.model.offload_activations else None
 
 
+def _offload_optimizer(c: Config):
+    """Optimizer states to host RAM (with the optimizer in backward, whose hooks send the gradients)."""
+    if c.optim.offload_optimizer:
+        return None
+    edits = _optimizer_in_backward(c) or {}
+    edits[("optim", "offload_optimizer")] = True
+    if c.optim.optimizer == "paged_adamw_8bit":
+        edits[("optim", "optimizer")] = "adamw_8bit"
+    return edits
+
+
 def _smaller_generation_micro_batch(c: Config):
     gen_b = min(c.generation.generation_micro_batch_size, batch_plan(c).generation_batch_size)
     return {("generation", "generation_micro_batch_size"): gen_b // 2} if gen_b > 8 else None
@@ -334,7 +376,7 @@ def _shorter_completions(c: Config):
     return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
 
 
-SUGGESTIONS = (_reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload,
+SUGGESTIONS = (_reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
                _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
 
 
@@ -355,31 +397,36 @@ def _describe(edits: dict) -> str:
 
 
 def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
-    """Single changes and a cumulative combination (cheapest first) with their predicted totals."""
-    def predicted(c: Config) -> Optional[int]:
+    """Single changes and a cumulative combination (cheapest first) with their predicted totals (and the
+    host RAM each needs)."""
+    def predicted(c: Config) -> Optional[dict]:
         try:
-            return plan(c, arch)["peak_bytes"]
+            return plan(c, arch)
         except ConfigError:  # a change this config cannot take
             return None
+
+    def entry(change: str, result: dict) -> dict:
+        peak = result["peak_bytes"]
+        total = peak + margin_bytes(peak)
+        return {"change": change, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget,
+                "host_bytes": result["host_bytes"]}
 
     out = []
     for option in SUGGESTIONS:
         edits = option(cfg)
-        peak = predicted(_apply(cfg, edits)) if edits else None
-        if peak is not None:
-            total = peak + margin_bytes(peak)
-            out.append({"change": _describe(edits), "peak_bytes": peak, "total_bytes": total, "fits": total <= budget})
+        result = predicted(_apply(cfg, edits)) if edits else None
+        if result is not None:
+            out.append(entry(_describe(edits), result))
     combined, steps = cfg, []
     for option in SUGGESTIONS:  # apply cheapest-first until it fits
         edits = option(combined)
-        peak = predicted(_apply(combined, edits)) if edits else None
-        if peak is None:
+        result = predicted(_apply(combined, edits)) if edits else None
+        if result is None:
             continue
         combined = _apply(combined, edits)
         steps.append(_describe(edits))
-        if peak + margin_bytes(peak) <= budget:
+        if entry("", result)["fits"]:
             if len(steps) > 1:
-                out.append({"change": " + ".join(steps), "peak_bytes": peak, "total_bytes": peak + margin_bytes(peak),
-                            "fits": True, "combined": True})
+                out.append({**entry(" + ".join(steps), result), "combined": True})
             break
     return out

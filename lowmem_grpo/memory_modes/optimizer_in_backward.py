@@ -131,7 +131,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for group_index, group in enumerate(self.param_groups):
             options = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
-                self.inner[p] = make_inner([{"params": [p], **options}])
+                self.inner[p] = make_inner([{"params": [self._updated(p)], **options}])
                 self.caps[p] = None if not max_grad_norm else max_grad_norm * math.sqrt(p.numel() / total)
                 # By index, not by dict: load_state_dict replaces the group dicts the scheduler writes to.
                 p.register_post_accumulate_grad_hook(self._hook(len(self._group_of)))
@@ -163,11 +163,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
             grad, p.grad = p.grad, None  # the point of this optimizer: the parameter lets go of it here
             self._fired.append(index)
             with scope("optimizer"):
-                norm, ready, stream = self._norm_to_host(fp32_norm_tensor(grad))
-                self._pending.append(_Finished(index, grad, norm, ready, stream, grad.numel() * grad.element_size()))
+                self._pending.append(self._finished(index, grad))
                 self._pending_bytes += self._pending[-1].nbytes
                 self._apply_finished(wait=False)
         return hook
+
+    def _updated(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor the inner optimizer updates for parameter p: p itself (offload.py: a host copy)."""
+        return p
+
+    def _finished(self, index: int, grad: torch.Tensor) -> _Finished:
+        """A gradient whose hook ran, on its way to its update: its norm travels to the host."""
+        norm, ready, stream = self._norm_to_host(fp32_norm_tensor(grad))
+        return _Finished(index, grad, norm, ready, stream, grad.numel() * grad.element_size())
 
     def _count_live(self, grads: list[torch.Tensor]) -> None:
         self.max_live_grads = max(self.max_live_grads, len(grads))
@@ -241,15 +249,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
             inner.param_groups[0]["lr"] = self.param_groups[self._group_of[index]]["lr"]
             # A later gradient of p may be accumulating (a hook firing twice in one backward, as with
             # reentrant checkpointing): keep it for its own hook.
-            later, p.grad = p.grad, grad
+            target = self._updated(p)
+            later, target.grad = target.grad, grad
             try:
-                if self._bnb_unpaged[p] and _on_default_stream(p):
+                if self._bnb_unpaged[p] and _on_default_stream(target):
                     with torch.no_grad():
                         _step_bnb_without_sync(inner)
                 else:
                     inner.step()
             finally:
-                p.grad = later
+                target.grad = later
 
     def begin_step(self) -> None:
         self.active, self._sq_norm, self.nonfinite_tensors, self.host_waits = True, 0.0, 0, 0
@@ -282,7 +291,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         order = list(dict.fromkeys(self._update_order + list(range(len(self.params) - 1, -1, -1))))
         with scope("optimizer"):
             for index in order:
-                p = self.params[index]
+                p = self._updated(self.params[index])
                 grad = torch.zeros_like(p)
                 self._count_live([grad])
                 mark_gradient(grad)

@@ -27,13 +27,22 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: bool = False,
                     in_backward: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer. `stochastic_rounding` selects the bf16-weight variant (sr_adamw.py);
-    `in_backward` steps each parameter inside backward (optimizer_in_backward.py)."""
+    `in_backward` steps each parameter inside backward (optimizer_in_backward.py), on host copies with
+    `cfg.offload_optimizer` (offload.py)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
+    if in_backward and cfg.offload_optimizer:
+        from .offload import OffloadedOptimizerInBackward
+        if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
+            return OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
+                                                cfg.max_grad_norm, defaults=kw, master_fp32=True)
+        return OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward
         return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
+    if cfg.offload_optimizer:
+        raise ValueError("optim.offload_optimizer needs in_backward=True (config validation says so)")
     return cls(groups, **kw)
 
 

@@ -135,3 +135,36 @@ def test_plan_names_an_architecture_it_cannot_read(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
     assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
     assert "has no intermediate_size" in capsys.readouterr().err
+
+
+def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
+    arch = Arch.from_config(TINY)
+    p = arch.params
+    common = MINIMAL + ["precision=bf16_sr", "optimizer_in_backward=true", "beta=0.04"]
+    on_device = plan(load_config(None, common), arch)
+    offloaded = plan(load_config(None, common + ["offload_optimizer=true"]), arch)
+    states = optimizer_state_bytes(arch.tensor_sizes, "adamw_8bit", 2)
+    for phase, cats in offloaded["phase_categories"].items():
+        assert cats["optimizer states"] == 0, phase  # no state and no update temporaries on the device
+        assert cats.get("gradients", 0) == on_device["phase_categories"][phase].get("gradients", 0), phase
+    assert on_device["host_categories"] == {"reference model": 2 * p}  # beta > 0: the frozen copy in CPU RAM
+    assert offloaded["host_categories"] == {"reference model": 2 * p, "optimizer states": states,
+                                            "weights copy": 2 * p, "gradient buffer": 2 * p}
+    assert offloaded["host_bytes"] == 6 * p + states
+    masters = plan(load_config(None, common + ["offload_optimizer=true", "optimizer=adamw"]), arch)
+    assert masters["host_categories"] == {"reference model": 2 * p, "optimizer states": 8 * p,  # fp32 m and v
+                                          "weights copy": 4 * p, "gradient buffer": 2 * p}  # fp32 master, bf16 grads
+
+
+def test_plan_suggests_the_offload_and_checks_host_ram(capsys):
+    from lowmem_grpo.cli.plan import run
+    # Qwen2.5-1.5B in bf16 with the optimizer in backward needs ~7.1 GiB: over a 6 GiB card until the
+    # optimizer states leave it.
+    args = ["precision=bf16_sr", "optimizer_in_backward=true", "max_completion_length=256"]
+    assert run(None, "Qwen2.5-1.5B", "6GiB", args, False, host_memory="64GiB") == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("offload_optimizer=true"))
+    assert "(fits, host RAM" in line
+    assert run(None, "Qwen2.5-1.5B", "8GiB", args + ["offload_optimizer=true"], False, host_memory="4GiB") == 1
+    assert "error: the run keeps" in capsys.readouterr().out

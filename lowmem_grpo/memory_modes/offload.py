@@ -1,0 +1,187 @@
+"""Optimizer states in host RAM: the optimizer step inside backward, computed on the CPU.
+
+The optimizer in backward (optimizer_in_backward.py) already knows the moment each gradient is
+complete. With `optim.offload_optimizer`, that moment starts the gradient's trip to the host instead
+of a device update:
+
+    hook (gradient complete)  ->  norm and gradient copied to pinned host memory on a side stream;
+                                  the device gradient is freed once the copy is done
+    later hooks / end_step    ->  once the copy has arrived: the per-tensor rule (skip if non-finite,
+                                  clip to the tensor's share), the inner optimizer steps the host
+                                  copy of the weight, and the new weight is queued back to the device
+    end_step                  ->  the compute stream waits for the last upload: the next forward
+                                  sees every updated weight
+
+So the device holds the weights and, briefly, the gradients in flight; the optimizer states, a copy
+of the weights and a gradient buffer live in host RAM. The host update of one tensor runs while the
+device works through the backward kernels already queued, in the hooks of later tensors (on the
+autograd thread; a separate update thread would overlap more and is not done).
+
+The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
+updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
+
+    optimizer      host copy             gradient buffer   states          host RAM   CPU update (this machine)
+    adamw          fp32 master (4)       bf16 or fp32      fp32 (8)        14 / 16    torch's fused AdamW: fast
+    adamw_8bit     bf16 + stochastic     bf16 (2)          8-bit (~2)       6         bitsandbytes' CPU 8-bit
+                   rounding (2)                                                       path: ~20x slower
+
+With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets it rounded to
+nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With
+`adamw_8bit` on bf16 weights the stochastic-rounding optimizer (sr_adamw.py) updates the bf16 copy
+itself. fp32 weights: the copy is fp32 and the device weight is exactly it. Measured costs:
+benchmarks/offload_host_update.py and RESULTS.md.
+
+Per step, across PCIe: every gradient down and every weight up, 2 x bytes(dtype) x parameters (1.5B
+bf16: 6.2 GB); see `pcie_bytes_per_step`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, _Finished, fp32_norm_tensor
+
+
+def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
+    """Host RAM per parameter with the optimizer offloaded: weight copy (an fp32 master for torch AdamW),
+    gradient buffer (the weight dtype), states (8-bit: 2 bytes plus two fp32 absmax per 256-block)."""
+    if optimizer == "adamw":
+        return 4 + weight_bytes + 8.0
+    return 2 * weight_bytes + 2.0 + 8.0 / 256
+
+
+def pcie_bytes_per_step(num_params: int, weight_bytes: int) -> int:
+    """Bytes crossing PCIe per optimizer step: each gradient to the host, each weight back."""
+    return 2 * weight_bytes * num_params
+
+
+def available_host_ram() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_ram(needed: int) -> None:
+    """Refuse, with the numbers, before pinning more host memory than the machine has free: pinned pages
+    cannot be swapped, and running out of them ends in the kernel's OOM killer, not in an exception."""
+    free = available_host_ram()
+    if free is not None and needed > free:
+        raise MemoryError(f"optim.offload_optimizer needs {needed / 2**30:.1f} GiB of host RAM for the weight copy "
+                          f"and gradient buffer (plus the optimizer states), but {free / 2**30:.1f} GiB is available: "
+                          "free host memory, or set optim.offload_optimizer=false (`lowmem-grpo plan` shows both "
+                          "sides)")
+
+
+class OffloadedOptimizerInBackward(OptimizerInBackward):
+    """OptimizerInBackward whose inner optimizers step host copies of the weights (module docstring).
+
+    Same interface, same per-tensor rules and the same update as the on-device optimizer in backward:
+    on a CPU-only machine the two give identical parameters and states (the tests check it)."""
+
+    def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
+                 max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
+                 master_fp32: bool = False):
+        params = [p for g in groups for p in g["params"]]
+        # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
+        self.master_fp32 = master_fp32
+        master = lambda p: torch.float32 if master_fp32 else p.dtype  # noqa: E731
+        check_host_ram(sum(p.numel() * (p.element_size() + master(p).itemsize) for p in params))  # before states
+        self.on_cuda = any(p.device.type == "cuda" for p in params)
+        pin = self.on_cuda  # pinned memory needs a CUDA runtime; it makes the copies asynchronous
+        # Built before the base class makes the inner optimizers, which take these host tensors.
+        # (an fp32 master is never copied across PCIe itself: it goes up rounded, via the gradient buffer)
+        self.host = {p: torch.empty(p.shape, dtype=master(p), pin_memory=pin and master(p) == p.dtype)
+                     for p in params}
+        self.host_grad = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params}
+        self._host_norm_slots = torch.empty(len(params), dtype=torch.float32, pin_memory=pin)
+        self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
+        self.refresh_host_weights()
+        super().__init__(groups, make_inner, max_grad_norm, defaults, lag_bytes)
+        self._index_of = {p: i for i, p in enumerate(self.params)}
+
+    def refresh_host_weights(self) -> None:
+        """Copy the device weights into the host copies (at start and after weights are loaded)."""
+        with torch.no_grad():
+            for p, h in self.host.items():
+                h.copy_(p.detach())
+
+    def _updated(self, p: torch.Tensor) -> torch.Tensor:
+        return self.host[p]
+
+    def _count_live(self, grads: list[torch.Tensor]) -> None:
+        """Counts device gradients only: pending ones are already in the host buffers."""
+        host = {g.data_ptr() for g in self.host_grad.values()}
+        super()._count_live([g for g in grads if g.data_ptr() not in host])
+
+    def _finished(self, index: int, grad: torch.Tensor) -> _Finished:
+        """Start the gradient's trip to the host; the device copy is freed when the trip is done."""
+        p = self.params[index]
+        host_grad, host_norm = self.host_grad[p], self._host_norm_slots[index]
+        nbytes = grad.numel() * grad.element_size()
+        if not self.on_cuda:
+            host_grad.copy_(grad)
+            host_norm.copy_(fp32_norm_tensor(grad))
+            return _Finished(index, host_grad, host_norm, None, None, nbytes)
+        compute = torch.cuda.current_stream(grad.device)
+        norm = fp32_norm_tensor(grad)
+        self.side.wait_stream(compute)  # the gradient and its norm are complete on the compute stream
+        with torch.cuda.stream(self.side):
+            host_grad.copy_(grad, non_blocking=True)
+            host_norm.copy_(norm, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.side)
+        # The caching allocator must not hand this memory out before the side stream has read it.
+        grad.record_stream(self.side)
+        norm.record_stream(self.side)
+        return _Finished(index, host_grad, host_norm, ready, None, nbytes)
+
+    def _apply(self, index, grad, norm, stream) -> None:
+        p = self.params[index]
+        host = self.host[p]
+        if grad.dtype != host.dtype:  # a bf16 gradient for an fp32 master (exact widening)
+            grad = grad.float()
+        super()._apply(index, grad, norm, None)  # the update runs on the host, in host memory
+        upload = host
+        if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
+            upload = self.host_grad[p]  # its gradient is used up; the next one arrives after this upload
+            upload.copy_(host)
+        if self.on_cuda:
+            # Kernels that read the old weight (this tensor's backward) were queued before its hook ran.
+            self.side.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(self.side):  # the new weight goes back while backward goes on
+                p.data.copy_(upload, non_blocking=True)
+        else:
+            with torch.no_grad():
+                p.copy_(upload)
+
+    def end_step(self) -> float:
+        norm = super().end_step()
+        if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
+            torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+        return norm
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.master_fp32:  # the device weights are the master rounded: resume needs the master itself
+            state["master"] = [self.host[p] for p in self.params]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.refresh_host_weights()  # the weights were loaded into the model just before (trainer._resume)
+        if self.master_fp32:
+            if "master" not in state:
+                raise ValueError("this optimizer state has no fp32 master weights (saved without "
+                                 "optim.offload_optimizer and optim.optimizer=adamw): resume with the settings it was "
+                                 "saved with")
+            with torch.no_grad():
+                for p, m in zip(self.params, state["master"]):
+                    self.host[p].copy_(m)

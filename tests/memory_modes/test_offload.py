@@ -1,0 +1,211 @@
+"""Optimizer states in host RAM (memory_modes/offload.py): the same update as the optimizer in backward
+on the device, the non-finite guard, and state that survives a save/load."""
+
+import math
+
+import pytest
+import torch
+
+from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward, host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
+
+
+def _model(dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    return model.to(dtype)
+
+
+def _loss(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (3, 7), generator=g)
+    logits = model(input_ids=ids).logits.float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def _make(kind):
+    if kind == "adamw":
+        return lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=False)
+    pytest.importorskip("bitsandbytes")
+    if kind == "bf16_sr":
+        from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        cls = sr_adamw8bit_class()
+        return lambda groups: cls(groups, lr=1e-2, min_8bit_size=256)
+    import bitsandbytes as bnb
+    return lambda groups: bnb.optim.AdamW8bit(groups, lr=1e-2, min_8bit_size=256)
+
+
+def _states_equal(a: dict, b: dict) -> None:
+    for sa, sb in zip(a["inner"], b["inner"]):
+        assert sa["param_groups"] == sb["param_groups"]
+        for key in sa["state"]:
+            for name, va in sa["state"][key].items():
+                torch.testing.assert_close(va, sb["state"][key][name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_8bit", "bf16_sr"])
+def test_offloaded_steps_equal_device_steps(kind):
+    # Several steps with clipping active: the offloaded optimizer (host copies, host states) gives bit for
+    # bit the parameters and states of the optimizer in backward on the device. On this CPU-only machine
+    # "device" and host are the same memory, but the offloaded path still copies gradients into its
+    # buffers, updates separate host tensors and copies the weights back: the same code as on a GPU.
+    dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
+    on_device, offloaded = _model(dtype), _model(dtype)
+    a = OptimizerInBackward([{"params": list(on_device.parameters()), "lr": 1e-2}], _make(kind), 0.05)
+    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make(kind), 0.05)
+    for step in range(4):
+        for model, opt in ((on_device, a), (offloaded, b)):
+            torch.manual_seed(10 + step)  # stochastic rounding draws from the global RNG, per parameter
+            opt.begin_step()
+            _loss(model, step).backward()
+            opt.param_groups[0]["lr"] = 1e-2 * (0.5 ** step)  # a scheduler's change must reach the host
+            norms = opt.end_step()
+            assert math.isfinite(norms)
+        assert all(p.grad is None for p in offloaded.parameters())
+    assert b.max_live_grads == 1  # device gradients: one at a time, the one being copied off
+    for (k, x), (_, y) in zip(on_device.named_parameters(), offloaded.named_parameters()):
+        assert torch.equal(x, y), k
+        assert not torch.equal(x, _model(dtype).state_dict()[k]), f"{k} never moved"
+    for p in offloaded.parameters():  # the device weight is exactly its host copy
+        assert torch.equal(p.detach(), b.host[p])
+    _states_equal(a.state_dict(), b.state_dict())
+
+
+def test_zero_gradient_step_updates_the_device_weights():
+    on_device, offloaded = _model(), _model()
+    a = OptimizerInBackward([{"params": list(on_device.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    for model, opt in ((on_device, a), (offloaded, b)):
+        opt.begin_step()
+        _loss(model, 0).backward()
+        opt.end_step()
+        opt.step_zero_gradients()  # Adam moves on its momentum
+    for (k, x), (_, y) in zip(on_device.named_parameters(), offloaded.named_parameters()):
+        assert torch.equal(x, y), k
+
+
+def test_a_nonfinite_gradient_is_skipped_and_touches_nothing():
+    model = _model()
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    opt.begin_step()
+    _loss(model, 0).backward()
+    opt.end_step()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    states = [{k: v.clone() for k, v in s.items()} for s in opt.state_dict()["inner"][0]["state"].values()]
+    opt.begin_step()
+    (_loss(model, 1) * float("nan")).backward()
+    assert math.isnan(opt.end_step())
+    assert opt.nonfinite_tensors == len(opt.params)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    after = list(opt.state_dict()["inner"][0]["state"].values())
+    for s0, s1 in zip(states, after):
+        for name in s0:
+            assert torch.equal(s0[name], s1[name]), name
+
+
+def test_state_dict_round_trip_continues_exactly():
+    # Save after two steps, load into a fresh model + optimizer (weights first, as the trainer resumes),
+    # take two more steps on both: identical.
+    model = _model()
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw_8bit"), 1.0)
+    for step in range(2):
+        opt.begin_step()
+        _loss(model, step).backward()
+        opt.end_step()
+    saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_state = opt.state_dict()
+    resumed = _model()
+    again = OffloadedOptimizerInBackward([{"params": list(resumed.parameters()), "lr": 1e-2}],
+                                         _make("adamw_8bit"), 1.0)
+    resumed.load_state_dict(saved_weights)
+    again.load_state_dict(saved_state)
+    for p in resumed.parameters():  # host copies follow the loaded weights
+        assert torch.equal(p.detach(), again.host[p])
+    for step in range(2, 4):
+        for m, o in ((model, opt), (resumed, again)):
+            o.begin_step()
+            _loss(m, step).backward()
+            o.end_step()
+    for (k, x), (_, y) in zip(model.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(x, y), k
+
+
+def test_host_ram_and_pcie_arithmetic():
+    assert host_bytes_per_param(2, "adamw_8bit") == pytest.approx(6.03125)  # bf16 copy + bf16 grad + 8-bit
+    assert host_bytes_per_param(4, "adamw") == 16.0  # fp32 copy + fp32 grad + two fp32 moments
+    assert pcie_bytes_per_step(1_543_714_304, 2) == 6_174_857_216  # Qwen2.5-1.5B, bf16: grads down, weights up
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["adamw_8bit", "bf16_sr"])
+def test_offloaded_on_cuda_matches_and_holds_no_device_states(kind):
+    # On a GPU: the host update (bitsandbytes' CPU kernels) against the device update (its CUDA kernels):
+    # close, not bitwise (different kernels); no optimizer state on the device.
+    dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
+    on_device, offloaded = _model(dtype).cuda(), _model(dtype).cuda()
+    a = OptimizerInBackward([{"params": list(on_device.parameters()), "lr": 1e-3}], _make(kind), 1.0)
+    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-3}], _make(kind), 1.0)
+    for step in range(3):
+        for model, opt in ((on_device, a), (offloaded, b)):
+            opt.begin_step()
+            _loss(model, step).backward()
+            opt.end_step()
+    tol = dict(rtol=2e-2, atol=2e-3) if kind == "bf16_sr" else dict(rtol=1e-4, atol=1e-5)
+    for (k, x), (_, y) in zip(on_device.named_parameters(), offloaded.named_parameters()):
+        torch.testing.assert_close(x.float(), y.float(), msg=k, **tol)
+    for s in b.state_dict()["inner"]:
+        for v in s["state"].values():
+            assert all(t.device.type == "cpu" for t in v.values() if isinstance(t, torch.Tensor))
+
+
+def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
+    import lowmem_grpo.memory_modes.offload as offload
+    model = _model()
+    monkeypatch.setattr(offload, "available_host_ram", lambda: 1024)
+    with pytest.raises(MemoryError, match="needs 0.0 GiB of host RAM.*1024|available"):
+        OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+
+
+def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
+    # bf16 device weights, torch AdamW on fp32 host masters: the masters follow AdamW exactly (reference:
+    # the same per-tensor AdamW on fp32 copies, fed the same gradients), the device weights are the masters
+    # rounded to nearest, and updates far below a bf16 ulp accumulate instead of being lost.
+    lr = 1e-5
+    make = lambda groups: torch.optim.AdamW(groups, lr=lr, fused=True)  # noqa: E731
+    model, ref_model = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": lr}], make, None, master_fp32=True)
+    ref_master = [p.detach().float().clone() for p in ref_model.parameters()]
+    ref_opts = [make([m]) for m in ref_master]
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(6):
+        opt.begin_step()
+        _loss(model, step).backward()
+        opt.end_step()
+        _loss(ref_model, step).backward()
+        with torch.no_grad():
+            for p, m, o in zip(ref_model.parameters(), ref_master, ref_opts):
+                m.grad = p.grad.float()
+                o.step()
+                p.grad = None
+                p.copy_(m)
+    for (k, p), m, p0 in zip(model.named_parameters(), ref_master, start):
+        assert torch.equal(opt.host[p], m), k
+        assert torch.equal(p.detach(), m.to(torch.bfloat16)), k
+        assert (opt.host[p] != p0.float()).float().mean() > 0.9, k  # the masters moved almost everywhere
+    moved_device = sum(int((p.detach() != p0).sum()) for p, p0 in zip(model.parameters(), start))
+    moved_master = sum(int((opt.host[p] != p0.float()).sum()) for p, p0 in zip(model.parameters(), start))
+    assert moved_device < moved_master  # some updates are still below half a bf16 ulp: kept in the master
+    # resume: the master travels in the state dict (the device weights alone would lose it)
+    state = opt.state_dict()
+    again_model = _model(torch.bfloat16)
+    again_model.load_state_dict(model.state_dict())
+    again = OffloadedOptimizerInBackward([{"params": list(again_model.parameters()), "lr": lr}], make, None,
+                                         master_fp32=True)
+    again.load_state_dict(state)
+    assert all(torch.equal(again.host[q], opt.host[p]) for p, q in zip(model.parameters(), again_model.parameters()))
+    with pytest.raises(ValueError, match="no fp32 master weights"):
+        again.load_state_dict({k: v for k, v in state.items() if k != "master"})
