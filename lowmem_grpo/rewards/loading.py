@@ -35,6 +35,18 @@ def load_reward_functions(specs: list, weights: list | None = None,
     return funcs
 
 
+def spec_record(spec):
+    """A JSON-able record of a reward spec (for config.json and checkpoints): names and dicts as given, a
+    Python callable as 'module:qualname', which reloads when the callable is importable from there."""
+    if isinstance(spec, dict):
+        return {k: spec_record(v) if k == "name" else v for k, v in spec.items()}
+    if callable(spec) and not isinstance(spec, str):
+        fn = spec.func if isinstance(spec, functools.partial) else spec
+        qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        return f"{getattr(fn, '__module__', None) or type(fn).__module__}:{qualname}"
+    return spec
+
+
 def _check_weights(weights, n: int) -> list[float]:
     if weights is None:
         return [1.0] * n
