@@ -95,6 +95,9 @@ class GRPOConfig:
         raise AttributeError(f"GRPOConfig has no setting {name!r}{_nearest(name, list(index))}")
 
     def __setattr__(self, name: str, value) -> None:
+        if name in GRPOConfig.__slots__:  # copy and pickle restore these
+            object.__setattr__(self, name, value)
+            return
         index = _key_index()
         if name not in index:
             raise ConfigError(f"unknown config key {name!r}{_nearest(name, list(index))}")

@@ -56,6 +56,9 @@ def test_config_takes_every_key_by_name_and_coerces_like_a_recipe():
     assert GRPOConfig(**{"train.max_steps": 4}).max_steps == 4
     assert set(args.to_dict()) == set(_key_index())
     assert "max_steps=7" in repr(args) and "seed" not in repr(args)  # only what differs from the defaults
+    import copy
+    import pickle
+    assert copy.deepcopy(args) == args == pickle.loads(pickle.dumps(args))
 
 
 @pytest.mark.parametrize("key, value, cli_value", [
@@ -135,6 +138,14 @@ def test_cli_and_api_give_the_same_weights(tmp_path, monkeypatch):
     recorded = json.loads((tmp_path / "api" / "config.json").read_text())
     assert recorded["rewards"]["reward_funcs"] == ["tests.training.conftest:label_reward"]
     assert recorded["data"]["train_file"] == "train_dataset"
+
+
+def test_reward_specs_are_recorded_as_json():
+    from lowmem_grpo.rewards.loading import spec_record
+    assert spec_record(label_reward) == "tests.training.conftest:label_reward"
+    assert spec_record({"name": label_reward, "pattern": re.compile("a+"), "tag": "answer"}) == \
+        {"name": "tests.training.conftest:label_reward", "pattern": "re.compile('a+')", "tag": "answer"}
+    assert spec_record("numeric_answer") == "numeric_answer"
 
 
 # ------------------------------------------------------------------------------------- inputs
