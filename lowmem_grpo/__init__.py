@@ -10,7 +10,12 @@ The package, bottom to top (each layer imports only the ones above it in this li
                           activation offload, optimizer construction
     training/             the GRPO loop: Trainer, generation batches, data, checkpoints, metrics, eval
     memory/               memory tools: track(), the profiler, the planner and its layer probe, presets
-    cli/                  `lowmem-grpo train|eval|plan|profile`
+    api                   the Python API in TRL's shape: GRPOConfig, GRPOTrainer (the CLI's Trainer), callbacks
+    cli/                  `lowmem-grpo train|eval|plan|profile|recipes`
+
+shipped_recipes (where the recipes installed with the package are) imports nothing and sits at the
+bottom with config. `from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback` loads the API
+(and torch) on first use only, so `import lowmem_grpo` and `lowmem_grpo.kernels` stay light.
 """
 
 import importlib.util
@@ -50,3 +55,17 @@ def _map_source_tree_kernels() -> None:
 
 
 _map_source_tree_kernels()
+
+
+_API = ("GRPOConfig", "GRPOTrainer", "TrainerCallback")
+
+
+def __getattr__(name):
+    if name in _API:
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_API))

@@ -7,6 +7,8 @@ by an install (pyproject's package-dir). Three ways people run the code:
       (`python -m pytest` puts the working directory first);
   (c) no install at all: the bare tree on sys.path, as on the GPU machine.
 In each, the package and its kernels must come from the same place, and pytest must collect and run.
+The top-level `recipes/` folder is mapped the same way (to lowmem_grpo/recipes): the shipped recipes,
+and the data files they name, are found in each mode.
 Subprocesses run with `python -S` and the environment's site-packages on PYTHONPATH, so no `.pth`
 file, and so no editable install, is in effect unless the test wants one.
 """
@@ -15,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SITE = sysconfig.get_paths()["purelib"]
 PROBE = "import lowmem_grpo, lowmem_grpo.kernels as k, lowmem_grpo.kernels.linear; print(lowmem_grpo.__file__); print(k.__file__)"
+RECIPES = "from lowmem_grpo.shipped_recipes import recipes_dir; print(recipes_dir())"
 
 
 def _python(args, cwd, path=(), site=True, timeout=300):
@@ -40,7 +44,7 @@ def _loaded(cwd, path=(), site=True) -> tuple[Path, Path]:
 
 
 def _copy_tree(dest: Path) -> Path:
-    for name in ("lowmem_grpo", "kernels", "tests"):
+    for name in ("lowmem_grpo", "kernels", "tests", "recipes"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, dest / name)
@@ -59,6 +63,7 @@ def test_no_install_bare_tree(tmp_path):
     """(c) A bare copy of the tree, nothing installed: its own package and kernels."""
     tree = _copy_tree(tmp_path / "tree")
     assert _loaded(tree) == (tree / "lowmem_grpo", tree / "kernels")
+    assert Path(_python(["-c", RECIPES], tree).split()[-1]) == tree / "recipes"
     _pytest_runs(tree)
 
 
@@ -73,6 +78,12 @@ def test_wheel_install_alone_and_shadowed_by_a_tree(tmp_path):
                            "-w", str(tmp_path / "dist"), str(tree)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     wheel, = (tmp_path / "dist").glob("lowmem_grpo-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    shipped = {f"lowmem_grpo/recipes/{p.relative_to(ROOT / 'recipes')}" for p in (ROOT / "recipes").rglob("*")
+               if p.is_file() and p.suffix in (".yaml", ".jsonl", ".py") and "__pycache__" not in p.parts}
+    assert shipped and shipped <= names, f"recipes missing from the wheel: {sorted(shipped - names)}"
+    assert {"lowmem_grpo/recipes/data/arithmetic_train.jsonl", "lowmem_grpo/recipes/char_e.yaml"} <= names
     site = tmp_path / "site"
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                           capture_output=True, text=True, timeout=300)
@@ -81,6 +92,11 @@ def test_wheel_install_alone_and_shadowed_by_a_tree(tmp_path):
     elsewhere.mkdir()
     assert _loaded(elsewhere, [site]) == (site / "lowmem_grpo", site / "lowmem_grpo" / "kernels")
     assert not (site / "kernels").exists(), "the wheel installed a top-level `kernels` package"
+    assert not (site / "recipes").exists(), "the wheel installed a top-level `recipes` folder"
+    assert Path(_python(["-c", RECIPES], elsewhere, [site]).split()[-1]) == site / "lowmem_grpo" / "recipes"
+    # a pip-install user copies a recipe with its data, and it loads
+    _python(["-m", "lowmem_grpo", "recipes", "cp", "char_e", "mine"], elsewhere, [site])
+    assert (elsewhere / "mine" / "char_e.yaml").is_file() and (elsewhere / "mine" / "data" / "char_e_train.jsonl").is_file()
     assert _loaded(tree, [site]) == (tree / "lowmem_grpo", tree / "kernels")
     _pytest_runs(tree, [site])
 

@@ -1,11 +1,14 @@
-"""Command line: `lowmem-grpo train|eval|profile|plan ...`; each command's --help says more.
+"""Command line: `lowmem-grpo train|eval|profile|plan|recipes ...`; each command's --help says more.
 
-One module per command (train.py: train and eval; plan.py; profile.py); this one parses the
-arguments, dispatches, and turns user errors into one line and exit code 2. The CLI imports the
+One module per command (train.py: train and eval; plan.py; profile.py; recipes.py); this one parses
+the arguments, dispatches, and turns user errors into one line and exit code 2. The CLI imports the
 library; nothing in the library imports the CLI.
 
 `key=value` overrides use the config's names (`section.key=value` or a bare `key=value`); values are
-YAML (`beta=0.04`, `reward_funcs=[numeric_answer]`). `--help-config` lists every key with its default.
+YAML (`beta=0.04`, `reward_funcs=[numeric_answer]`). TRL's spelling works too: `--key value`,
+`--key=value`, `--section.key value`, and a boolean key alone is true (`--bf16`); see options.py.
+`--help-config` (before or after the command) lists every key with its default. A recipe argument
+that is not a file may name a recipe shipped with the package (`lowmem-grpo recipes` lists them).
 """
 
 from __future__ import annotations
@@ -14,18 +17,24 @@ import argparse
 import os
 import sys
 
+from lowmem_grpo import __version__
+
 from ..config import ConfigError, describe, load_config
+from .options import key_options_to_overrides
+from .recipes import copy_recipe, list_recipes, resolve_recipe
 from .train import evaluate, train
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowmem-grpo", description="Low-memory full-parameter GRPO.")
-    p.add_argument("--help-config", action="store_true", help="list every config key with its default and help")
+    p.add_argument("--version", action="version", version=f"lowmem-grpo {__version__}")
+    p.add_argument("--help-config", action="store_true", help="list every config key with its default and help "
+                   "(also after a command)")
     sub = p.add_subparsers(dest="command")
     for name, help in (("train", "train a recipe"), ("eval", "greedy evaluation on the recipe's held-out prompts")):
         s = sub.add_parser(name, help=help)
-        s.add_argument("recipe", help="a YAML recipe (see recipes/)")
-        s.add_argument("overrides", nargs="*", help="section.key=value or key=value" +
+        s.add_argument("recipe", help="a YAML recipe, or the name of a shipped one (lowmem-grpo recipes)")
+        s.add_argument("overrides", nargs="*", help="section.key=value, key=value or --key value" +
                        ("; model=PATH evaluates a checkpoint folder" if name == "eval" else ""))
     s = sub.add_parser("plan", help="predict peak GPU memory from a model config and settings (no GPU, no weights)")
     s.add_argument("recipe", nargs="?", help="a YAML recipe (optional: the trainer's defaults otherwise)")
@@ -41,11 +50,51 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
     s.add_argument("--steps", type=int, default=2, help="trainer steps to profile (default 2)")
     s.add_argument("--out", default=None, help="folder for the results (default: OUTPUT_DIR/profile)")
+    s = sub.add_parser("recipes", help="list the recipes shipped with the package; `recipes cp NAME [DEST]` "
+                                       "copies one (with its data files)")
+    r = s.add_subparsers(dest="recipes_command")
+    r.add_parser("list", help="list them (the default)")
+    c = r.add_parser("cp", help="copy a shipped recipe and the data files it names")
+    c.add_argument("name", help="a name from `lowmem-grpo recipes`")
+    c.add_argument("dest", nargs="?", help="a folder (default: the current one) or a .yaml file name")
+    c.add_argument("--force", action="store_true", help="overwrite existing files")
     return p
+
+
+def _command_options(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """Command name -> its own option strings, for the commands that take key=value overrides."""
+    out = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if any(a.dest == "overrides" for a in sub._actions):
+                    out[name] = set(sub._option_string_actions)
+    return out
+
+
+def _normalize(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """TRL-style `--key value` options after an override-taking command, rewritten as key=value."""
+    commands = _command_options(parser)
+    for i, arg in enumerate(argv):
+        if arg in commands:
+            extra = frozenset({"model"}) if arg == "eval" else frozenset()  # eval's model=PATH shorthand
+            return argv[:i + 1] + key_options_to_overrides(argv[i + 1:], commands[arg] | {"--help-config"}, extra)
+        if not arg.startswith("-"):
+            break  # another command (or a stray word): argparse reports it
+    return argv
 
 
 def main(argv=None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help-config" in argv[:argv.index("--") if "--" in argv else len(argv)]:
+        print(describe())
+        return 0
+    try:
+        argv = _normalize(parser, argv)
+    except ConfigError as e:
+        print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+        return 2
     # key=value overrides may come after options (`profile R --steps 3 beta=0`): argparse leaves them over
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
@@ -59,13 +108,21 @@ def main(argv=None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
+    if args.command == "recipes":
+        try:
+            if args.recipes_command == "cp":
+                return copy_recipe(args.name, args.dest, args.force)
+            return list_recipes()
+        except (ConfigError, OSError) as e:
+            print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+            return 2
     if args.command == "plan":
         from .plan import run
         recipe, overrides = args.recipe, list(args.overrides)
         if recipe is not None and "=" in recipe:  # `plan --model X key=value`: no recipe given
             recipe, overrides = None, [recipe] + overrides
         try:
-            return run(recipe, args.model, args.gpu_memory, overrides, args.json, args.host_memory)
+            return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2
@@ -76,6 +133,7 @@ def main(argv=None) -> int:
     from ..training.trainer import TrainingStopped
     user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
     try:
+        args.recipe = resolve_recipe(args.recipe)
         if args.command == "profile":
             from .profile import run as profile
             return profile(args.recipe, load_config(args.recipe, args.overrides), args.overrides, args.steps, args.out)

@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import sys
@@ -33,6 +34,26 @@ def load_reward_functions(specs: list, weights: list | None = None,
         label = _unique(label, used)
         funcs.append(RewardFunction(name=label, fn=fn, weight=w))
     return funcs
+
+
+def spec_record(spec):
+    """A JSON-able record of a reward spec (for config.json and checkpoints): names and dicts as given, a
+    Python callable as 'module:qualname', which reloads when the callable is importable from there."""
+    if isinstance(spec, dict):
+        return {k: spec_record(v) if k == "name" else _json_or_repr(v) for k, v in spec.items()}
+    if callable(spec) and not isinstance(spec, str):
+        fn = spec.func if isinstance(spec, functools.partial) else spec
+        qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        return f"{getattr(fn, '__module__', None) or type(fn).__module__}:{qualname}"
+    return spec
+
+
+def _json_or_repr(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _check_weights(weights, n: int) -> list[float]:

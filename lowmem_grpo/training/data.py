@@ -27,9 +27,14 @@ class DataError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def load_rows(path: str) -> list[dict]:
-    """All rows of a local data file or `datasets` folder, as a list of plain dicts."""
-    path = os.path.expanduser(str(path))
+def load_rows(source, name: str | None = None) -> list[dict]:
+    """All rows of a local data file or `datasets` folder, as a list of plain dicts.
+
+    From Python, `source` may also be the data itself: a `datasets.Dataset` (or a DatasetDict with a
+    'train' split), or a list of dicts. `name` names in-memory data in error messages."""
+    if not isinstance(source, (str, os.PathLike)):
+        return _in_memory_rows(source, name or "the dataset")
+    path = os.path.expanduser(str(source))
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path} (give a local .jsonl/.json/.csv/.parquet file or a "
                         "folder made by datasets' save_to_disk)")
@@ -58,6 +63,42 @@ def load_rows(path: str) -> list[dict]:
     if not rows:
         raise DataError(f"{path} has no rows")
     return rows
+
+
+def _in_memory_rows(data, name: str) -> list[dict]:
+    """Rows of a `datasets.Dataset` / DatasetDict or a list of dicts, copied into plain dicts."""
+    if isinstance(data, dict):
+        if not data or not all(hasattr(v, "column_names") for v in data.values()):
+            raise DataError(f"{name} is a dict: give one dict per row in a list (or datasets.Dataset.from_dict("
+                            "columns) for a dict of columns)")
+        data = _train_split(data, name)  # a DatasetDict
+    if hasattr(data, "to_list") and hasattr(data, "column_names"):  # a datasets.Dataset
+        rows = data.to_list()
+    elif isinstance(data, (list, tuple)):
+        rows = list(data)
+    else:
+        hint = " (an IterableDataset has no length: load it as a Dataset, or take rows with .take(n))" \
+            if hasattr(data, "take") else ""
+        raise DataError(f"{name} is a {type(data).__name__}: give a datasets.Dataset, a list of dicts, or the path "
+                        f"of a .jsonl/.json/.csv/.parquet file or save_to_disk folder{hint}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"{name} row {i} is a {type(row).__name__}, not a dict: each row needs a 'prompt' "
+                            "(or 'prompt_ids') key, e.g. {'prompt': 'What is 2+3?', 'answer': '5'}")
+    if not rows:
+        raise DataError(f"{name} has no rows")
+    return [dict(row) for row in rows]
+
+
+def _train_split(ds, name: str):
+    """The split to train on from a DatasetDict: 'train', or its only split."""
+    splits = list(ds.keys())
+    if "train" in splits:
+        return ds["train"]
+    if len(splits) == 1:
+        return ds[splits[0]]
+    raise DataError(f"{name} holds a DatasetDict with splits {splits} and none is named 'train': "
+                    "pass the split to use, e.g. dataset['test']")
 
 
 def _load_file(path: str) -> list[dict]:

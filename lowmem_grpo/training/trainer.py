@@ -44,6 +44,7 @@ from ..policy.packing import resolve_pack_prompts
 from ..policy.rollout import Batch, completion_hidden
 from ..rewards import load_reward_functions
 from . import checkpoint as ckpt
+from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluation_after, evaluation_before
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
@@ -81,9 +82,16 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True):
-        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only)."""
+    def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True, *,
+                 model=None, tokenizer=None, reward_funcs: Optional[list] = None, train_data=None, eval_data=None,
+                 callbacks: Optional[list] = None):
+        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only).
+
+        From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
+        tokenizer, reward functions (callables mixed with what a recipe names), and the rows as a
+        datasets.Dataset or list of dicts; `cfg` then only names them (data.train_file, ...)."""
         self.cfg = cfg
+        self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
         self.plan = batch_plan(cfg)
         self.device = pick_device(cfg.train.device)
@@ -92,12 +100,12 @@ class Trainer:
         self.autocast = bf16_autocast_wanted(m.bf16, self.device)
         if m.precision == "bf16_sr":
             check_bf16_weights(self.device)
-        self.tokenizer = load_tokenizer(m)
-        self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs, cfg.rewards.reward_weights,
-                                                  base_dir=recipe_dir)
-        self.policy = load_model(m, t.seed)
+        self.tokenizer = load_tokenizer(m) if tokenizer is None else tokenizer
+        self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs if reward_funcs is None else reward_funcs,
+                                                  cfg.rewards.reward_weights, base_dir=recipe_dir)
+        self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
-        self.train_set, self.eval_set = self._load_data()
+        self.train_set, self.eval_set = self._load_data(train_data, eval_data)
         self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
         if not training:
             self.policy.to(self.device)
@@ -147,13 +155,14 @@ class Trainer:
             pad = tok.pad_token_id if tok is not None else gen.pad_token_id
         return eos_ids, int(eos_ids[0] if pad is None else pad)
 
-    def _load_data(self):
+    def _load_data(self, train_data=None, eval_data=None):
         d, g = self.cfg.data, self.cfg.generation
         if not d.train_file:
             raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
                              "datasets folder with a prompt (or prompt_ids) column")
-        rows = load_rows(self._find(d.train_file))
-        eval_rows = load_rows(self._find(d.eval_file)) if d.eval_file else []
+        rows = load_rows(self._find(d.train_file)) if train_data is None else load_rows(train_data, d.train_file)
+        eval_rows = (load_rows(eval_data, d.eval_file) if eval_data is not None else
+                     load_rows(self._find(d.eval_file)) if d.eval_file else [])
         if not d.eval_file and d.eval_holdout:
             rows, eval_rows = split_eval(rows, d.eval_holdout)
         vocab = self.policy.get_output_embeddings().weight.shape[0]
@@ -198,7 +207,12 @@ class Trainer:
         path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
                                     self.cfg.output.save_total_limit, self.cfg.to_dict())
         self.last_saved_step = self.step
+        notify(self.callbacks, "on_save", self, self.step, path)
         return path
+
+    def add_callback(self, callback) -> None:
+        """Add a TrainerCallback (instance or class) after construction; see training/callbacks.py."""
+        self.callbacks.append(as_callback(callback))
 
     # ----- rollout -----------------------------------------------------------------------------
     def new_generation_batch(self) -> GenerationBatch:
@@ -362,12 +376,14 @@ class Trainer:
                    "tokens_per_second": step_metrics.pop("train_tokens") / step_time,
                    "peak_memory_bytes": peak_memory_bytes(self.device)}
         metrics.pop("train_tokens", None)
+        notify(self.callbacks, "on_step_end", self, self.step, metrics)
         out = self.cfg.output
         if self.step % out.logging_steps == 0 or self.step == self.cfg.train.max_steps:
             log.metrics(self.step, metrics)
             if gb.samples:  # each generation batch's samples are written once
                 log.completions(self.step, gb.samples)
                 gb.samples = []
+            notify(self.callbacks, "on_log", self, self.step, metrics)
         return metrics
 
     def evaluate(self) -> dict:

@@ -1,0 +1,128 @@
+"""The command line's parsing: --version, --help-config after a command, TRL-style `--key value`
+options, shipped recipes by name, and `lowmem-grpo recipes [cp]`. Commands that would train are
+replaced by a recorder, so these take milliseconds."""
+
+from pathlib import Path
+
+import pytest
+
+import lowmem_grpo
+import lowmem_grpo.cli as cli
+from lowmem_grpo.cli import main
+from lowmem_grpo.cli.options import key_options_to_overrides
+from lowmem_grpo.config import ConfigError, load_config
+from lowmem_grpo.shipped_recipes import recipes_dir, shipped_recipes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """main()'s train/eval calls, recorded instead of run: a list of (command, recipe, overrides)."""
+    calls = []
+    monkeypatch.setattr(cli, "train", lambda recipe, overrides: calls.append(("train", recipe, overrides)) or 0)
+    monkeypatch.setattr(cli, "evaluate", lambda recipe, overrides: calls.append(("eval", recipe, overrides)) or 0)
+    return calls
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"lowmem-grpo {lowmem_grpo.__version__}"
+
+
+@pytest.mark.parametrize("argv", [["--help-config"], ["train", "--help-config"], ["train", "R.yaml", "--help-config"],
+                                  ["plan", "--help-config"], ["profile", "--help-config"]])
+def test_help_config_before_or_after_the_command(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[train]" in out and "  max_steps = 100" in out
+
+
+def test_trl_style_options_set_the_same_keys(recorded):
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    assert main(["train", recipe, "--learning_rate", "1e-5", "--max-steps=3", "--train.beta", "0.04", "--bf16",
+                 "--gradient_checkpointing", "false", "--system_prompt", "Be brief.", "seed=7"]) == 0
+    (_, got_recipe, overrides), = recorded
+    assert got_recipe == recipe
+    assert overrides == ["learning_rate=1e-5", "max_steps=3", "train.beta=0.04", "bf16=true",
+                         "gradient_checkpointing=false", "system_prompt=Be brief.", "seed=7"]
+    cfg = load_config(recipe, overrides)
+    assert (cfg.optim.learning_rate, cfg.train.max_steps, cfg.train.beta, cfg.model.bf16) == (1e-5, 3, 0.04, True)
+    assert cfg.model.gradient_checkpointing is False and cfg.data.system_prompt == "Be brief." and cfg.train.seed == 7
+
+
+def test_option_rewriting_rules():
+    own = {"--steps", "--out", "-h", "--help"}
+    assert key_options_to_overrides(["R", "--steps", "3", "--beta", "0", "--out", "d"], own) == \
+        ["R", "--steps", "3", "beta=0", "--out", "d"]
+    assert key_options_to_overrides(["--model_name_or_path", "Qwen/Qwen2.5-0.5B"], own) == \
+        ["name_or_path=Qwen/Qwen2.5-0.5B"]
+    assert key_options_to_overrides(["--bf16", "R.yaml"], own) == ["bf16=true", "R.yaml"]  # a flag takes no word
+    assert key_options_to_overrides(["--epsilon", "-1"], own) == ["epsilon=-1"]  # a negative value is a value
+    assert key_options_to_overrides(["--", "--beta"], own) == ["--", "--beta"]
+    with pytest.raises(ConfigError, match="--max_steps needs a value"):
+        key_options_to_overrides(["--max_steps", "--beta", "0"], own)
+    with pytest.raises(ConfigError, match="unknown config key 'max_stpes'.*did you mean 'max_steps'"):
+        key_options_to_overrides(["--max_stpes", "3"], own)
+
+
+def test_bad_option_is_one_line_naming_the_nearest_key(capsys, recorded):
+    assert main(["train", "R.yaml", "--learnig_rate", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean 'learning_rate'" in err and not recorded
+
+
+def test_eval_model_option_is_its_shorthand(recorded):
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    assert main(["eval", recipe, "--model", "runs/x/checkpoint-3", "--eval_max_samples", "5"]) == 0
+    assert recorded == [("eval", recipe, ["model=runs/x/checkpoint-3", "eval_max_samples=5"])]
+
+
+# ------------------------------------------------------------------------------------- shipped recipes
+def test_shipped_recipes_are_the_source_trees_here():
+    assert recipes_dir() == ROOT / "recipes"
+    assert set(shipped_recipes()) == {p.stem for p in (ROOT / "recipes").glob("*.yaml")}
+
+
+def test_recipes_lists_each_with_its_header(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for name, path in shipped_recipes().items():
+        first = next(l for l in path.read_text().splitlines() if l.startswith("# ")).lstrip("# ")
+        assert f"{name}  " in out and first in out, name
+
+
+def test_train_accepts_a_shipped_recipe_name(recorded, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "char_e", "--max_steps", "2"]) == 0
+    assert recorded == [("train", str(ROOT / "recipes" / "char_e.yaml"), ["max_steps=2"])]
+    assert main(["train", "chare"]) == 2
+    assert "did you mean the shipped recipe 'char_e'" in capsys.readouterr().err
+    (tmp_path / "char_e").write_text("x")  # a file of that name wins over the shipped recipe
+    assert main(["train", "char_e"]) == 0 and recorded[-1][1] == "char_e"
+
+
+def test_recipes_cp_copies_the_recipe_and_its_data(tmp_path, capsys):
+    assert main(["recipes", "cp", "smollm2-135m_arithmetic_cpu", str(tmp_path / "mine")]) == 0
+    recipe = tmp_path / "mine" / "smollm2-135m_arithmetic_cpu.yaml"
+    assert recipe.read_text() == (ROOT / "recipes" / recipe.name).read_text()
+    for name in ("arithmetic_train.jsonl", "arithmetic_eval.jsonl"):
+        assert (tmp_path / "mine" / "data" / name).read_bytes() == (ROOT / "recipes" / "data" / name).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "mine" / "data").iterdir()) == ["arithmetic_eval.jsonl",
+                                                                             "arithmetic_train.jsonl"]
+    cfg = load_config(recipe)
+    assert (recipe.parent / cfg.data.train_file).is_file() and (recipe.parent / cfg.data.eval_file).is_file()
+    # again: refused without --force, naming the files; with --force, overwritten
+    assert main(["recipes", "cp", "smollm2-135m_arithmetic_cpu", str(tmp_path / "mine")]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["recipes", "cp", "smollm2-135m_arithmetic_cpu", str(tmp_path / "mine"), "--force"]) == 0
+
+
+def test_recipes_cp_unshipped_data_gets_its_script_and_a_note(tmp_path, capsys):
+    assert main(["recipes", "cp", "qwen2.5-0.5b_gsm8k_8gb", str(tmp_path / "g.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "g.yaml").is_file() and (tmp_path / "data" / "prepare_gsm8k.py").is_file()
+    assert "data/gsm8k_train.jsonl is not shipped" in out and "prepare_gsm8k.py" in out
+    assert main(["recipes", "cp", "gsm8k"]) == 2
+    assert "no shipped recipe 'gsm8k'" in capsys.readouterr().err
