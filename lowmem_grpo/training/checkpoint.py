@@ -187,7 +187,7 @@ def _fsync_dir(path: Path) -> None:
 def _write_manifest(folder: Path) -> None:
     """fsync every file, then record its size and hash; the manifest is the last file written."""
     files = {}
-    for f in sorted(p for p in folder.rglob("*") if p.is_file()):
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST):
         _fsync_file(f)
         files[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
     for d in sorted({f.parent for f in folder.rglob("*") if f.is_file()}, reverse=True):
