@@ -86,32 +86,51 @@ def test_sigkill_during_saves_then_resume_continues_exactly(tmp_path):
     _assert_same_run(tmp_path, out, train, _straight(tmp_path, train, 4))
 
 
+def _start_driver(out, train, err) -> subprocess.Popen:
+    """A driver process with no kill point; returns once it has started training (config.json reappears)."""
+    (Path(out) / "config.json").unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.training.fault_driver", "none", str(out), str(train),
+                             "max_steps=4"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    while proc.poll() is None and not (Path(out) / "config.json").exists():
+        time.sleep(0.01)
+    return proc
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_many_times(tmp_path):
-    """Kill a run with a save every step at random moments until it finishes, many times over."""
+    """Kill a run that saves every step at random moments of its training (start-up excluded) until it
+    finishes, then start another; every kill must leave a loadable `latest`, every run end as the
+    straight one. LOWMEM_GRPO_KILLS sets how many kills (default 40)."""
     kills, rng = int(os.environ.get("LOWMEM_GRPO_KILLS", "40")), random.Random(0)
     train = write_jsonl(tmp_path / "train.jsonl", toy_rows(64))
     straight = _straight(tmp_path, train, 4)
-    done, runs, i = 0, 0, 0
+    with open(tmp_path / "stderr.txt", "w") as err:  # how long a whole run trains in its own process
+        proc = _start_driver(tmp_path / "calibrate", train, err)
+        t0 = time.perf_counter()
+        assert proc.wait() == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+        run_time = time.perf_counter() - t0
+    done, runs, in_save = 0, 0, 0
     while done < kills:
         out = tmp_path / f"run{runs}"
-        while True:
-            proc = _driver("none", out, train, "max_steps=4")
-            try:
-                proc.wait(timeout=rng.uniform(1.0, 8.0))  # start-up is ~2 s: most kills land in steps or saves
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                done += 1
-                if list_checkpoints(out) or any(p.name.startswith("checkpoint-") for p in out.glob("*")):
-                    _assert_loads(out)
-                continue
-            assert proc.returncode == 0, proc.stderr.read().decode()[-2000:]
+        while done < kills:
+            with open(tmp_path / "stderr.txt", "w") as err:
+                proc = _start_driver(out, train, err)
+                try:
+                    proc.wait(timeout=rng.uniform(0.0, run_time))
+                except subprocess.TimeoutExpired:
+                    in_save += any(p.name.startswith(".tmp-checkpoint-") for p in out.iterdir())
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait()
+                    done += 1
+                    if any(p.name.startswith("checkpoint-") for p in out.iterdir()):
+                        _assert_loads(out)
+                    continue
+            assert proc.returncode == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+            _assert_same_run(tmp_path, out, train, straight)
             break
-        _assert_same_run(tmp_path, out, train, straight)
         runs += 1
-        i += 1
-    print(f"\n{done} SIGKILLs over {runs} runs: every resume loaded and every run ended as the straight run")
+    print(f"\n{done} SIGKILLs ({in_save} with a save in progress) over {runs} runs: every resume loaded, every "
+          f"finished run ended as the straight run")
 
 
 # ----- disk full --------------------------------------------------------------------------------------
