@@ -21,17 +21,69 @@ import yaml
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with 1.2-style floats: PyYAML (YAML 1.1) reads `1e-5` (no dot) as a string, even inside dicts."""
+    """YAML 1.2 (core schema) scalars instead of PyYAML's YAML 1.1: only true/false are booleans (not
+    yes/no/on/off), 010 is ten (not octal 8), and 1_000, 1:30 (base 60) and dates stay strings; `1e-5`
+    (no dot) is a float. Numbers remember their text, so a string field given 010 or 3.10 gets exactly
+    what was written."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                  |[-+]?\.(?:inf|Inf|INF)
-                  |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+class _Int(int):
+    text: str
+
+
+class _Float(float):
+    text: str
+
+
+def _number(cls, text: str, value):
+    out = cls(value)
+    out.text = text
+    return out
+
+
+def _construct_int(loader, node):
+    text = loader.construct_scalar(node)
+    digits = text.lstrip("+-")
+    sign = -1 if text.startswith("-") else 1
+    if digits.startswith("0o"):
+        return _number(_Int, text, sign * int(digits[2:], 8))
+    if digits.startswith("0x"):
+        return _number(_Int, text, sign * int(digits[2:], 16))
+    return _number(_Int, text, int(text, 10))
+
+
+def _construct_float(loader, node):
+    text = loader.construct_scalar(node)
+    special = {".inf": "inf", "+.inf": "inf", "-.inf": "-inf", ".nan": "nan"}
+    return _number(_Float, text, float(special.get(text.lower(), text)))
+
+
+_Loader.yaml_implicit_resolvers = {}  # replaces (does not extend) SafeLoader's YAML 1.1 resolvers
+for _tag, _pattern, _first in (
+        ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+        ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+        ("int", r"^(?:[-+]?[0-9]+|[-+]?0o[0-7]+|[-+]?0x[0-9a-fA-F]+)$", list("-+0123456789")),
+        ("float", r"""^(?:[-+]?(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+
+                     |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", list("-+0123456789.")),
+        ("merge", r"^(?:<<)$", ["<"])):
+    _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern, re.X), _first)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
+def _plain(value: Any) -> Any:
+    """Plain ints and floats again (the loader's text-remembering numbers stay inside the loader)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, _Int):
+        return int(value)
+    if isinstance(value, _Float):
+        return float(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    return value
 
 
 def _yaml(text: str):
@@ -120,6 +172,9 @@ class RewardsConfig:
                                 "{name: ..., <kwargs>}, or a user function 'module:function' / 'path/file.py:function' "
                                 "with TRL's signature f(prompts, completions, **kwargs) -> list[float | None].")
     reward_weights: Optional[list] = _f(None, "One weight per reward function (default: all 1.0).")
+    reward_timeout: Optional[float] = _f(None, "Seconds one call of a reward function (on a whole generation batch) "
+                                               "may take; a call still running then stops the run, naming the "
+                                               "function. The call runs in a worker thread. None = no limit.")
 
 
 @dataclass
@@ -294,10 +349,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
     if tp is Any:
-        return value
+        return _plain(value)
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, str) and value.lower() in ("yes", "no", "on", "off", "y", "n"):
+            raise ConfigError(f"{name} must be true or false, got {value!r}: recipes are read as YAML 1.2, "
+                              f"where only true/false are booleans")
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -308,31 +366,45 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 pass
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return int(value)
         if isinstance(value, float) and value.is_integer():
             return int(value)
+        if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9][0-9_:]*", value.strip()):
+            raise ConfigError(f"{name} must be an integer, got the text {value!r}: write the number without "
+                              f"'_' or ':' (recipes are read as YAML 1.2, where 1_000 and 1:30 are text)")
     elif tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return getattr(value, "text", str(value))  # exactly as written: 010 stays "010"
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} must be text, got the boolean {value}: quote it ({name.split('.')[-1]}: "
+                              f"\"{str(value).lower()}\") if you mean the word")
     elif (origin or tp) is list:
         if isinstance(value, list):
-            return value
+            return _plain(value)
         if isinstance(value, (str, dict)):  # one reward function given without a list
-            return [value]
+            return [_plain(value)]
     elif (origin or tp) is dict:
         if isinstance(value, dict):
-            return value
+            return _plain(value)
     else:
-        return value
+        return _plain(value)
     tname = getattr(tp, "__name__", str(tp))
     raise ConfigError(f"{name} must be {tname}, got {value!r} ({type(value).__name__})")
+
+
+def _takes_text(tp: Any) -> bool:
+    """Whether a field of annotation `tp` holds strings (where 'none' is a word, e.g. tokenizer=none)."""
+    return tp is str or str in typing.get_args(tp)
 
 
 def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     sub = getattr(cfg, section)
     hints = typing.get_type_hints(type(sub))
+    # 'none' is the word in a text field (report_to=none, tokenizer=none); elsewhere it can only mean None.
+    if isinstance(value, str) and value.lower() == "none" and not _takes_text(hints[key]):
+        value = None
     setattr(sub, key, _coerce(value, hints[key], f"{section}.{key}"))
 
 
@@ -379,8 +451,6 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
             value = _yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"could not parse the value of {name}: {e}") from None
-        if isinstance(value, str) and value.lower() in ("null", "none"):
-            value = None
         _set(cfg, section, key, value)
     return cfg
 
@@ -514,6 +584,7 @@ def validate(cfg: Config) -> None:
     _choice(out.report_to, ("none", "tensorboard"), "report_to")
     if not cfg.rewards.reward_funcs:
         raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
+    _positive(cfg.rewards.reward_timeout, "reward_timeout")
     w = cfg.rewards.reward_weights
     if w is not None and len(w) != len(cfg.rewards.reward_funcs):
         raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "

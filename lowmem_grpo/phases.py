@@ -8,7 +8,8 @@ training loop and the memory modes import it without importing the memory tools.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from torch.profiler import record_function
@@ -19,10 +20,24 @@ PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backwar
 SCOPES = ("optimizer",)  # labels that hold whatever the phase (e.g. optimizer steps taken inside backward)
 
 
-def phase(name: str) -> record_function:
-    """Mark a trainer phase (one of PHASES) for the profiler."""
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark a trainer phase (one of PHASES) for the profiler. An out-of-memory error raised inside is
+    tagged with the phase (`phase_of(error)`, the innermost phase wins), so the run can say where the
+    memory ran out and which setting to change."""
     assert name in PHASES, name
-    return record_function(f"{PREFIX}phase:{name}")
+    try:
+        with record_function(f"{PREFIX}phase:{name}"):
+            yield
+    except torch.OutOfMemoryError as e:
+        if phase_of(e) is None:
+            e.lowmem_phase = name
+        raise
+
+
+def phase_of(error: BaseException) -> Optional[str]:
+    """The phase an out-of-memory error was raised in (None outside any phase)."""
+    return getattr(error, "lowmem_phase", None)
 
 
 def scope(name: str) -> record_function:

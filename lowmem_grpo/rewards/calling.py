@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from .base import RewardError, RewardFunction, describe_sample, preview
+from .timeout import RewardTimeout
 
 _MAX_LOCATE_CALLS = 256  # single-sample re-calls spent finding which sample made a function raise
 
@@ -96,6 +97,8 @@ def _call_one(f: RewardFunction, prompts, completions, completion_ids, columns, 
     n = len(completions)
     try:
         out = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **shared)
+    except RewardTimeout:  # still running in its thread: re-calling it per sample would only hang again
+        raise
     except Exception as e:
         where = "" if isinstance(e, RewardError) else _locate_failure(f, prompts, completions, completion_ids,
                                                                       columns, shared)

@@ -4,18 +4,32 @@
         config.json, model.safetensors, tokenizer files   <- loadable with from_pretrained
         trainer_state.pt    optimizer, scheduler, RNG states, data position, unfinished generation batch
         trainer_state.json  step, run config (for people)
+        manifest.json       size and sha256 of every other file; written last
 
-A checkpoint is written under a temporary name and renamed when complete, so a crash mid-write never
-leaves a broken checkpoint; `latest` is the highest complete step. Only the last K are kept.
+Safe to load: trainer_state.pt holds only tensors and plain values (RNG states are stored as tensors),
+so it is read with `torch.load(weights_only=True)`, which refuses any pickled object that could run
+code. A checkpoint from elsewhere cannot execute anything when resumed from.
+
+Durable and atomic: every file is written into `.tmp-checkpoint-*`, fsynced, listed in the manifest
+(fsynced), and the folder is fsynced and renamed to `checkpoint-<step>`; older checkpoints are removed
+only after that rename is on disk, and are first renamed back to a `.tmp-checkpoint-*` name so a
+half-deleted folder is never taken for a checkpoint. A crash at any moment leaves a loadable
+`latest`; leftover `.tmp-checkpoint-*` folders are removed by the next save or resume. A checkpoint
+whose files do not match its manifest (truncated, corrupted) is skipped by `resume_from=latest`,
+with a warning that names the file.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -23,74 +37,235 @@ import numpy as np
 import torch
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp-checkpoint-"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written (disk full) or loaded (incomplete, corrupted, unsafe)."""
+
+
+# ----- RNG state as tensors and plain values (weights_only-loadable) ---------------------------------
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, keys, gauss_next = random.getstate()
+    algorithm, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "keys": torch.tensor(keys, dtype=torch.int64), "gauss_next": gauss_next},
+        "numpy": {"algorithm": str(algorithm), "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((py["version"], tuple(py["keys"].tolist()), py["gauss_next"]))
+    np.random.set_state((npy["algorithm"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in output_dir, oldest first."""
+def plain(value):
+    """`value` with every non-tensor leaf made JSON-like (str, int, float, bool, None, list, dict), so that
+    `torch.load(weights_only=True)` reads it back; unknown objects become their str()."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, (int, str)) else k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return plain(value.tolist())
+    return str(value)
+
+
+# ----- finding checkpoints ----------------------------------------------------------------------------
+def _named(output_dir: str | Path) -> list[tuple[int, Path]]:
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = []
-    for p in out.iterdir():
-        m = _NAME.match(p.name)
-        if m and (p / STATE_FILE).is_file():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """Checkpoints in output_dir that were completed (have a manifest), oldest first."""
+    return [(s, p) for s, p in _named(output_dir) if (p / MANIFEST).is_file()]
+
+
+def verify(path: str | Path) -> None:
+    """Check every file of a checkpoint against its manifest (size, then sha256); CheckpointError names
+    the first file that is missing, truncated or changed."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"{path} has no {MANIFEST}: the save did not finish (or an older lowmem-grpo wrote it)")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{manifest} is corrupted ({e})") from None
+    for name, entry in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing (listed in {MANIFEST})")
+        size = f.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{f} is truncated or changed: {size} bytes, the manifest says {entry['size']}")
+        if _sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"{f} is corrupted: its sha256 does not match {MANIFEST}")
 
 
 def resolve_resume(resume_from: str, output_dir: str | Path) -> Path:
-    """'latest' -> the newest complete checkpoint in output_dir; a path -> that folder (checked)."""
+    """'latest' -> the newest checkpoint in output_dir that verifies (newer broken ones are skipped with a
+    warning saying why); a path -> that folder, verified. Removes leftovers of interrupted saves."""
+    remove_leftovers(output_dir)
     if resume_from == "latest":
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise FileNotFoundError(f"resume_from=latest but {output_dir} has no complete checkpoint-<step> folder")
-        return found[-1][1]
+        skipped = []
+        for step, path in reversed(_named(output_dir)):
+            try:
+                verify(path)
+            except CheckpointError as e:
+                warnings.warn(f"resume_from=latest: skipping {path.name}: {e}", stacklevel=2)
+                skipped.append(str(e))
+                continue
+            return path
+        why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+        raise FileNotFoundError(f"resume_from=latest but {output_dir} has no complete checkpoint-<step> folder{why}")
     path = Path(resume_from)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"resume_from={resume_from!r} is not a checkpoint folder (no {STATE_FILE} in it)")
+    if not path.is_dir():
+        raise FileNotFoundError(f"resume_from={resume_from!r} is not a checkpoint folder (no such folder); give a "
+                                f"checkpoint-<step> folder or 'latest', or leave it unset (null) to start fresh")
+    verify(path)
     return path
+
+
+def remove_leftovers(output_dir: str | Path) -> None:
+    """Delete `.tmp-checkpoint-*` folders left by a save or prune that was killed (one trainer per output_dir)."""
+    out = Path(output_dir)
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+# ----- writing ----------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms where a folder cannot be opened (Windows): rename is all they offer
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(folder: Path) -> None:
+    """fsync every file, then record its size and hash; the manifest is the last file written."""
+    files = {}
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and p != folder / MANIFEST):
+        _fsync_file(f)
+        files[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    for d in sorted({f.parent for f in folder.rglob("*") if f.is_file()}, reverse=True):
+        _fsync_dir(d)
+    with open(folder / MANIFEST, "w") as f:
+        json.dump({"files": files}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(e) or "os error 28" in str(e)  # safetensors / torch wrap the OSError
+
+
+def _discard(folder: Path, out: Path, tag: str) -> None:
+    """Rename `folder` to a temporary name (atomic: it stops being a checkpoint), then delete it."""
+    doomed = out / f"{TMP_PREFIX}{tag}-{os.getpid()}"
+    os.replace(folder, doomed)
+    _fsync_dir(out)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, state: dict, keep: int,
                     run_config: Optional[dict] = None) -> Path:
-    """Write checkpoint-<step> atomically and prune to the last `keep` checkpoints."""
+    """Write checkpoint-<step> atomically and durably, then prune to the last `keep` checkpoints."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out)
     final = out / f"checkpoint-{step}"
-    tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": run_config}, indent=2, default=str))
+    tmp = out / f"{TMP_PREFIX}{step}-{os.getpid()}"
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        with open(tmp / STATE_FILE, "wb") as f:
+            torch.save(state, f)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": run_config}, indent=2,
+                                                           default=str))
+        _write_manifest(tmp)
+    except BaseException as e:
+        free = shutil.disk_usage(out).free if out.is_dir() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and _disk_full(e):
+            previous = list_checkpoints(out)
+            kept = f"; the previous checkpoint {previous[-1][1]} is intact" if previous else ""
+            raise CheckpointError(
+                f"no space left on the disk holding {out.resolve()} while writing checkpoint-{step} ({free / 2**20:.0f} "
+                f"MiB free): free space there (or set output_dir on a bigger disk, or lower save_total_limit), "
+                f"then continue with resume_from=latest{kept}") from e
+        raise
     if final.exists():  # the same step saved again (e.g. interrupted right after a scheduled save)
-        shutil.rmtree(final)
+        _discard(final, out, f"replaced-{step}")
     os.replace(tmp, final)
-    for _, old in list_checkpoints(out)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(out)
+    for _, old in list_checkpoints(out)[:-keep]:  # only now that the new one is on disk
+        _discard(old, out, f"pruned-{old.name}")
     return final
 
 
+# ----- loading ----------------------------------------------------------------------------------------
 def load_state(path: str | Path) -> dict:
-    # weights_only=False: the state holds Python RNG tuples and numpy arrays, written by us.
-    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    """trainer_state.pt, read with weights_only=True: tensors and plain values only, never code."""
+    file = Path(path) / STATE_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refused to load {file}: it holds pickled Python objects, not only tensors and plain values, and "
+            f"unpickling them could run code. lowmem-grpo's own checkpoints never do; this one was written by "
+            f"something else (or an older lowmem-grpo). Details: {str(e).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{file} is corrupted or truncated and cannot be read ({e}); resume from an "
+                              f"earlier checkpoint (resume_from=latest skips broken ones)") from None
 
 
 def load_weights(model, path: str | Path) -> None:
@@ -102,7 +277,10 @@ def load_weights(model, path: str | Path) -> None:
         raise FileNotFoundError(f"no .safetensors weights in {path}")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{f} is corrupted or truncated and cannot be read ({e})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     # save_pretrained stores a tied weight once; the other name shares its storage and is loaded too.
     current = model.state_dict()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -73,13 +75,36 @@ class RunLog:
             self.tb.close()
 
 
+def _parsed_lines(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) for every complete JSON line. A line that does not parse (a run killed mid-write leaves
+    a torn last line) is dropped with a warning naming the file and line."""
+    out = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            warnings.warn(f"{path}: dropping line {number}, which is not complete JSON (a run killed while "
+                          f"writing it): {line[:80]!r}", stacklevel=3)
+            continue
+        out.append((line, row))
+    return out
+
+
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of steps <= `step` (the checkpoint resumed from); rewrite the file atomically."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [line for line, row in _parsed_lines(path) if isinstance(row, dict) and row.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(output_dir: str | Path) -> list[dict]:
     path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return [row for _, row in _parsed_lines(path)] if path.is_file() else []

@@ -1,13 +1,20 @@
 """How a run stops without losing work: Ctrl-C/SIGTERM ask the loop to stop after the current step
 (which then saves and exits), a second signal stops at once, and any error saves what the run has
-before it propagates."""
+before it propagates (an out-of-memory error first names the phase and the cheapest fix)."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
 import threading
+import traceback
 from typing import Callable, Iterator, Optional
+
+import torch
+
+from ..config import Config
+from ..phases import phase_of
+from .checkpoint import CheckpointError
 
 
 class StopRequest:
@@ -45,10 +52,63 @@ def save_on_error(save: Callable[[], object], unsaved: Callable[[], bool]) -> It
     """On any exception (KeyboardInterrupt included) call `save()` if `unsaved()`, then re-raise."""
     try:
         yield
-    except BaseException:
-        if unsaved():  # never die without saving what the run has
+    except BaseException as e:
+        if isinstance(e, torch.OutOfMemoryError):  # free what the failed step's frames hold, so the save fits
+            traceback.clear_frames(e.__traceback__)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if unsaved() and not isinstance(e, CheckpointError):  # never die without saving (unless saving failed)
             try:
                 print(f"[lowmem-grpo] saved {save()} before stopping")
             except Exception as e:  # noqa: BLE001 - report, then let the original error through
                 print(f"[lowmem-grpo] could not save a checkpoint: {e}")
         raise
+
+
+class RunOutOfMemory(torch.OutOfMemoryError):
+    """The device ran out of memory during a step: the message names the phase and the cheapest setting
+    to change; what the run had was saved first. Still a torch.OutOfMemoryError for callers that catch it."""
+
+
+def _halve(value: int) -> int:
+    return max(1, value // 2)
+
+
+def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
+    """The first change that applies, for the phase that ran out, cheapest (to quality and speed) first.
+    A static table on purpose: the planner (memory/, a layer above the training loop) ranks changes by
+    predicted bytes for a whole configuration; `lowmem-grpo plan` is where to get that."""
+    m, g, t, o = cfg.model, cfg.generation, cfg.train, cfg.optim
+    logprob_micro = t.logprob_micro_batch_size or t.per_device_train_batch_size
+    fixes = {
+        "rollout": [(g.generation_micro_batch_size > 1,
+                     f"generation_micro_batch_size={_halve(g.generation_micro_batch_size)} (the KV cache scales with it)"),
+                    (True, f"max_completion_length={max(1, int(g.max_completion_length * 0.75))}")],
+        "old log-probs": [(logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
+        "reference log-probs": [(t.reference_compute == "stream" or (t.reference_compute == "auto" and t.device != "cpu"),
+                                 "reference_compute=cpu (the reference runs on the CPU)"),
+                                (logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
+        "forward": [(not m.gradient_checkpointing, "gradient_checkpointing=true"),
+                    (not m.offload_activations, "offload_activations=true"),
+                    (t.per_device_train_batch_size > 1,
+                     f"per_device_train_batch_size={_halve(t.per_device_train_batch_size)} with "
+                     f"gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (the same optimizer step)")],
+        "optimizer": [(o.optimizer == "adamw", "optimizer=adamw_8bit (2 bytes of state per parameter instead of 8)"),
+                      (not t.optimizer_in_backward, "optimizer_in_backward=true with gradient_accumulation_steps=1 "
+                                                    "(no full-model gradient)"),
+                      (m.precision != "bf16_sr", "precision=bf16_sr (bf16 weights and gradients)")],
+    }
+    fixes["backward"] = fixes["forward"]
+    for applies, fix in fixes.get(phase, []):
+        if applies:
+            return fix
+    return "shorter completions or a smaller batch"
+
+
+def out_of_memory_message(error: BaseException, cfg: Config, step: int, checkpoint: Optional[str]) -> str:
+    where = f"the {phase_of(error)} phase" if phase_of(error) else "a step (outside the marked phases)"
+    saved = (f"Checkpoint {checkpoint} holds the run so far; continue with resume_from=latest after the change."
+             if checkpoint else "No checkpoint exists yet (the run had not finished a step).")
+    return (f"out of memory in {where} of step {step + 1}. Cheapest fix: {_cheapest_fix(phase_of(error), cfg)}. "
+            f"`lowmem-grpo plan RECIPE` predicts the peak of every phase for these settings and lists the changes "
+            f"that fit, cheapest first. {saved}\n  (torch: {str(error).splitlines()[0] if str(error) else 'OOM'})")

@@ -43,6 +43,7 @@ from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, check_fuse
 from ..policy.packing import resolve_pack_prompts
 from ..policy.rollout import Batch, completion_hidden
 from ..rewards import load_reward_functions
+from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
@@ -50,7 +51,7 @@ from .evaluate import evaluate, evaluation_after, evaluation_before
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
-from .stopping import StopRequest, save_on_error
+from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 
 class TrainingStopped(RuntimeError):
@@ -101,8 +102,9 @@ class Trainer:
         if m.precision == "bf16_sr":
             check_bf16_weights(self.device)
         self.tokenizer = load_tokenizer(m) if tokenizer is None else tokenizer
-        self.reward_funcs = load_reward_functions(cfg.rewards.reward_funcs if reward_funcs is None else reward_funcs,
-                                                  cfg.rewards.reward_weights, base_dir=recipe_dir)
+        self.reward_funcs = with_timeout(
+            load_reward_functions(cfg.rewards.reward_funcs if reward_funcs is None else reward_funcs,
+                                  cfg.rewards.reward_weights, base_dir=recipe_dir), cfg.rewards.reward_timeout)
         self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
@@ -201,7 +203,7 @@ class Trainer:
         state = {
             "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
-            "generation": self.generation.state_dict() if self.generation else None,
+            "generation": ckpt.plain(self.generation.state_dict()) if self.generation else None,
             "nonfinite_in_a_row": self.nonfinite_in_a_row, "num_input_tokens_seen": self.num_input_tokens_seen,
         }
         path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
@@ -356,6 +358,11 @@ class Trainer:
                         self.save()
                 if self.step > self.last_saved_step:
                     print(f"[lowmem-grpo] saved {self.save()}")
+        except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
+            if isinstance(e, RunOutOfMemory):
+                raise
+            saved = ckpt.list_checkpoints(out.output_dir)
+            raise RunOutOfMemory(out_of_memory_message(e, cfg, self.step, str(saved[-1][1]) if saved else None)) from e
         finally:
             bar.close()
             log.close()

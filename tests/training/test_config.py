@@ -95,3 +95,52 @@ def test_optimizer_in_backward_cannot_accumulate():
 def test_offload_needs_checkpointing():
     with pytest.raises(ConfigError, match="offload_activations.*gradient_checkpointing=true"):
         load_config(None, MINIMAL + ["offload_activations=true", "gradient_checkpointing=false"])
+
+
+def test_none_is_the_word_in_text_fields_and_none_elsewhere(tmp_path):
+    cfg = load_config(None, [*MINIMAL, "report_to=none", "tokenizer=none", "max_grad_norm=none",
+                             "epsilon_high=None", "resume_from=null"], check=False)
+    assert cfg.output.report_to == "none" and cfg.model.tokenizer == "none"  # the strings they say
+    assert cfg.optim.max_grad_norm is None and cfg.train.epsilon_high is None and cfg.output.resume_from is None
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: a, tokenizer: none}\noutput: {report_to: none}\n"
+                      "rewards: {reward_funcs: [numeric_answer]}\n")
+    cfg = load_config(recipe)
+    assert cfg.model.tokenizer == "none" and cfg.output.report_to == "none"
+
+
+def test_recipes_are_read_as_yaml_1_2(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name_or_path: 010}\n"  # YAML 1.1: the int 8; a text field gets "010"
+                      "data: {system_prompt: no, train_file: 3.10}\n"  # 1.1: False and 3.1
+                      "train: {max_steps: 010, seed: 0x10}\n"  # 1.2: ten (not octal eight), sixteen
+                      "optim: {learning_rate: 1e-5, warmup_steps: 0o10}\n"
+                      "rewards: {reward_funcs: [{name: regex_format, pattern: off}]}\n")
+    cfg = load_config(recipe, check=False)
+    assert cfg.model.name_or_path == "010" and cfg.data.system_prompt == "no" and cfg.data.train_file == "3.10"
+    assert cfg.train.max_steps == 10 and type(cfg.train.max_steps) is int and cfg.train.seed == 16
+    assert cfg.optim.learning_rate == 1e-5 and cfg.optim.warmup_steps == 8
+    assert cfg.rewards.reward_funcs == [{"name": "regex_format", "pattern": "off"}]  # nested: the word, not False
+    assert type(cfg.rewards.reward_funcs[0]["name"]) is str
+
+
+@pytest.mark.parametrize("line, message", [
+    ("train: {max_steps: 1_000}", r"train.max_steps must be an integer, got the text '1_000': write the number"),
+    ("train: {max_steps: '1:30'}", r"train.max_steps must be an integer, got the text '1:30'"),
+    ("train: {max_steps: 1:30}", r"train.max_steps must be an integer, got the text '1:30'"),  # 1.1: 90
+    ("data: {shuffle: no}", r"data.shuffle must be true or false, got 'no'.*YAML 1.2"),
+    ("data: {shuffle: on}", r"data.shuffle must be true or false, got 'on'"),
+    ("output: {report_to: yes}", r"report_to must be one of .*got 'yes'"),  # the word, then checked
+    ("output: {report_to: true}", r"output.report_to must be text, got the boolean True: quote it \(report_to: \"true\"\)"),
+])
+def test_yaml_1_1_surprises_are_errors_that_name_the_key(tmp_path, line, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{name_or_path: a}}\nrewards: {{reward_funcs: [numeric_answer]}}\n{line}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(recipe)
+
+
+def test_reward_timeout_is_checked():
+    assert load_config(None, [*MINIMAL, "reward_timeout=2.5"]).rewards.reward_timeout == 2.5
+    with pytest.raises(ConfigError, match="reward_timeout must be > 0"):
+        load_config(None, [*MINIMAL, "reward_timeout=0"])
