@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
     s.add_argument("--steps", type=int, default=2, help="trainer steps to profile (default 2)")
     s.add_argument("--out", default=None, help="folder for the results (default: OUTPUT_DIR/profile)")
+    s = sub.add_parser("plot", help="draw a run's metrics.jsonl as a PNG: reward, held-out score, length, KL, ...")
+    s.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
+    s.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/run.png)")
     return p
 
 
@@ -65,6 +68,13 @@ def main(argv=None) -> int:
         try:
             return run(recipe, args.model, args.gpu_memory, overrides, args.json)
         except ConfigError as e:
+            print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+            return 2
+    if args.command == "plot":
+        from .plot import run as plot
+        try:
+            return plot(args.run_dir, args.out)
+        except FileNotFoundError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2
     # heavy imports (torch, transformers) only when needed
