@@ -513,7 +513,7 @@ def report_targets(report_to) -> list[str]:
         if n != "all" and n not in REPORT_TARGETS:
             several = "; for several, give a list: report_to=[tensorboard,wandb]" if "," in n else ""
             raise ConfigError(f"report_to must be none, all, {', '.join(REPORT_TARGETS)} or a list of them; got "
-                              f"{n!r}{_nearest(n, list(REPORT_TARGETS)) or several}")
+                              f"{n!r}{several or _nearest(n, list(REPORT_TARGETS))}")
     if "all" in names and len(names) > 1:
         raise ConfigError(f"report_to=all already means every installed backend; got {report_to!r}")
     return list(dict.fromkeys(names))

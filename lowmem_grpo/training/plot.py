@@ -99,6 +99,9 @@ def _draw(ax, title: str, lines: list[tuple[str, list, list]], why_empty: str, y
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+    steps = {x for line in lines for x in line[1]}
+    if len(steps) == 1:  # one point: an integer step axis needs some width around it
+        ax.set_xlim(min(steps) - 1, min(steps) + 1)
     if len(lines) > 1:
         ax.legend(fontsize=8)
     return True
@@ -179,7 +182,7 @@ def draw_run(run_dir: str | Path):
     _draw(axes[4], "clip ratio", [(label, *_series(train, names)) for label, names in _CLIP], "no clip ratio logged")
     _draw(axes[5], "step time", [(label, *_series(train, names)) for label, names in _TIME], "no step time logged",
           ylabel="seconds")
-    fig.suptitle(f"{run_dir.resolve().name}: {len(train)} logged steps" + (f", {len(evals)} evaluations" if evals else ""))
+    fig.suptitle(f"{run_dir.resolve().name}: {len(train)} logged steps" + (f", {len(evals)} evaluation(s)" if evals else ""))
     return fig
 
 
