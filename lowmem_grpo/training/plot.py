@@ -203,7 +203,10 @@ def _kl_entropy(ax, train: list[dict]) -> None:
 
 
 def save_run_plot(run_dir: str | Path) -> Optional[Path]:
-    """plot_run for the end of `train`: a failure to draw is a warning, never the run's failure."""
+    """plot_run for the end of `train`: a failure to draw is a warning, never the run's failure. A run that
+    stopped before its first logged step has nothing to draw, and gets no picture and no warning."""
+    if not (Path(run_dir) / "metrics.jsonl").is_file():
+        return None
     try:
         path = plot_run(run_dir)
     except Exception as e:  # noqa: BLE001 - the picture is a convenience; the run's results are on disk

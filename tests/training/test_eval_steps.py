@@ -5,6 +5,7 @@ step_time without the evaluation, and resume neither repeating nor losing an eva
 
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from lowmem_grpo.config import ConfigError
 from lowmem_grpo.training.evaluate import evaluation_during, training_rng_untouched
 from lowmem_grpo.training.metrics import read_metrics
+from lowmem_grpo.training import trainer as trainer_module
 from lowmem_grpo.training.trainer import Trainer
 
 TIMING = {"step_time", "generation_time", "tokens_per_second", "peak_memory_bytes", "eval_runtime"}
@@ -37,10 +39,15 @@ def _train_rows(output_dir):
 def test_eval_rows_at_every_eval_steps_and_not_in_step_time(toy_config, monkeypatch):
     trainer = Trainer(toy_config("max_steps=5", "eval_steps=2"))
     calls = []
+    # The trainer's clock, with each evaluation taking 1000 s: a step_time that counted one would show it,
+    # however loaded the machine is.
+    clock = {"offset": 0.0}
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + clock["offset"]))
 
     def slow_eval():
         calls.append(trainer.step)
-        time.sleep(1.0)  # far longer than a toy step: it would show in step_time if counted
+        clock["offset"] += 1000.0
         return {"samples": 8, "reward": 0.5, "rewards/label_reward/mean": 0.5, "pass_rate/label_reward": 0.25,
                 "mean_length": 3.0, "seconds": 1.0}
 
@@ -52,7 +59,7 @@ def test_eval_rows_at_every_eval_steps_and_not_in_step_time(toy_config, monkeypa
         (1, False), (2, False), (2, True), (3, False), (4, False), (4, True), (5, False)]
     assert rows[2] == {"step": 2, "eval_samples": 8, "eval_reward": 0.5, "eval_rewards/label_reward/mean": 0.5,
                        "eval_pass_rate/label_reward": 0.25, "eval_completions/mean_length": 3.0, "eval_runtime": 1.0}
-    assert all(r["step_time"] < 1.0 for r in rows if "step_time" in r)
+    assert all(r["step_time"] < 1000.0 for r in rows if "step_time" in r)
 
 
 def test_evaluating_changes_nothing_in_training(toy_config, tmp_path):
