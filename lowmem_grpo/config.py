@@ -268,7 +268,13 @@ class OutputConfig:
     save_steps: int = _f(50, "Save a checkpoint every this many optimizer steps (0 = only at the end).")
     save_total_limit: int = _f(2, "Keep the last K checkpoints.")
     resume_from: Optional[str] = _f(None, "Continue from a checkpoint folder, or 'latest' in output_dir.")
-    report_to: str = _f("none", "none | tensorboard (needs the tensorboard package).")
+    report_to: Optional[Union[str, list]] = _f("none", "Where metrics also go (TRL/transformers semantics): none | "
+                                                      "tensorboard | wandb | trackio | all (every one of those "
+                                                      "installed), or a list, e.g. [tensorboard, wandb]. wandb and "
+                                                      "trackio are optional: pip install wandb / pip install trackio.")
+    run_name: Optional[str] = _f(None, "The run's name in W&B / trackio (default: output_dir's folder name).")
+    project: Optional[str] = _f(None, "The W&B / trackio project (default: $WANDB_PROJECT for W&B, else "
+                                      "'lowmem-grpo').")
     progress_bar: bool = _f(True, "Show a progress bar (reward, KL, step time).")
 
 
@@ -278,6 +284,10 @@ class EvalConfig:
     eval_on_end: bool = _f(False, "`train` evaluates the final model.")
     eval_max_samples: Optional[int] = _f(None, "Evaluate at most this many held-out prompts.")
     eval_batch_size: int = _f(64, "Prompts per greedy generate() call during evaluation.")
+    eval_steps: Optional[int] = _f(None, "Evaluate on the held-out prompts every this many optimizer steps during "
+                                         "`train` (None = never); results go to metrics.jsonl and the trackers as "
+                                         "eval_* keys. Setting it is TRL's eval_strategy='steps'. Needs "
+                                         "data.eval_file or data.eval_holdout.")
 
 
 @dataclass
@@ -581,7 +591,11 @@ def validate(cfg: Config) -> None:
     _positive(out.logging_steps, "logging_steps")
     _positive(out.save_steps, "save_steps", allow_zero=True)
     _positive(out.save_total_limit, "save_total_limit")
-    _choice(out.report_to, ("none", "tensorboard"), "report_to")
+    report_targets(out.report_to)
+    _positive(cfg.eval.eval_steps, "eval_steps")
+    if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
+        raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
+                          "data.eval_file or data.eval_holdout (or eval_steps=null)")
     if not cfg.rewards.reward_funcs:
         raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
     _positive(cfg.rewards.reward_timeout, "reward_timeout")
@@ -590,6 +604,27 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
                           "reward functions")
     batch_plan(cfg)
+
+
+REPORT_TARGETS = ("tensorboard", "wandb", "trackio")
+
+
+def report_targets(report_to) -> list[str]:
+    """output.report_to as a list of backends ('all' stays as it is: what is installed is known only at run time).
+
+    TRL/transformers semantics: a name or a list of names; 'none' (or None, or []) is no backend."""
+    names = [report_to] if isinstance(report_to, str) or report_to is None else list(report_to)
+    names = [n for n in names if n is not None and n != "none"]
+    for n in names:
+        if not isinstance(n, str):
+            raise ConfigError(f"report_to entries must be names, got {n!r}")
+        if n != "all" and n not in REPORT_TARGETS:
+            several = "; for several, give a list: report_to=[tensorboard,wandb]" if "," in n else ""
+            raise ConfigError(f"report_to must be none, all, {', '.join(REPORT_TARGETS)} or a list of them; got "
+                              f"{n!r}{several or _nearest(n, list(REPORT_TARGETS))}")
+    if "all" in names and len(names) > 1:
+        raise ConfigError(f"report_to=all already means every installed backend; got {report_to!r}")
+    return list(dict.fromkeys(names))
 
 
 def describe() -> str:

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("name", help="a name from `lowmem-grpo recipes`")
     c.add_argument("dest", nargs="?", help="a folder (default: the current one) or a .yaml file name")
     c.add_argument("--force", action="store_true", help="overwrite existing files")
+    s = sub.add_parser("plot", help="draw a run's metrics.jsonl as a PNG: reward, held-out score, length, KL, ...")
+    s.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
+    s.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/run.png)")
     return p
 
 
@@ -124,6 +127,13 @@ def main(argv=None) -> int:
         try:
             return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory)
         except ConfigError as e:
+            print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+            return 2
+    if args.command == "plot":
+        from .plot import run as plot
+        try:
+            return plot(args.run_dir, args.out)
+        except FileNotFoundError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2
     # heavy imports (torch, transformers) only when needed

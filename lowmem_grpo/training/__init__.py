@@ -6,7 +6,9 @@
     data.py        prompt data: loading, tokenizing and checking prompts, the resumable sampler
     checkpoint.py  save_pretrained checkpoints plus the state that makes resume exact
     metrics.py     metrics.jsonl, completions.jsonl, TensorBoard
-    evaluate.py    greedy evaluation on held-out prompts
+    evaluate.py    greedy evaluation on held-out prompts (also every eval_steps during train)
+    trackers.py    report_to backends: TensorBoard, W&B, trackio
+    plot.py        run.png: the run's metrics as one picture
 
 May import the settings, the phase markers, the kernels, the policy, the rewards and the memory
 modes; never the memory tools or the CLI.

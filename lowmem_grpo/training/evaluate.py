@@ -1,12 +1,18 @@
-"""Greedy evaluation on held-out prompts: mean reward per function and pass rate (reward >= 1)."""
+"""Greedy evaluation on held-out prompts: mean reward per function and pass rate (reward >= 1).
+
+Used by `lowmem-grpo eval`, by `train` before/after training (eval_on_start / eval_on_end) and every
+eval_steps during it (logged as eval_* rows of metrics.jsonl)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from ..config import GenerationConfig
@@ -23,6 +29,29 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConf
     (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards), "mean_length",
     "seconds"}. If output_file is given, every completion is written there with its rewards.
     """
+    with training_rng_untouched(device):
+        return _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, eos_ids=eos_ids, pad_id=pad_id,
+                         device=device, batch_size=batch_size, max_samples=max_samples, autocast_bf16=autocast_bf16,
+                         output_file=output_file)
+
+
+@contextlib.contextmanager
+def training_rng_untouched(device: torch.device):
+    """Every random stream training draws from (Python, NumPy, torch CPU and the device's CUDA generator)
+    is put back as it was: greedy decoding draws nothing, but a fallback path or a reward function
+    might, and an evaluation in the middle of `train` must not change what training samples next."""
+    py, np_state = random.getstate(), np.random.get_state()
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(np_state)
+
+
+def _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, *, eos_ids, pad_id, device, batch_size,
+              max_samples, autocast_bf16, output_file) -> dict:
     n = len(prompt_set) if max_samples is None else min(max_samples, len(prompt_set))
     subset = prompt_set.select(list(range(n)))
     t0 = time.perf_counter()
@@ -83,3 +112,48 @@ def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, befor
     Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
     print(format_comparison(before, after))
     return after
+
+
+# evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
+# metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
+_EVAL_NAMES = {"seconds": "eval_runtime", "mean_length": "eval_completions/mean_length"}
+
+
+def eval_metrics(result: dict) -> dict:
+    """An evaluate() result as a metrics.jsonl row: eval_reward, eval_pass_rate/<name>,
+    eval_rewards/<name>/mean, eval_completions/mean_length, eval_samples, eval_runtime."""
+    return {_EVAL_NAMES.get(k, f"eval_{k}"): v for k, v in result.items()}
+
+
+def is_eval_row(row: dict) -> bool:
+    return "eval_reward" in row
+
+
+def evaluated_steps(metrics_file: str | Path) -> set[int]:
+    """Steps that already have an evaluation row in metrics.jsonl (a torn last line is ignored)."""
+    path = Path(metrics_file)
+    steps = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and is_eval_row(row):
+                steps.add(row.get("step"))
+    return steps
+
+
+def evaluation_during(run_eval: Callable[[], dict], model: torch.nn.Module, log, step: int) -> dict:
+    """eval_steps: evaluate now, log the result as this step's eval_* row, and leave the model in the
+    mode it was in (training). Its time is not part of any step's step_time."""
+    was_training = model.training
+    try:
+        result = run_eval()
+    finally:
+        model.train(was_training)
+    row = eval_metrics(result)
+    log.metrics(step, row)
+    rates = " ".join(f"{k[len('eval_'):]}={_fmt(v)}" for k, v in row.items() if k.startswith("eval_pass_rate/"))
+    print(f"[lowmem-grpo] step {step} held-out (greedy): reward={_fmt(row['eval_reward'])} {rates}".rstrip())
+    return row

@@ -1,5 +1,6 @@
 """Run logs: output_dir/metrics.jsonl (one object per logged step), completions.jsonl (sampled
-completions with their rewards, to catch reward hacking by reading), and optional TensorBoard."""
+completions with their rewards, to catch reward hacking by reading), and the trackers of
+output.report_to (trackers.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .trackers import close_trackers, open_trackers, scalars
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -40,30 +43,21 @@ def _clean(value):
 class RunLog:
     """Appends to the run's JSONL files; opened in append mode so a resumed run continues them."""
 
-    def __init__(self, output_dir: str | Path, report_to: str = "none", resume_step: Optional[int] = None):
+    def __init__(self, output_dir: str | Path, report_to="none", resume_step: Optional[int] = None,
+                 run_name: Optional[str] = None, project: Optional[str] = None, config: Optional[dict] = None):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:  # drop lines written after the checkpoint we resume from
             for name in ("metrics.jsonl", "completions.jsonl"):
                 _truncate_after(self.dir / name, resume_step)
-        self.tb = None
-        if report_to == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError(f"output.report_to=tensorboard needs the tensorboard package ({e}): "
-                                  "pip install tensorboard, or set output.report_to=none") from None
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.trackers = open_trackers(report_to, self.dir, run_name, project, config)
 
     def metrics(self, step: int, values: dict) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(step, scalars(row))
 
     def completions(self, step: int, samples: list[dict]) -> None:
         with open(self.dir / "completions.jsonl", "a") as f:
@@ -71,8 +65,7 @@ class RunLog:
                 f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n")
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        close_trackers(self.trackers)
 
 
 def _parsed_lines(path: Path) -> list[tuple[str, dict]]:

@@ -47,10 +47,11 @@ from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
-from .evaluate import evaluate, evaluation_after, evaluation_before
+from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
+from .plot import save_run_plot
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 
@@ -336,7 +337,11 @@ class Trainer:
     # ----- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
         cfg, out = self.cfg, self.cfg.output
-        log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None)
+        eval_steps = cfg.eval.eval_steps
+        if eval_steps and self.eval_set is None:
+            raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: set data.eval_file or data.eval_holdout")
+        log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
+                     run_name=out.run_name, project=out.project, config=cfg.to_dict())
         Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         before = (evaluation_before(self.evaluate, out.output_dir, resumed=self.resumed_from is not None)
                   if cfg.eval.eval_on_start else None)
@@ -344,6 +349,9 @@ class Trainer:
         last = {}
         try:
             with self.stop.on_signals(), save_on_error(self.save, lambda: self.step > self.last_saved_step):
+                if (eval_steps and self.resumed_from and self.step and self.step % eval_steps == 0
+                        and self.step not in evaluated_steps(Path(out.output_dir, "metrics.jsonl"))):
+                    evaluation_during(self.evaluate, self.policy, log, self.step)  # stopped or crashed before it ran
                 while self.step < cfg.train.max_steps and self.stop.reason is None:
                     last = self._logged_step(log)
                     bar.update(1)
@@ -354,15 +362,22 @@ class Trainer:
                         raise TrainingStopped(f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite "
                                               f"loss or gradient; stopped and saved {path}. Lower "
                                               "optim.learning_rate or check the reward scale.")
+                    # Before the save: a run killed between the two repeats the step and its evaluation.
+                    if eval_steps and self.step % eval_steps == 0 and self.stop.reason is None:
+                        evaluation_during(self.evaluate, self.policy, log, self.step)
                     if out.save_steps and self.step % out.save_steps == 0:
                         self.save()
                 if self.step > self.last_saved_step:
                     print(f"[lowmem-grpo] saved {self.save()}")
         except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
+            save_run_plot(out.output_dir)
             if isinstance(e, RunOutOfMemory):
                 raise
             saved = ckpt.list_checkpoints(out.output_dir)
             raise RunOutOfMemory(out_of_memory_message(e, cfg, self.step, str(saved[-1][1]) if saved else None)) from e
+        except BaseException:
+            save_run_plot(out.output_dir)  # a crash or a stop on non-finite steps still leaves a picture
+            raise
         finally:
             bar.close()
             log.close()
@@ -371,6 +386,7 @@ class Trainer:
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
         if cfg.eval.eval_on_end and self.stop.reason is None:
             result["eval_end"] = evaluation_after(self.evaluate, out.output_dir, before)
+        save_run_plot(out.output_dir)
         return result
 
     def _logged_step(self, log: RunLog) -> dict:
