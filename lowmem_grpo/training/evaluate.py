@@ -17,12 +17,12 @@ import torch
 
 from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
-from ..rewards import compute_rewards
+from ..rewards import RewardLogs, compute_rewards
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConfig, *, eos_ids: list[int],
              pad_id: int, device: torch.device, batch_size: int = 64, max_samples: Optional[int] = None,
-             autocast_bf16: bool = False, output_file: Optional[Path] = None) -> dict:
+             autocast_bf16: bool = False, output_file: Optional[Path] = None, trainer_state=None) -> dict:
     """One greedy completion per held-out prompt, scored by the run's reward functions.
 
     Returns {"samples", "reward" (mean weighted total), "rewards/<name>/mean", "pass_rate/<name>"
@@ -32,7 +32,7 @@ def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConf
     with training_rng_untouched(device):
         return _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, eos_ids=eos_ids, pad_id=pad_id,
                          device=device, batch_size=batch_size, max_samples=max_samples, autocast_bf16=autocast_bf16,
-                         output_file=output_file)
+                         output_file=output_file, trainer_state=trainer_state)
 
 
 @contextlib.contextmanager
@@ -51,7 +51,7 @@ def training_rng_untouched(device: torch.device):
 
 
 def _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, *, eos_ids, pad_id, device, batch_size,
-              max_samples, autocast_bf16, output_file) -> dict:
+              max_samples, autocast_bf16, output_file, trainer_state) -> dict:
     n = len(prompt_set) if max_samples is None else min(max_samples, len(prompt_set))
     subset = prompt_set.select(list(range(n)))
     t0 = time.perf_counter()
@@ -59,13 +59,17 @@ def _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, *, eos_ids, p
                      greedy=True, micro_batch=batch_size, autocast_bf16=autocast_bf16)
     decoded = decode_completions(batch, subset.prompts, eos_ids, tokenizer)
     keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
-    per_func, total = compute_rewards(reward_funcs, subset.prompts, completions, completion_ids, subset.columns)
+    # trainer_state as in training (TRL passes it in evaluation too): reward functions may read it
+    logs = RewardLogs()
+    per_func, total = compute_rewards(reward_funcs, subset.prompts, completions, completion_ids, subset.columns,
+                                      trainer_state=trainer_state, logs=logs)
     result = {"samples": n, "reward": total.mean().item()}
     for j, f in enumerate(reward_funcs):
         col = per_func[:, j]
         valid = ~col.isnan()
         result[f"rewards/{f.name}/mean"] = col[valid].mean().item() if valid.any() else None
         result[f"pass_rate/{f.name}"] = (col[valid] >= 1.0).float().mean().item() if valid.any() else None
+    result.update(logs.metric_means())  # what the reward functions logged with log_metric
     result["mean_length"] = keep.sum(1).float().mean().item()
     result["seconds"] = time.perf_counter() - t0
     if output_file is not None:

@@ -110,6 +110,7 @@ class Trainer:
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
         self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
+        self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         if not training:
             self.policy.to(self.device)
             return
@@ -135,7 +136,6 @@ class Trainer:
         self.step = 0
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
-        self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
         self.resumed_from: Optional[Path] = None
         if cfg.output.resume_from:
@@ -416,4 +416,7 @@ class Trainer:
         return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
                         eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
                         max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
-                        output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"))
+                        output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
+                        trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
+                                                         epoch=self.sampler.epoch,
+                                                         num_input_tokens_seen=self.num_input_tokens_seen))

@@ -121,6 +121,17 @@ def test_trainer_state_metrics_and_unscored_rows_in_a_run(toy_config):
     assert info["completions/mean_terminated_length"] == pytest.approx(term.mean().item() if len(term) else 0.0)
 
 
+def test_evaluation_passes_trainer_state_and_log_functions(toy_config):
+    # TRL calls reward functions the same way in evaluation: one that needs trainer_state / log_metric /
+    # log_extra must score held-out prompts too (evaluate() and eval_steps).
+    SEEN.clear()
+    trainer = Trainer(toy_config("reward_funcs=[tests.training.test_trl_semantics:state_reader]", "max_steps=4"))
+    trainer.run_step()
+    result = trainer.evaluate()
+    assert SEEN[-1]["global_step"] == 1 and SEEN[-1]["type"] == "TrainerState"
+    assert result["progress"] == pytest.approx(1 / 4)  # log_metric values reach the evaluation's result
+
+
 def test_logged_names_are_trls(toy_config, tmp_path):
     SEEN.clear()
     cfg = toy_config("reward_funcs=[tests.training.test_trl_semantics:state_reader]")
