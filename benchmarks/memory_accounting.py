@@ -29,7 +29,8 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 EIGHT_GB = {  # recipe -> (architecture, budget the issue sets for the predicted peak)
     "qwen2.5-0.5b_expected-string_8gb.yaml": ("Qwen2.5-0.5B", None),
     "qwen2.5-0.5b_gsm8k_8gb.yaml": ("Qwen2.5-0.5B", 6.5),
-    "qwen2.5-1.5b_gsm8k_8gb.yaml": ("Qwen2.5-1.5B", 7.4),
+    "qwen2.5-1.5b_gsm8k_8gb.yaml": ("Qwen2.5-1.5B", 6.5),
+    "qwen2.5-1.5b_gsm8k-1024_8gb.yaml": ("Qwen2.5-1.5B", 6.5),  # 7.5 GiB with the margin: peak <= 6.67
 }
 
 
@@ -60,8 +61,11 @@ def measure_cpu(prompt_len: int, completion_len: int, steps: int) -> dict:
     states = sum(v.numel() * v.element_size() for opt in trainer.optimizer.inner.values()
                  for s in opt.state.values() for k, v in s.items()
                  if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2"))  # qmaps: shared 256-entry tables
-    predicted = plan(trainer.cfg, Arch.from_config(preset("Qwen2.5-1.5B")))["phase_categories"]["forward"]
-    rows = {"weights": (weights, predicted["weights"]), "optimizer states": (states, predicted["optimizer states"])}
+    planned = plan(trainer.cfg, Arch.from_config(preset("Qwen2.5-1.5B")))
+    predicted = planned["phase_categories"]["forward"]
+    # offload_optimizer: the states live in host RAM (the planner's host categories)
+    predicted_states = planned["host_categories"].get("optimizer states", predicted["optimizer states"])
+    rows = {"weights": (weights, predicted["weights"]), "optimizer states": (states, predicted_states)}
     print(f"most .grad bytes alive at once in backward: {live / GiB:.4f} GiB (autograd's buffers not included; "
           "benchmarks/plan_accuracy.py measures every allocation)")
     print("== CPU run, Qwen2.5-1.5B architecture, qwen2.5-1.5b_gsm8k_8gb.yaml settings, "

@@ -19,10 +19,30 @@ bottom with config. `from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCal
 """
 
 import importlib.util
+import logging
 import os
 import sys
 
 __version__ = "0.1.0"
+
+
+def _default_log_handler() -> None:
+    """Library messages (resumed from, saved, held-out scores, ...) go through `logging`, under the
+    `lowmem_grpo` logger. As transformers does for its own, that logger prints INFO and above to
+    stderr by default, prefixed [lowmem-grpo], and does not propagate (no duplicates where the root
+    logger has a handler). `logging.getLogger("lowmem_grpo").setLevel(logging.WARNING)` quiets it; to
+    route it elsewhere, replace its handlers and set `propagate` back to True."""
+    logger = logging.getLogger(__name__)
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[lowmem-grpo] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+_default_log_handler()
 
 
 class _SourceTreeKernels:

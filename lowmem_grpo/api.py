@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import os
 import typing
 from pathlib import Path
@@ -30,6 +31,8 @@ from .rewards.loading import spec_record
 from .shipped_recipes import find_shipped
 from .training.callbacks import TrainerCallback
 from .training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GRPOConfig", "GRPOTrainer", "TrainerCallback"]
 
@@ -238,7 +241,7 @@ def _use_model(cfg: Config, model):
     check_fused_head(model)
     dtype = weights_dtype(m)
     if any(p.dtype != dtype for p in model.parameters()):
-        print(f"[lowmem-grpo] converting the model's weights to {dtype} (model.precision={m.precision})")
+        logger.info(f"converting the model's weights to {dtype} (model.precision={m.precision})")
     # The trainer's contract for a model is load_model's: on the CPU in the precision's weight dtype (the
     # reference copy, if any, is taken from it there); training moves it to the device.
     model.to(device="cpu", dtype=dtype)

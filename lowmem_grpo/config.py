@@ -244,9 +244,10 @@ class OptimConfig:
                                         "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
                                         "holds no optimizer state. Needs train.optimizer_in_backward (its hooks send "
                                         "each gradient to the host as soon as it is complete). Host RAM per "
-                                        "parameter: 6 bytes with bf16_sr + adamw_8bit (slow: bitsandbytes' CPU "
-                                        "8-bit update), 14 with bf16_sr + adamw (fp32 master and states, torch's "
-                                        "fused CPU AdamW, ~20x faster), 16 with fp32 + adamw.")
+                                        "parameter: 6 bytes with bf16_sr + adamw_8bit (bitsandbytes' CPU 8-bit "
+                                        "update), 14 with bf16_sr + adamw (fp32 master and states, torch's fused "
+                                        "CPU AdamW, ~2.6x faster), 16 with fp32 + adamw. Update time per step: "
+                                        "benchmarks/RESULTS.md.")
     lr_scheduler_type: str = _f("constant", "transformers.get_scheduler's schedule, by its name and semantics (as "
                                             "TRL): constant (no warm-up) | constant_with_warmup | linear | cosine | "
                                             "cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | "
@@ -380,8 +381,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str) and re.fullmatch(r"[-+]?[0-9][0-9_:]*", value.strip()):
-            raise ConfigError(f"{name} must be an integer, got the text {value!r}: write the number without "
-                              f"'_' or ':' (recipes are read as YAML 1.2, where 1_000 and 1:30 are text)")
+            if "_" in value or ":" in value:
+                raise ConfigError(f"{name} must be an integer, got the text {value!r}: write the number without "
+                                  f"'_' or ':' (recipes are read as YAML 1.2, where 1_000 and 1:30 are text)")
+            raise ConfigError(f"{name} must be an integer, got the text {value!r}: give it as a number, not a "
+                              "quoted string")
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -85,7 +85,7 @@ def test_config_attribute_errors_name_the_nearest_key():
         args.max_stpes = 3
     with pytest.raises(AttributeError, match="did you mean 'max_steps'"):
         args.max_stpes
-    with pytest.raises(ConfigError, match="must be int"):
+    with pytest.raises(ConfigError, match="must be an integer, got the text '3': give it as a number"):
         args.max_steps = "3"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ModelError(ValueError):
@@ -86,7 +89,7 @@ def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
         import gguf as _  # noqa: F401  (transformers needs it; say so before it fails deep inside)
     except ImportError:
         raise ModelError("loading a GGUF file needs the `gguf` package: pip install gguf accelerate") from None
-    print(f"[lowmem-grpo] dequantising {gguf} once into {target}")
+    logger.info(f"dequantising {gguf} once into {target}")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; copy its (dequantised) weights into a plain one.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
+
+logger = logging.getLogger(__name__)
 
 
 def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConfig, *, eos_ids: list[int],
@@ -114,7 +117,7 @@ def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, befor
     """eval_on_end: evaluate, write eval_end.json and print the before/after table."""
     after = run_eval()
     Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
-    print(format_comparison(before, after))
+    logger.info("%s", format_comparison(before, after))
     return after
 
 
@@ -159,5 +162,5 @@ def evaluation_during(run_eval: Callable[[], dict], model: torch.nn.Module, log,
     row = eval_metrics(result)
     log.metrics(step, row)
     rates = " ".join(f"{k[len('eval_'):]}={_fmt(v)}" for k, v in row.items() if k.startswith("eval_pass_rate/"))
-    print(f"[lowmem-grpo] step {step} held-out (greedy): reward={_fmt(row['eval_reward'])} {rates}".rstrip())
+    logger.info(f"step {step} held-out (greedy): reward={_fmt(row['eval_reward'])} {rates}".rstrip())
     return row

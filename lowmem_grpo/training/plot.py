@@ -17,10 +17,13 @@ neither torch nor the model code, so `lowmem-grpo plot` starts fast.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 from pathlib import Path
 from typing import Optional
+
+logger = logging.getLogger(__name__)
 
 PLOT_NAME = "run.png"
 PANELS = ("reward", "held-out score", "completion length", "KL and entropy", "clip ratio", "step time")
@@ -213,5 +216,5 @@ def save_run_plot(run_dir: str | Path) -> Optional[Path]:
         warnings.warn(f"could not draw {Path(run_dir) / PLOT_NAME}: {type(e).__name__}: {e} "
                       f"(try `lowmem-grpo plot {run_dir}`)", stacklevel=2)
         return None
-    print(f"[lowmem-grpo] wrote {path}")
+    logger.info(f"wrote {path}")
     return path

@@ -5,6 +5,7 @@ before it propagates (an out-of-memory error first names the phase and the cheap
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import traceback
@@ -15,6 +16,8 @@ import torch
 from ..config import Config
 from ..phases import phase_of
 from .checkpoint import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 
 class StopRequest:
@@ -31,7 +34,7 @@ class StopRequest:
         if self.reason is not None:  # second signal: stop now
             raise KeyboardInterrupt
         self.reason = name
-        print(f"\n[lowmem-grpo] {name}: saving a checkpoint after this step, then exiting "
+        logger.warning(f"{name}: saving a checkpoint after this step, then exiting "
               "(send it again to stop at once)")
 
     @contextlib.contextmanager
@@ -59,9 +62,9 @@ def save_on_error(save: Callable[[], object], unsaved: Callable[[], bool]) -> It
                 torch.cuda.empty_cache()
         if unsaved() and not isinstance(e, CheckpointError):  # never die without saving (unless saving failed)
             try:
-                print(f"[lowmem-grpo] saved {save()} before stopping")
+                logger.info(f"saved {save()} before stopping")
             except Exception as e:  # noqa: BLE001 - report, then let the original error through
-                print(f"[lowmem-grpo] could not save a checkpoint: {e}")
+                logger.error(f"could not save a checkpoint: {e}")
         raise
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import random
 import re
 import time
@@ -53,6 +54,8 @@ from .generation import (GenerationBatch, computed_tokens, make_generation_batch
 from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingStopped(RuntimeError):
@@ -110,6 +113,7 @@ class Trainer:
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
         self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
+        self.step = 0  # optimizer steps done (also what an evaluation-only trainer reports)
         self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         if not training:
             self.policy.to(self.device)
@@ -133,7 +137,6 @@ class Trainer:
         self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
-        self.step = 0
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -172,9 +175,9 @@ class Trainer:
         build = lambda r, src: build_prompt_set(r, self.tokenizer, d, g.max_prompt_length, src, vocab_size=vocab)
         train = build(rows, d.train_file)
         if train.num_truncated:
-            print(f"[lowmem-grpo] left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
+            logger.info(f"left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
         if len(train) < self.plan.prompts_per_generation:
-            print(f"[lowmem-grpo] note: {len(train)} training prompts, fewer than the "
+            logger.info(f"note: {len(train)} training prompts, fewer than the "
                   f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
         return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
 
@@ -198,7 +201,7 @@ class Trainer:
         ckpt.set_rng_state(state["rng"])
         self.last_saved_step = self.step
         self.resumed_from = path
-        print(f"[lowmem-grpo] resumed from {path} at step {self.step}")
+        logger.info(f"resumed from {path} at step {self.step}")
 
     def save(self) -> Path:
         state = {
@@ -368,7 +371,7 @@ class Trainer:
                     if out.save_steps and self.step % out.save_steps == 0:
                         self.save()
                 if self.step > self.last_saved_step:
-                    print(f"[lowmem-grpo] saved {self.save()}")
+                    logger.info(f"saved {self.save()}")
         except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
             save_run_plot(out.output_dir)
             if isinstance(e, RunOutOfMemory):
@@ -382,7 +385,7 @@ class Trainer:
             bar.close()
             log.close()
         if self.stop.reason is not None:
-            print(f"[lowmem-grpo] stopped by {self.stop.reason} at step {self.step}")
+            logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
         if cfg.eval.eval_on_end and self.stop.reason is None:
             result["eval_end"] = evaluation_after(self.evaluate, out.output_dir, before)

@@ -78,8 +78,11 @@ def test_phase_categories_add_up_and_checkpointing_trades_activations():
     assert full["phase_categories"]["forward"]["activations"] > 3 * ckpt["phase_categories"]["forward"]["activations"]
 
 
+# Budgets for the allocator peak: 6.5 GiB leaves >= 1 GiB under a desktop's 7.5 GiB (issue 15); the
+# 1024-token variant must fit 7.5 GiB with the margin: (7.5 - 0.5) / 1.05 = 6.67.
 @pytest.mark.parametrize("recipe, arch, budget", [("qwen2.5-0.5b_gsm8k_8gb.yaml", "Qwen2.5-0.5B", 6.5),
-                                                   ("qwen2.5-1.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B", 7.4)])
+                                                   ("qwen2.5-1.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B", 6.5),
+                                                   ("qwen2.5-1.5b_gsm8k-1024_8gb.yaml", "Qwen2.5-1.5B", 6.67)])
 def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
     from pathlib import Path
     cfg = load_config(Path(__file__).parents[2] / "recipes" / recipe)
@@ -91,7 +94,7 @@ def _plan_json(capsys, *argv):
     import json
     from lowmem_grpo.cli import main
     capsys.readouterr()
-    assert main(["plan", *argv, "--json"]) == 0
+    assert main(["plan", *argv, "--json", "--host-memory", "64GiB"]) == 0  # this machine's RAM may be smaller
     return json.loads(capsys.readouterr().out)
 
 
@@ -114,7 +117,8 @@ def test_plan_cli_for_the_8gb_recipes_and_overrides(capsys, monkeypatch):
     for recipe in ("qwen2.5-0.5b_expected-string_8gb.yaml", "qwen2.5-0.5b_gsm8k_8gb.yaml"):
         assert _plan_json(capsys, str(recipes / recipe))["fits"], recipe
     big = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"))
-    assert big["fits"] and big["peak_bytes"] / 2**30 <= 7.4
+    assert big["fits"] and big["peak_bytes"] / 2**30 <= 6.5
+    assert big["host_categories"]["optimizer states"] > 2**30  # offload_optimizer: the 8-bit states in host RAM
     longer = _plan_json(capsys, str(recipes / "qwen2.5-1.5b_gsm8k_8gb.yaml"), "max_completion_length=4096")
     assert longer["phases"]["backward"] > big["phases"]["backward"] and longer["phases"]["rollout"] > big["phases"]["rollout"]
     small = _plan_json(capsys, "--model", "SmolLM2-135M", "--gpu-memory", "24GiB")

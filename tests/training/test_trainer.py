@@ -236,3 +236,30 @@ def test_tensorboard_logging(toy_config):
     Trainer(cfg).train()
     events = list((__import__("pathlib").Path(cfg.output.output_dir) / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
+
+
+def test_library_messages_go_through_logging(toy_config, tmp_path):
+    # `logging`, not print: a notebook or a service can route or silence them (issue 13).
+    import logging
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append((record.name, record.getMessage()))
+
+    collect = Collect()
+    library = logging.getLogger("lowmem_grpo")
+    assert not library.propagate and library.level == logging.INFO  # the default: INFO to stderr, once
+    library.addHandler(collect)
+    try:
+        Trainer(toy_config("max_steps=2", output_dir=tmp_path / "run")).train()
+        Trainer(toy_config("max_steps=3", "resume_from=latest", output_dir=tmp_path / "run")).train()
+    finally:
+        library.removeHandler(collect)
+    texts = [m for _, m in collect.messages]
+    assert any(m.startswith("saved ") and "checkpoint-2" in m for m in texts), texts
+    assert any(m.startswith("resumed from ") and m.endswith("at step 2") for m in texts), texts
+    assert {name for name, _ in collect.messages} <= {"lowmem_grpo.training.trainer", "lowmem_grpo.training.plot"}
