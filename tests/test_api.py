@@ -16,6 +16,7 @@ from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback
 from lowmem_grpo.cli import main
 from lowmem_grpo.config import ConfigError, _key_index, load_config
 from lowmem_grpo.training.data import DataError
+from tests.optional import needs_datasets
 from tests.training.conftest import TINY_LLAMA, label_reward, toy_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +150,7 @@ def test_reward_specs_are_recorded_as_json():
 
 
 # ------------------------------------------------------------------------------------- inputs
+@needs_datasets
 def test_in_memory_inputs_of_every_kind(tmp_path):
     from datasets import Dataset
     rows = toy_rows(24)
