@@ -178,7 +178,7 @@ class Trainer:
             logger.info(f"left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
         if len(train) < self.plan.prompts_per_generation:
             logger.info(f"note: {len(train)} training prompts, fewer than the "
-                  f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
+                        f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
         return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
 
     def _find(self, path: str) -> str:
