@@ -20,7 +20,8 @@ it was made:
     anything else                                        other
 
 Tensors alive when profiling starts are counted by walking the model, the reference model and the
-optimizer (weights, reference model, optimizer states, rollout batch); on CUDA the rest of the
+optimizer (weights, reference model, optimizer states, rollout batch; with optim.offload_optimizer
+also its host weight copies and gradient buffers, "weights copy" and "gradient buffer"); on CUDA the rest of the
 allocator's total at the start is `other`. The categories at any moment add up to the allocator's
 total (CUDA) or to the tracked tensor bytes (CPU; Python objects and library mallocs are not seen).
 """
@@ -39,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..phases import GRAD_MARK, PHASES, PREFIX, mark_gradient
 
 CATEGORIES = ("weights", "gradients", "optimizer states", "activations", "KV cache", "loss head",
-              "reference model", "reference buffers", "rollout batch", "other")
+              "reference model", "reference buffers", "rollout batch", "weights copy", "gradient buffer", "other")
 _PHASE_CATEGORY = {"rollout": "KV cache", "old log-probs": "activations", "reference log-probs": "reference buffers",
                    "forward": "activations", "backward": "activations", "optimizer": "optimizer states"}
 _SCOPE_CATEGORY = {"optimizer": "optimizer states"}  # e.g. optimizer steps taken inside backward
@@ -186,8 +187,14 @@ class MemoryProfile:
             inner = getattr(self.optimizer, "inner", None)  # OptimizerInBackward: one optimizer per parameter
             for opt in (inner.values() if isinstance(inner, dict) else [self.optimizer]):
                 states += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"weights": _storages(self.params), "optimizer states": _storages(states),
-                "reference model": _storages(self.reference), "rollout batch": _storages(self.batch)}
+        known = {"weights": _storages(self.params), "optimizer states": _storages(states),
+                 "reference model": _storages(self.reference), "rollout batch": _storages(self.batch)}
+        # optim.offload_optimizer (memory_modes/offload.py): the host weight copies and gradient buffers
+        for category, attr in (("weights copy", "host"), ("gradient buffer", "host_grad")):
+            held = getattr(self.optimizer, attr, None)
+            if isinstance(held, dict):
+                known[category] = _storages(held.values())
+        return known
 
     # ----- attribution ---------------------------------------------------------------------------
     def _analyse(self, extra: dict) -> ProfileResult:
@@ -410,4 +417,6 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
     excluded = ["reference model"]
     if trainer.ref is not None and trainer.ref.device.type == "cpu":
         excluded.append("reference buffers")
+    if trainer.cfg.optim.offload_optimizer:  # host RAM on any device (the planner's host categories)
+        excluded += ["optimizer states", "weights copy", "gradient buffer"]
     return "host", result.devices["host"].summary(exclude=excluded)

@@ -48,6 +48,34 @@ def test_weights_gradients_optimizer_states_and_activations_are_exact():
     assert set(summary["phases"]) == {"forward", "backward", "optimizer"}
 
 
+def test_offloaded_optimizer_host_memory_is_counted_by_category(tmp_path):
+    # optim.offload_optimizer: the host weight copies and gradient buffers exist before profiling and are
+    # named; the 8-bit states (made by the first update, inside the profile) are optimizer states; a CPU
+    # run's device-equivalent summary leaves all three out, as they are host RAM on a GPU too.
+    pytest.importorskip("bitsandbytes")
+    from lowmem_grpo.memory.profile import device_equivalent, profile_trainer
+    from lowmem_grpo.training.trainer import Trainer
+    from tests.training.conftest import TINY_LLAMA, toy_rows, write_jsonl
+    from lowmem_grpo.config import load_config
+    train = write_jsonl(tmp_path / "train.jsonl", toy_rows(16))
+    cfg = load_config(None, [
+        f"model.config={json.dumps(TINY_LLAMA)}", "model.tokenizer=none", f"data.train_file={train}",
+        "num_generations=4", "max_prompt_length=8", "max_completion_length=6", "per_device_train_batch_size=4",
+        "steps_per_generation=2", "optimizer_in_backward=true", "offload_optimizer=true", "optimizer=adamw_8bit",
+        "precision=bf16_sr", "reward_funcs=[tests.training.conftest:label_reward]", f"output_dir={tmp_path / 'run'}",
+        "progress_bar=false", "device=cpu"])
+    trainer = Trainer(cfg)
+    prof, _, _ = profile_trainer(trainer, steps=1)
+    params = list(trainer.policy.parameters())
+    end = {c: _at_end(prof.result, c) for c in ("weights copy", "gradient buffer", "optimizer states")}
+    assert end["weights copy"] == end["gradient buffer"] == _storage_bytes(params)  # bf16 copies of bf16 weights
+    states = [v for opt in trainer.optimizer.inner.values() for s in opt.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor)]
+    assert end["optimizer states"] == _storage_bytes(states) > 0
+    _, summary = device_equivalent(prof, trainer)
+    assert not {"weights copy", "gradient buffer", "optimizer states"} & set(summary["categories"])
+
+
 def test_fused_head_workspace_is_the_loss_head_and_in_backward_gradients_are_gradients():
     from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
     from lowmem_grpo.kernels import linear_token_logprobs
