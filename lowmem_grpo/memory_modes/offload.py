@@ -102,6 +102,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self.host = {p: torch.empty(p.shape, dtype=master(p), pin_memory=pin and master(p) == p.dtype)
                      for p in params}
         self.host_grad = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params}
+        self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
         self._host_norm_slots = torch.empty(len(params), dtype=torch.float32, pin_memory=pin)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
         self.refresh_host_weights()
@@ -119,8 +120,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def _count_live(self, grads: list[torch.Tensor]) -> None:
         """Counts device gradients only: pending ones are already in the host buffers."""
-        host = {g.data_ptr() for g in self.host_grad.values()}
-        super()._count_live([g for g in grads if g.data_ptr() not in host])
+        super()._count_live([g for g in grads if g.data_ptr() not in self._host_grad_ptrs])
 
     def _finished(self, index: int, grad: torch.Tensor) -> _Finished:
         """Start the gradient's trip to the host; the device copy is freed when the trip is done."""
