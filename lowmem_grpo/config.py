@@ -206,7 +206,15 @@ class TrainConfig:
                                      "generation batch's std) | none (Dr. GRPO).")
     mask_truncated_completions: bool = _f(False, "Completions that hit max_completion_length without EOS get no "
                                                  "loss.")
-    device: str = _f("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N.")
+    device: str = _f("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N. Under torchrun each rank "
+                             "uses cuda:LOCAL_RANK (auto, cuda) or the CPU (cpu).")
+    strategy: str = _f("ddp", "Under torchrun (more than one process): ddp (every rank holds the whole model, "
+                              "gradients are averaged) | fsdp (FSDP2: weights, gradients and optimizer states "
+                              "sharded over the ranks, for a model one device cannot hold). Batch sizes keep "
+                              "TRL's meaning: per_device_train_batch_size is per rank and a generation batch "
+                              "spans all ranks; each rank generates whole groups of num_generations.")
+    ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before failing (transformers' "
+                                "name): a rank that died or hangs stops the others instead of hanging them.")
     seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.")
     max_nonfinite_steps: int = _f(3, "Skip a step whose loss or gradient is not finite; this many in a row "
                                      "saves a checkpoint and stops the run.")
@@ -504,37 +512,55 @@ def _positive(value, name: str, allow_zero: bool = False) -> None:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How completions are grouped: generation batch -> micro-batches -> optimizer steps."""
+    """How completions are grouped: generation batch -> micro-batches -> optimizer steps.
 
-    generation_batch_size: int  # completions sampled together (a multiple of G)
-    prompts_per_generation: int
-    micro_batches_per_generation: int  # steps_per_generation
+    With several ranks (torchrun) the generation batch spans them all, as in TRL; each rank generates
+    `completions_per_rank` of it, whole groups of num_generations."""
+
+    generation_batch_size: int  # completions sampled together, over all ranks (a multiple of G)
+    prompts_per_generation: int  # over all ranks
+    micro_batches_per_generation: int  # steps_per_generation (per rank)
     steps_per_generation_batch: int  # optimizer steps taken on one generation batch (x num_iterations)
     needs_old_logprobs: bool  # the policy moves while the batch is still in use
+    world_size: int = 1
+
+    @property
+    def completions_per_rank(self) -> int:
+        return self.generation_batch_size // self.world_size
+
+    @property
+    def prompts_per_rank(self) -> int:
+        return self.prompts_per_generation // self.world_size
 
 
-def batch_plan(cfg: Config) -> BatchPlan:
+def batch_plan(cfg: Config, world_size: int = 1) -> BatchPlan:
     t, g = cfg.train, cfg.generation
     spg = t.steps_per_generation
     gbs = t.generation_batch_size
+    per_step = t.per_device_train_batch_size * world_size  # completions of one micro-batch on every rank
+    ranks = f" x {world_size} ranks" if world_size > 1 else ""
     if gbs is not None and spg is not None:
         raise ConfigError("set generation_batch_size or steps_per_generation, not both (TRL's rule)")
     if gbs is None:
         spg = t.gradient_accumulation_steps if spg is None else spg
-        gbs = t.per_device_train_batch_size * spg
-    elif gbs % t.per_device_train_batch_size:
+        gbs = per_step * spg
+    elif gbs % per_step:
         raise ConfigError(f"generation_batch_size ({gbs}) must be a multiple of per_device_train_batch_size "
-                          f"({t.per_device_train_batch_size})")
+                          f"({t.per_device_train_batch_size}){ranks}")
     else:
-        spg = gbs // t.per_device_train_batch_size
+        spg = gbs // per_step
     if gbs % g.num_generations:
-        raise ConfigError(f"the generation batch ({gbs} completions = per_device_train_batch_size x "
+        raise ConfigError(f"the generation batch ({gbs} completions = per_device_train_batch_size{ranks} x "
                           f"steps_per_generation) must be a multiple of num_generations ({g.num_generations})")
+    if world_size > 1 and (gbs // world_size) % g.num_generations:
+        raise ConfigError(f"each rank generates whole groups: per_device_train_batch_size x steps_per_generation "
+                          f"({gbs // world_size} completions per rank) must be a multiple of num_generations "
+                          f"({g.num_generations}); raise steps_per_generation or per_device_train_batch_size")
     if spg % t.gradient_accumulation_steps:
         raise ConfigError(f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps "
                           f"({t.gradient_accumulation_steps})")
     steps = (spg // t.gradient_accumulation_steps) * t.num_iterations
-    return BatchPlan(gbs, gbs // g.num_generations, spg, steps, steps > 1)
+    return BatchPlan(gbs, gbs // g.num_generations, spg, steps, steps > 1, world_size)
 
 
 def validate(cfg: Config) -> None:
@@ -581,6 +607,8 @@ def validate(cfg: Config) -> None:
     _choice(t.importance_sampling_level, ("token", "sequence"), "importance_sampling_level")
     _choice(t.scale_rewards, ("group", "batch", "none"), "scale_rewards")
     _choice(t.reference_compute, ("auto", "cpu", "stream"), "reference_compute")
+    _choice(t.strategy, ("ddp", "fsdp"), "strategy")
+    _positive(t.ddp_timeout, "ddp_timeout")
     _choice(o.optimizer, ("adamw_8bit", "paged_adamw_8bit", "adamw"), "optimizer")
     _choice(o.lr_scheduler_type, LR_SCHEDULES, "lr_scheduler_type")
     if o.lr_scheduler_type == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):

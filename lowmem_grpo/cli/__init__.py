@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
     s.add_argument("--host-memory", default=None, help="the machine's RAM for the host-side check (default: this "
                                                          "machine's), e.g. 32GiB")
+    s.add_argument("--nproc", type=int, default=1, help="ranks under torchrun: predict one rank's peak (default 1)")
+    s.add_argument("--strategy", choices=("ddp", "fsdp"), default=None,
+                   help="with --nproc: ddp or fsdp (default: the recipe's train.strategy)")
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
     s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
                                        "(table, profile.json, timeline.png)")
@@ -125,7 +128,8 @@ def main(argv=None) -> int:
         if recipe is not None and "=" in recipe:  # `plan --model X key=value`: no recipe given
             recipe, overrides = None, [recipe] + overrides
         try:
-            return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory)
+            return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory,
+                       nproc=args.nproc, strategy=args.strategy)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2
@@ -140,6 +144,7 @@ def main(argv=None) -> int:
     from ..policy.model import ModelError
     from ..rewards import RewardError
     from ..training.data import DataError
+    from ..training.distributed import PeerFailure
     from ..training.trainer import TrainingStopped
     user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
     try:
@@ -153,10 +158,15 @@ def main(argv=None) -> int:
     except TrainingStopped as e:
         print(f"lowmem-grpo: {e}", file=sys.stderr)
         return 1
+    except PeerFailure as e:  # under torchrun: the rank that failed reported its own error
+        print(f"lowmem-grpo: rank {os.environ.get('RANK', '0')} stopped: {e}", file=sys.stderr)
+        return 1
     except user_errors as e:
         if os.environ.get("LOWMEM_GRPO_DEBUG"):
             raise
-        print(f"lowmem-grpo: error: {e}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or not isinstance(e, ConfigError):  # under torchrun every rank reads the same config
+            print(f"lowmem-grpo: error: {'' if rank == 0 else f'rank {rank}: '}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

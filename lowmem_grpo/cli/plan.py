@@ -1,10 +1,12 @@
-"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [--host-memory 32GiB] [key=value ...] [--json]`
+"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [--host-memory 32GiB] [--nproc N
+[--strategy ddp|fsdp]] [key=value ...] [--json]`
 
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
 it fits the card after the documented margin, and if not, which changes make it fit. Also the host
 RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), checked
-against --host-memory (default: this machine's RAM); exit status 1 when that does not fit.
+against --host-memory (default: this machine's RAM); exit status 1 when that does not fit. With
+--nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the node's host RAM.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 from pathlib import Path
 
 from ..config import Config, ConfigError, load_config
+from ..config import batch_plan
+from ..memory.parallel_plan import per_rank
 from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
 from ..memory.presets import PRESETS, preset
 
@@ -48,26 +52,37 @@ def architecture(cfg: Config, model: str | None) -> tuple[Arch, str]:
 
 
 def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool,
-        host_memory: str | None = None) -> int:
+        host_memory: str | None = None, nproc: int = 1, strategy: str | None = None) -> int:
     cfg = load_config(recipe, overrides, check=False)
     arch, source = architecture(cfg, model)
     budget = parse_bytes(gpu_memory)
     host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
-    result = plan(cfg, arch)
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc}: give the number of ranks (>= 1)")
+    strategy = strategy or cfg.train.strategy
+    if nproc > 1:
+        batch_plan(cfg, nproc)  # each rank's share must be whole groups: the trainer's own check
+        if cfg.train.optimizer_in_backward or cfg.optim.offload_optimizer:
+            raise ConfigError(f"--nproc {nproc}: optimizer_in_backward and offload_optimizer do not run under "
+                              "torchrun (training/distributed.py); add optimizer_in_backward=false "
+                              "offload_optimizer=false")
+    result = per_rank(plan(cfg, arch), cfg, arch, nproc, strategy)
     margin = margin_bytes(result["peak_bytes"])
     total = result["peak_bytes"] + margin
     fits = total <= budget
-    ideas = [] if fits else suggestions(cfg, arch, budget)
+    ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget)  # suggestions: one process
     host_fits = result["host_bytes"] <= host_budget
     if as_json:
-        print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
+        print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget, "nproc": nproc,
+                          "strategy": strategy if nproc > 1 else None,
                           "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
                           "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
                           "categories": result["categories"], "phase_categories": result["phase_categories"],
                           "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
                           "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas}, indent=2))
         return 0 if host_fits else 1
-    print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)")
+    print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"
+          + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else ""))
     print(format_plan(result))
     print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
           f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB: {'FITS' if fits else 'DOES NOT FIT'}")

@@ -23,10 +23,17 @@ def split_model_override(overrides: list[str]) -> list[str]:
 
 
 def train(recipe: str, overrides: list[str]) -> int:
-    """Train the recipe; exit code 130 when a signal stopped the run (after it saved)."""
+    """Train the recipe; exit code 130 when a signal stopped the run (after it saved).
+
+    Under torchrun (`torchrun --nproc-per-node N -m lowmem_grpo train RECIPE`) every rank runs this;
+    the trainer joins the process group, and it is left here, also on an error."""
+    from ..training import distributed
     from ..training.trainer import Trainer  # torch/transformers only when needed
     cfg = load_config(recipe, overrides)
-    result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
+    try:
+        result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
+    finally:
+        distributed.stop()
     return 130 if result["stopped_by"] else 0
 
 

@@ -1,6 +1,8 @@
 """The GRPO training loop and what it keeps between steps.
 
     trainer.py     Trainer: set-up, one optimizer step, and train() (the loop, top to bottom)
+    loss.py        the loss of one micro-batch as an nn.Module (what DDP and FSDP2 wrap)
+    distributed.py torchrun: the ranks, the collectives the loop uses, DDP/FSDP2 wrapping
     generation.py  a generation batch: rollout -> rewards -> advantages -> old/reference log-probs
     stopping.py    Ctrl-C/SIGTERM handling and save-on-error around the loop
     data.py        prompt data: loading, tokenizing and checking prompts, the resumable sampler

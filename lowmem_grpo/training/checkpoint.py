@@ -213,16 +213,40 @@ def _discard(folder: Path, out: Path, tag: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, state: dict, keep: int,
-                    run_config: Optional[dict] = None) -> Path:
-    """Write checkpoint-<step> atomically and durably, then prune to the last `keep` checkpoints."""
+def new_tmp_folder(output_dir: str | Path, step: int) -> Path:
+    """The folder checkpoint-<step> is written in before its rename (other ranks may add files to it)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)
-    final = out / f"checkpoint-{step}"
     tmp = out / f"{TMP_PREFIX}{step}-{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def save_rank_file(tmp: str | Path, name: str, value) -> None:
+    """One rank's own part of a checkpoint (FSDP2: its optimizer-state shard), written into the
+    folder rank 0 will list in the manifest and rename."""
+    with open(Path(tmp) / name, "wb") as f:
+        torch.save(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, state: dict, keep: int,
+                    run_config: Optional[dict] = None, *, tmp: Optional[Path] = None,
+                    weights: Optional[dict] = None) -> Path:
+    """Write checkpoint-<step> atomically and durably, then prune to the last `keep` checkpoints.
+
+    `tmp`: a folder from new_tmp_folder that already holds other ranks' files; `weights`: the state dict
+    to save instead of the model's own (FSDP2: the whole weights gathered from the shards)."""
+    out = Path(output_dir)
+    tmp = new_tmp_folder(out, step) if tmp is None else Path(tmp)
+    final = out / f"checkpoint-{step}"
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=weights)
+        if not any(tmp.glob("*.safetensors")):  # transformers skips the write on ranks other than 0
+            raise CheckpointError(f"save_pretrained wrote no weights into {tmp}: under torch.distributed only "
+                                  "rank 0 may save (or leave the process group first)")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         with open(tmp / STATE_FILE, "wb") as f:
@@ -289,3 +313,11 @@ def load_weights(model, path: str | Path) -> None:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
+
+
+def load_rank_file(path: str | Path, name: str):
+    """A file save_rank_file wrote, read with weights_only=True (tensors and plain values only)."""
+    file = Path(path) / name
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: {path} was not written by this strategy and number of ranks")
+    return torch.load(file, map_location="cpu", weights_only=True)

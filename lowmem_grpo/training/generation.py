@@ -19,6 +19,7 @@ from ..phases import phase
 from ..policy.packing import prompt_groups, should_pack
 from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
+from .distributed import World
 
 
 @dataclass
@@ -124,11 +125,16 @@ def computed_tokens(mb: Batch, pack: Union[bool, str], decoder) -> int:
 def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head, reference, tokenizer,
                           reward_funcs, eos_ids: list[int], pad_id: int, device: torch.device, autocast: bool,
                           epoch: int, pack: Union[bool, str] = False,
-                          trainer_state: Optional[Any] = None) -> GenerationBatch:
+                          trainer_state: Optional[Any] = None, world: Optional[World] = None) -> GenerationBatch:
     """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection). `pack`:
     shared-prompt packing in the log-prob passes (policy/packing.py). `trainer_state`
     (make_trainer_state) reaches the reward functions; its num_input_tokens_seen grows by this batch's
-    prompt + completion tokens (TRL's `num_tokens`)."""
+    prompt + completion tokens (TRL's `num_tokens`), over every rank.
+
+    Under torchrun (`world`), `prompts` are this rank's; rewards, lengths and logged completions are
+    gathered from every rank, so advantages (scale_rewards=batch: the global std) and metrics are
+    those of the whole generation batch, and this rank keeps its own rows."""
+    world = world or World()
     G, t0 = cfg.generation.num_generations, time.perf_counter()
     logs = RewardLogs()
     with phase("rollout"):
@@ -136,7 +142,7 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
                          eos_ids=eos_ids, pad_id=pad_id, device=device, autocast_bf16=autocast)
         # TRL's lengths count the EOS token; taken before mask_truncated_completions edits the mask
         lengths = batch.completion_mask.sum(1).float()
-        tokens = int(batch.prompt_mask.sum()) + int(lengths.sum())
+        tokens = int(world.sum([int(batch.prompt_mask.sum()) + int(lengths.sum())])[0])
         if trainer_state is not None:
             trainer_state.num_input_tokens_seen += tokens
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
@@ -144,8 +150,12 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
                                           trainer_state=trainer_state, logs=logs)
+        # Every rank's rewards (identity with one process): the whole generation batch, in rank order
+        per_func, total = world.gather_rows(per_func), world.gather_rows(total)
         scored = scorable_totals(per_func, total)  # NaN: no function scored it
-        batch.advantages, std_group = compute_advantages(scored, G, cfg.train.scale_rewards)
+        advantages, std_group = compute_advantages(scored, G, cfg.train.scale_rewards)
+        batch.advantages = world.rows_of_rank(advantages)
+        lengths, truncated = world.gather_rows(lengths), world.gather_rows(batch.is_truncated)
         if cfg.train.mask_truncated_completions:
             batch.completion_mask &= ~batch.is_truncated[:, None]
     micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
@@ -166,7 +176,7 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
         with phase("reference log-probs"):
             batch.ref_logp = reference.logprobs(batch, temperature=temperature, micro_batch=micro, pack=pack,
                                                 autocast_bf16=autocast and reference.device.type != "cpu")
-    terminated = lengths[~batch.is_truncated]
+    terminated = lengths[~truncated]
     if not len(terminated):  # TRL's convention when every completion was cut off
         terminated = torch.zeros(1)
     info = {
@@ -175,14 +185,15 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
         "completions/mean_length": lengths.mean().item(),
         "completions/min_length": lengths.min().item(),
         "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": batch.is_truncated.float().mean().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
         "completions/mean_terminated_length": terminated.mean().item(),
         "completions/min_terminated_length": terminated.min().item(),
         "completions/max_terminated_length": terminated.max().item(),
-        "frac_zero_advantage_skipped": 1.0 - trained_rows(batch, cfg.train).float().mean().item(),
+        "frac_zero_advantage_skipped": world.sum([len(batch) - int(trained_rows(batch, cfg.train).sum())])[0]
+                                       / len(advantages),
         "epoch": epoch,
     }
-    logged = logs.metric_means()  # what reward functions logged with log_metric
+    logged = _merged(world.gather_objects(logs.metrics))  # what reward functions logged with log_metric
     clash = sorted(set(logged) & set(info))
     if clash:
         raise RewardError(f"a reward function logged the metric(s) {clash} with log_metric; those names are the "
@@ -191,9 +202,21 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head
     if trainer_state is not None:
         info["num_tokens"] = trainer_state.num_input_tokens_seen
     n_log = min(cfg.output.num_completions_to_log, len(decoded.texts))
-    samples = [{"prompt": prompt_list[i], "completion": decoded.texts[i], "reward": scored[i].item(),
+    first = world.rank * len(batch)  # this rank's rows in the gathered tensors
+    samples = [{"prompt": prompt_list[i], "completion": decoded.texts[i], "reward": scored[first + i].item(),
                 "advantage": batch.advantages[i].item(),
-                "rewards": {f.name: per_func[i, j].item() for j, f in enumerate(reward_funcs)},
+                "rewards": {f.name: per_func[first + i, j].item() for j, f in enumerate(reward_funcs)},
                 **({"extra": {k: v[i] for k, v in logs.extra.items()}} if logs.extra else {})}
                for i in range(n_log)]
+    if world.distributed:  # rank 0 logs the first num_completions_to_log of the whole batch
+        samples = [s for part in world.gather_objects(samples) for s in part][:cfg.output.num_completions_to_log]
     return GenerationBatch(batch, 0, info, time.perf_counter() - t0, samples)
+
+
+def _merged(logged: list[dict[str, list[float]]]) -> dict[str, float]:
+    """log_metric values from every rank -> one mean per name (over all values, not a mean of means)."""
+    values: dict[str, list[float]] = {}
+    for part in logged:
+        for name, vs in part.items():
+            values.setdefault(name, []).extend(vs)
+    return {k: sum(v) / len(v) for k, v in values.items() if v}

@@ -101,3 +101,16 @@ def _truncate_after(path: Path, step: int) -> None:
 def read_metrics(output_dir: str | Path) -> list[dict]:
     path = Path(output_dir) / "metrics.jsonl"
     return [row for _, row in _parsed_lines(path)] if path.is_file() else []
+
+
+class NullLog:
+    """RunLog's stand-in on ranks other than 0 under torchrun: rank 0 writes the run's files."""
+
+    def metrics(self, step: int, values: dict) -> None:
+        pass
+
+    def completions(self, step: int, samples: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -5,7 +5,9 @@
     -> loss on micro-batches through the fused head -> optimizer step -> log -> checkpoint
 
 Simplifications, stated plainly:
-- One process, one device. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
+- One device per process. Under torchrun every rank runs this same loop on its own slice of the
+  prompts (distributed.py says what is shared and how); with one process every collective is the
+  identity. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
   reference log-probs once per generation batch, on the CPU or streamed to the GPU (memory_modes/reference.py).
 - When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
   uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
@@ -23,6 +25,7 @@ import json
 import logging
 import random
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -33,8 +36,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan
-from ..kernels import linear_grpo_loss
-from ..memory_modes.activation_offload import offload_activations
 from ..memory_modes.optimizer_in_backward import OptimizerInBackward
 from ..memory_modes.optimizers import build_optimizer, build_scheduler
 from ..memory_modes.reference import Reference
@@ -46,12 +47,14 @@ from ..policy.rollout import Batch, completion_hidden
 from ..rewards import load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
+from . import distributed
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
+from .loss import PolicyLoss, live_head
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
-from .metrics import RunLog, peak_memory_bytes, reset_peak_memory
+from .metrics import NullLog, RunLog, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
@@ -98,8 +101,12 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
-        self.plan = batch_plan(cfg)
-        self.device = pick_device(cfg.train.device)
+        # Under torchrun (training only): join the process group; this rank's device is LOCAL_RANK's.
+        self.world, rank_device = (distributed.start(cfg.train.strategy, cfg.train.device, cfg.train.ddp_timeout)
+                                   if training else (distributed.World(), None))
+        distributed.check_supported(cfg, self.world)
+        self.plan = batch_plan(cfg, self.world.size)
+        self.device = pick_device(rank_device or cfg.train.device)
         seed_everything(cfg.train.seed)
         m, t = cfg.model, cfg.train
         self.autocast = bf16_autocast_wanted(m.bf16, self.device)
@@ -124,7 +131,9 @@ class Trainer:
         if t.beta > 0:
             mode = t.reference_compute if t.reference_compute != "auto" else (
                 "stream" if self.device.type == "cuda" else "cpu")
-            self.ref = Reference(copy.deepcopy(self.policy), self.device, mode)
+            reference = copy.deepcopy(self.policy)
+            distributed.share_on_node(reference, self.world)  # torchrun: one copy per node, not one per rank
+            self.ref = Reference(reference, self.device, mode)
         self.policy.to(self.device)
         if m.gradient_checkpointing:
             enable_checkpointing(self.policy)
@@ -134,15 +143,25 @@ class Trainer:
         packing = resolve_pack_prompts(t.pack_prompts, self.policy,
                                        max_length=g.max_prompt_length + g.max_completion_length)
         self.pack = (t.pack_prompts or "auto") if packing else False  # "auto": per micro-batch, where it pays
-        self.optimizer = build_optimizer(self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
+        resume = ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir) if cfg.output.resume_from else None
+        if resume is not None:  # whole weights, before FSDP2 shards them (the rest of the state: _resume)
+            ckpt.load_weights(self.policy, resume)
+        # The loss as a module, made data-parallel under torchrun (FSDP2 shards the weights here, so
+        # before the optimizer is built on them; it steps the local shards).
+        self.loss_module = distributed.wrap(PolicyLoss(self.policy, cfg, autocast=self.autocast, pack=self.pack,
+                                                       world_size=self.world.size), self.policy, self.world)
+        self.shards = distributed.LocalShards(self.policy) if self.world.fsdp else None
+        self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
         self.resumed_from: Optional[Path] = None
-        if cfg.output.resume_from:
-            self._resume(ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir))
+        if self.world.rank:  # every rank built the same model; now each samples its own completions
+            seed_everything(t.seed + self.world.rank)
+        if resume is not None:
+            self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
 
     # ----- setup -------------------------------------------------------------------------------
@@ -189,32 +208,96 @@ class Trainer:
         return str(beside) if beside.exists() else path
 
     def _resume(self, path: Path) -> None:
-        ckpt.load_weights(self.policy, path)
+        """Continue from checkpoint `path` (its weights are already loaded)."""
         state = ckpt.load_state(path)
-        self.optimizer.load_state_dict(state["optimizer"])
+        written_by = int(state.get("world_size", 1))
+        if written_by != self.world.size:
+            raise ConfigError(f"{path} was written by {written_by} process(es) and this run has {self.world.size}: "
+                              f"resume with the same number (torchrun --nproc-per-node {written_by}). Each rank's "
+                              "unfinished generation batch and RNG stream are in the checkpoint; another number "
+                              "would change which completions each rank trains on. To go on with a different "
+                              f"number, start a new run from its weights: model.name_or_path={path}")
+        if self.world.rank:  # rank r's own generation batch and RNG (None: saved by a failing rank alone)
+            mine = (state.get("other_ranks") or [None] * self.world.size)[self.world.rank - 1]
+            state["generation"], state["rng"] = (mine["generation"], mine["rng"]) if mine else (None, None)
+        self.optimizer.load_state_dict(ckpt.load_rank_file(path, f"optimizer-rank{self.world.rank}.pt")
+                                       if self.world.fsdp else state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
         self.num_input_tokens_seen = int(state.get("num_input_tokens_seen", 0))  # absent before issue 13
         self.generation = GenerationBatch.from_state(state["generation"]) if state["generation"] else None
-        ckpt.set_rng_state(state["rng"])
+        if state["rng"] is not None:
+            ckpt.set_rng_state(state["rng"])
         self.last_saved_step = self.step
         self.resumed_from = path
         logger.info(f"resumed from {path} at step {self.step}")
 
-    def save(self) -> Path:
+    def save(self, alone: bool = False) -> Path:
+        """Write checkpoint-<step>. Under torchrun every rank calls it: rank 0 writes, with each rank's
+        unfinished generation batch and RNG state. `alone`: a rank saves by itself, without collectives
+        (the error path, when the other ranks may be gone); the checkpoint then has no generation batch,
+        so a resumed run starts a new one on every rank."""
+        mine = {"rng": ckpt.rng_state(),
+                "generation": ckpt.plain(self.generation.state_dict()) if self.generation and not alone else None}
+        if alone:  # the other ranks' entries stay None: on resume they start new batches with their own RNG
+            ranks = [mine if r == self.world.rank else None for r in range(self.world.size)]
+        else:
+            ranks = self.world.gather_objects(mine)
+        first = ranks[0] or {"rng": None, "generation": None}
         state = {
-            "step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
-            "generation": ckpt.plain(self.generation.state_dict()) if self.generation else None,
+            "step": self.step, "scheduler": self.scheduler.state_dict(),
+            "optimizer": None if self.world.fsdp else self.optimizer.state_dict(),  # FSDP2: a file per rank
+            "sampler": self.sampler.state_dict(), "rng": first["rng"], "generation": first["generation"],
             "nonfinite_in_a_row": self.nonfinite_in_a_row, "num_input_tokens_seen": self.num_input_tokens_seen,
         }
-        path = ckpt.save_checkpoint(self.cfg.output.output_dir, self.step, self.policy, self.tokenizer, state,
-                                    self.cfg.output.save_total_limit, self.cfg.to_dict())
+        if self.world.distributed:
+            state.update(world_size=self.world.size, other_ranks=ranks[1:])
+        path, tmp, weights, out = None, None, None, self.cfg.output
+        if self.world.fsdp:  # each rank writes its optimizer shard into rank 0's folder; weights gathered whole
+            tmp = Path(self.world.gather_objects(str(ckpt.new_tmp_folder(out.output_dir, self.step))
+                                                 if self.world.is_main else None)[0])
+            ckpt.save_rank_file(tmp, f"optimizer-rank{self.world.rank}.pt", self.optimizer.state_dict())
+            weights = self.full_state_dict()
+            self.world.barrier()
+        if self.world.is_main or alone:
+            path = ckpt.save_checkpoint(out.output_dir, self.step, self.policy, self.tokenizer, state,
+                                        out.save_total_limit, self.cfg.to_dict(), tmp=tmp, weights=weights)
+        if not alone:  # the other ranks wait for the checkpoint to be on disk
+            path = Path(self.world.gather_objects(str(path) if path else None)[0])
         self.last_saved_step = self.step
         notify(self.callbacks, "on_save", self, self.step, path)
         return path
+
+    def full_state_dict(self) -> dict:
+        """The policy's weights as whole CPU tensors (under FSDP2 gathered from every rank: a collective,
+        every rank calls it; only rank 0 gets them, the others an empty dict)."""
+        return distributed.full_state_dict(self.policy, self.loss_module, self.world)
+
+    def _unsaved_work_to_save(self) -> bool:
+        """On an error: whether this process saves. Under torchrun not when another rank failed first
+        (a collective failed, or torchrun's agent sent SIGTERM to stop this one): that rank saves."""
+        if self.step <= self.last_saved_step:
+            return False
+        return not (self.world.distributed and (distributed.peer_failed(sys.exc_info()[1])
+                                                or self.stop.reason == "SIGTERM"))
+
+    def _save_on_error(self) -> Path:
+        """save_on_error's save: with one process the normal save; under torchrun this rank saves alone
+        (DDP: every rank holds the same weights and optimizer states), since the others may not answer."""
+        if not self.world.distributed:
+            return self.save()
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt) and not self.world.is_main:
+            raise ckpt.CheckpointError("interrupted on every rank: rank 0 saves")  # one writer, not N
+        if self.world.fsdp:
+            raise ckpt.CheckpointError("under strategy=fsdp a rank holds 1/N of the weights and cannot save "
+                                       "alone; the last checkpoint holds the run")
+        # Leave the process group first: this rank is stopping anyway, its peers' pending collectives end
+        # (they see a PeerFailure and do not save), and transformers' save_pretrained writes on rank 0 of
+        # an initialized group only.
+        distributed.stop()
+        return self.save(alone=True)
 
     def add_callback(self, callback) -> None:
         """Add a TrainerCallback (instance or class) after construction; see training/callbacks.py."""
@@ -226,68 +309,79 @@ class Trainer:
         state = make_trainer_state(self.cfg, self.plan, global_step=self.step,
                                    epoch=drawn["epoch"] + drawn["position"] / drawn["num_prompts"],
                                    num_input_tokens_seen=self.num_input_tokens_seen)
-        prompts = self.train_set.select(self.sampler.next_indices(self.plan.prompts_per_generation))
-        gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
-                                   reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
-                                   eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
-                                   autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
-                                   trainer_state=state)
+        # Every rank draws the same global prompts and keeps its slice: whole groups stay on one rank.
+        drawn = self.sampler.next_indices(self.plan.prompts_per_generation)
+        n, r = self.plan.prompts_per_rank, self.world.rank
+        prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
+        with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
+            gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=live_head(self.policy),
+                                       reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
+                                       eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
+                                       autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
+                                       trainer_state=state, world=self.world)
         self.num_input_tokens_seen = state.num_input_tokens_seen
         return gb
 
     # ----- one optimizer step ------------------------------------------------------------------
     def micro_batch_loss(self, mb: Batch, num_items: int, scale: float = 1.0):
-        """Loss of one micro-batch (already on the device) through the fused head, and its metrics.
-        `scale` restores the loss denominators of rows left out (skipped zero-advantage completions)."""
-        t, g = self.cfg.train, self.cfg.generation
-        offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast), offload:
-            hidden = completion_hidden(self.head, mb, self.pack)  # (b, c, H)
-            loss, metrics = linear_grpo_loss(
-                hidden, self.head.weight, mb.completion_ids, mb.advantages, bias=self.head.bias,
-                mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
-                epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
-                loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
-                max_completion_length=g.max_completion_length,
-                num_items_in_batch=num_items if t.loss_type == "dapo" else None)
-        if t.loss_type != "dapo":  # per-micro-batch means: average them over the accumulation
-            scale = scale / t.gradient_accumulation_steps
-        return (loss if scale == 1.0 else loss * scale), metrics
+        """Loss of one micro-batch (already on the device) through the fused head, and its metrics
+        (training/loss.py). `scale` restores the loss denominators of rows left out (skipped
+        zero-advantage completions); `num_items` is dapo's denominator over every rank."""
+        return self.loss_module(mb, num_items, scale)
+
+    def _gradient_sync(self, last: bool):
+        """DDP all-reduces on the last micro-batch of an optimizer step only (no_sync before it)."""
+        if last or not isinstance(self.loss_module, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.loss_module.no_sync()
 
     def optimizer_step(self) -> dict:
-        t, gb = self.cfg.train, self.generation
+        t, gb, world = self.cfg.train, self.generation, self.world
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
-        num_items = int(sum(int(r.completion_mask.sum()) for r in rows))
+        num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
         self.policy.train()
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
         loss_sum, tokens, computed, sums, grad_norm, backwards = 0.0, 0, 0, {}, 0.0, 0
-        for mb in rows:
-            if int(mb.completion_mask.sum()) == 0:  # all masked (mask_truncated_completions): nothing to learn
-                continue
+        for i, mb in enumerate(rows):
             keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
-            if not keep.any():
-                if in_backward:  # this micro-batch is a whole optimizer step, with a zero gradient
-                    with phase("optimizer"):
-                        self.optimizer.step_zero_gradients()
-                continue
+            empty = int(mb.completion_mask.sum()) == 0  # all masked (mask_truncated_completions): nothing to learn
+            only_collectives = empty or not keep.any()
+            if only_collectives:
+                if not world.distributed:
+                    if in_backward and not empty:  # this micro-batch is a whole optimizer step, with a zero gradient
+                        with phase("optimizer"):
+                            self.optimizer.step_zero_gradients()
+                    continue
+                # Under torchrun every rank runs the same forwards and backwards (their collectives must
+                # match): one row, with its loss weighted 0.
+                keep, scale = torch.arange(len(keep)) == 0, 0.0
+            else:
+                scale = skipped_rows_scale(mb, keep, t.loss_type)
             part = mb if keep.all() else mb.select(keep)
-            with phase("forward"):
-                loss, metrics = self.micro_batch_loss(part.to(self.device), num_items,
-                                                      scale=skipped_rows_scale(mb, keep, t.loss_type))
-                loss_sum += loss.item()
-            with phase("backward"):
-                if not in_backward:
-                    loss.backward()
-                elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
-                    self.optimizer.begin_step()
-                    loss.backward()
-                    grad_norm = self.optimizer.end_step()
+            with self._gradient_sync(last=i == len(rows) - 1):
+                with phase("forward"):
+                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale)
+                    loss_sum += loss.item()
+                with phase("backward"):
+                    if not in_backward:
+                        loss.backward()
+                    elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
+                        self.optimizer.begin_step()
+                        loss.backward()
+                        grad_norm = self.optimizer.end_step()
+            if only_collectives:
+                continue
             backwards += 1
             n = int(part.completion_mask.sum())
             tokens += computed_tokens(part, self.pack, self.head.decoder)
             computed += n
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v.item() * n
+        if world.distributed:  # token-weighted sums over ranks; the loss is the ranks' mean (see loss.py)
+            keys = sorted(metrics)  # every rank ran every micro-batch, so every rank has the same metric names
+            total = world.sum([loss_sum, tokens, computed, backwards] + [sums.get(k, 0.0) for k in keys])
+            loss_sum, tokens, computed, backwards = total[0] / world.size, int(total[1]), int(total[2]), int(total[3])
+            sums = {k: v for k, v in zip(keys, total[4:])}
         if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
             finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
         else:
@@ -295,13 +389,20 @@ class Trainer:
                 params = [p for p in self.policy.parameters() if p.requires_grad]
                 if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
                     for p in params:
-                        p.grad = torch.zeros_like(p)
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        else:
+                            p.grad.zero_()
                 max_norm = self.cfg.optim.max_grad_norm or float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
+                grad_norm = distributed.as_float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
                 finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
                 if finite and num_items:
+                    if self.shards:  # FSDP2: the optimizer steps the local shards
+                        self.shards.link_grads()
                     self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.shards:
+            self.policy.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():  # a skipped step still advances the schedule; torch would warn
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
@@ -343,20 +444,27 @@ class Trainer:
         eval_steps = cfg.eval.eval_steps
         if eval_steps and self.eval_set is None:
             raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: set data.eval_file or data.eval_holdout")
-        log = RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
-                     run_name=out.run_name, project=out.project, config=cfg.to_dict())
-        Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        before = (evaluation_before(self.evaluate, out.output_dir, resumed=self.resumed_from is not None)
+        main = self.world.is_main  # under torchrun only rank 0 writes files, logs and evaluates
+        log = (RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
+                      run_name=out.run_name, project=out.project, config=cfg.to_dict()) if main else NullLog())
+        if main:
+            Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        before = (self._on_main(evaluation_before, self.evaluate, out.output_dir, self.resumed_from is not None)
                   if cfg.eval.eval_on_start else None)
-        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not out.progress_bar, desc="grpo")
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (out.progress_bar and main), desc="grpo")
         last = {}
         try:
-            with self.stop.on_signals(), save_on_error(self.save, lambda: self.step > self.last_saved_step):
+            with self.stop.on_signals(), save_on_error(self._save_on_error, self._unsaved_work_to_save):
                 if (eval_steps and self.resumed_from and self.step and self.step % eval_steps == 0
                         and self.step not in evaluated_steps(Path(out.output_dir, "metrics.jsonl"))):
-                    evaluation_during(self.evaluate, self.policy, log, self.step)  # stopped or crashed before it ran
-                while self.step < cfg.train.max_steps and self.stop.reason is None:
+                    # stopped or crashed before it ran
+                    self._on_main(evaluation_during, self.evaluate, self.policy, log, self.step)
+                stopping = False  # agreed by every rank after each step (a signal reaches ranks at different times)
+                while self.step < cfg.train.max_steps and not stopping:
                     last = self._logged_step(log)
+                    stopping = self.world.any(self.stop.reason is not None)
+                    if stopping and self.stop.reason is None:
+                        self.stop.request("a stop request on another rank")
                     bar.update(1)
                     bar.set_postfix(reward=f"{last['reward']:.3f}", kl=f"{last.get('kl', 0.0):.4f}",
                                     step_time=f"{last['step_time']:.1f}s")
@@ -366,20 +474,22 @@ class Trainer:
                                               f"loss or gradient; stopped and saved {path}. Lower "
                                               "optim.learning_rate or check the reward scale.")
                     # Before the save: a run killed between the two repeats the step and its evaluation.
-                    if eval_steps and self.step % eval_steps == 0 and self.stop.reason is None:
-                        evaluation_during(self.evaluate, self.policy, log, self.step)
+                    if eval_steps and self.step % eval_steps == 0 and not stopping:
+                        self._on_main(evaluation_during, self.evaluate, self.policy, log, self.step)
                     if out.save_steps and self.step % out.save_steps == 0:
                         self.save()
                 if self.step > self.last_saved_step:
                     logger.info(f"saved {self.save()}")
         except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
-            save_run_plot(out.output_dir)
+            if main:
+                save_run_plot(out.output_dir)
             if isinstance(e, RunOutOfMemory):
                 raise
             saved = ckpt.list_checkpoints(out.output_dir)
             raise RunOutOfMemory(out_of_memory_message(e, cfg, self.step, str(saved[-1][1]) if saved else None)) from e
         except BaseException:
-            save_run_plot(out.output_dir)  # a crash or a stop on non-finite steps still leaves a picture
+            if main:
+                save_run_plot(out.output_dir)  # a crash or a stop on non-finite steps still leaves a picture
             raise
         finally:
             bar.close()
@@ -387,10 +497,17 @@ class Trainer:
         if self.stop.reason is not None:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
-        if cfg.eval.eval_on_end and self.stop.reason is None:
-            result["eval_end"] = evaluation_after(self.evaluate, out.output_dir, before)
-        save_run_plot(out.output_dir)
+        if cfg.eval.eval_on_end and not self.world.any(self.stop.reason is not None):
+            result["eval_end"] = self._on_main(evaluation_after, self.evaluate, out.output_dir, before)
+        if main:
+            save_run_plot(out.output_dir)
         return result
+
+    def _on_main(self, fn, *args):
+        """fn(*args) on rank 0 only (evaluations), None elsewhere. The other ranks go on to their next
+        collective, which waits for rank 0; under FSDP2 every rank first gathers the full weights."""
+        with distributed.full_weights(self.loss_module, self.world):
+            return fn(*args) if self.world.is_main else None
 
     def _logged_step(self, log: RunLog) -> dict:
         """run_step() with its timing and peak memory, written to the logs every logging_steps."""

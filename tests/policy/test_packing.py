@@ -3,8 +3,11 @@
 Every comparison runs the same weights through `completion_hidden(..., pack=False)` and `pack=True`
 and then through the fused head, as the loss and the log-prob passes do. fp32 must agree to rounding;
 in bf16 (bf16 weights, or fp32 weights under bf16 autocast) packed must be as close to an fp32
-unpacked run as the bf16 unpacked run is (the project's tolerance rule). The log-probs meet it with
-factor 1 (on CPU they come out bitwise equal). The parameter gradients get factor 2: packed, the
+unpacked run as the bf16 unpacked run is (the project's tolerance rule), within a factor. The
+log-probs get factor 2: on a Xeon with native bf16 (AVX512-BF16) packed and unpacked came out
+bitwise equal, but on an AMD EPYC without it sdpa rounds the masked (packed) and unmasked paths
+differently, and the packed error reached 1.8x the unpacked one (SmolLM2 shapes, sdpa, both bf16
+modes); each is still one bf16 rounding per operation. The parameter gradients get factor 2: packed, the
 gradient reaching a prompt token is one bf16 sum over the completions that share it, rounded once
 per layer, where unpacked keeps G separately rounded copies whose errors the fp32 weight GEMM adds
 like a random walk. With coherent terms that error is G * eps against sqrt(G) * eps, i.e. up to
@@ -38,6 +41,7 @@ CONFIGS = {
 }
 TEMPERATURE = 0.7
 GRAD_BF16_FACTOR = 2.0  # see the module docstring: sqrt(G) for G = 3, and a margin
+LOGP_BF16_FACTOR = 2.0  # see the module docstring: CPUs without native bf16 round the two sdpa paths differently
 
 
 def make_model(name: str, dtype=torch.float32, attn="sdpa", seed=0) -> nn.Module:
@@ -116,7 +120,7 @@ def test_packed_bf16_as_close_as_unpacked(name, attn, checkpointing, precision):
     logp32, grads32 = logp_and_grads(ref, mb, pack=False)
     logp, grads = logp_and_grads(low, mb, pack=False, autocast=not bf16_weights)
     logp_p, grads_p = logp_and_grads(low, mb, pack=True, autocast=not bf16_weights)
-    assert_as_close_as_reference(logp_p, logp32, logp, floor=1e-5, name="logp")
+    assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
         assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
                                      name=n)
@@ -307,7 +311,7 @@ def test_packed_matches_unpacked_on_cuda(attn):
     logp32, grads32 = logp_and_grads(ref, mb, pack=False)
     logp, grads = logp_and_grads(model, mb, pack=False)
     logp_p, grads_p = logp_and_grads(model, mb, pack=True)
-    assert_as_close_as_reference(logp_p, logp32, logp, floor=1e-5, name="logp")
+    assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
         assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
                                      name=n)

@@ -1,0 +1,63 @@
+"""Per-rank device memory under torchrun (`lowmem-grpo plan ... --nproc N --strategy ddp|fsdp`).
+
+The one-process plan (plan.py) of the rank's own micro-batches, changed where the strategy changes
+what a rank holds (training/distributed.py):
+
+    ddp    the same as one process, plus every gradient for the whole run: DDP's all-reduce buckets
+           are allocated when the model is wrapped and the gradients are views into them
+           (gradient_as_bucket_view), so they exist in every phase, rollout included.
+    fsdp   weights, gradients and optimizer states are 1/N per rank (each tensor's rows split over
+           the ranks). On top, what is gathered whole:
+             rollout, log-prob passes   the whole model (gathered once per generation batch, next to
+                                        the shards it was gathered from)
+             forward, backward          the root (embeddings, final norm, head: gathered for the
+                                        whole loss forward and backward) + two decoder layers (the
+                                        one computing and the next, prefetched); in backward also
+                                        those units' unsharded gradients before their reduce-scatter
+             optimizer                  nothing: it steps the local shards
+Host RAM is for the N ranks of one node together (each keeps its own reference copy, say).
+Not yet checked against a GPU run (no GPU has been lent for it); the NCCL buffers are not counted.
+"""
+
+from __future__ import annotations
+
+from .plan import Arch
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str) -> dict:
+    """`result` (plan() of the rank's settings) as one rank's prediction under `strategy` with `nproc` ranks."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if nproc <= 1:
+        return result
+    wb = 2 if cfg.model.precision == "bf16_sr" else 4
+    weights, grads = wb * arch.params, wb * arch.params
+    phases = {}
+    for phase, cats in result["phase_categories"].items():
+        cats = dict(cats)
+        if strategy == "ddp":
+            cats["gradients"] = max(cats.get("gradients", 0), grads)
+        else:
+            root = wb * (arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden)
+            layer = wb * arch.layer_params()
+            shards = weights // nproc
+            cats["optimizer states"] = cats.get("optimizer states", 0) // nproc
+            if "gradients" in cats:
+                cats["gradients"] = cats["gradients"] // nproc
+            if phase in ("rollout", "old log-probs", "reference log-probs"):
+                cats["weights"] = shards + weights
+            elif phase == "optimizer":
+                cats["weights"] = shards
+            else:
+                cats["weights"] = shards + root + 2 * layer
+                if phase == "backward":
+                    cats["gradients"] = cats.get("gradients", 0) + root + layer
+        phases[phase] = {k: int(v) for k, v in cats.items()}
+    totals = {p: sum(c.values()) for p, c in phases.items()}
+    peak = max(totals, key=totals.get)
+    host = {k: v * nproc for k, v in result["host_categories"].items()}  # every rank keeps its own, on one node
+    return {**result, "categories": phases[peak], "phases": totals, "phase_categories": phases,
+            "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "strategy": strategy,
+            "host_categories": host, "host_bytes": sum(host.values())}

@@ -1,0 +1,60 @@
+"""The GRPO loss of one micro-batch as an nn.Module: decoder -> completion hidden states -> fused head.
+
+A module because data parallelism wraps forwards: DDP all-reduces the gradients of what its forward
+used, and FSDP2 gathers a layer's (or the root's) parameters for the duration of a forward. The
+fused head reads the output embedding inside this forward, never outside it, so under FSDP2 it sees
+the gathered weight (the root's parameters: embeddings, final norm, head), not the local shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Union
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..kernels import linear_grpo_loss
+from ..memory_modes.activation_offload import offload_activations
+from ..policy.model import Head
+from ..policy.rollout import Batch, completion_hidden
+
+
+def live_head(policy: nn.Module) -> Head:
+    """The decoder and output embedding as the module holds them now (FSDP2 swaps them during forward)."""
+    out = policy.get_output_embeddings()
+    return Head(decoder=getattr(policy, policy.base_model_prefix), weight=out.weight, bias=out.bias)
+
+
+class PolicyLoss(nn.Module):
+    def __init__(self, policy: nn.Module, cfg: Config, *, autocast: bool, pack: Union[bool, str],
+                 world_size: int = 1):
+        super().__init__()
+        self.policy = policy
+        self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
+
+    def forward(self, mb: Batch, num_items: int, scale: float = 1.0):
+        """(loss, metrics) of micro-batch `mb` (on the device). `num_items`: dapo's denominator, the
+        completion tokens of the optimizer step summed over ranks. `scale` multiplies the loss (the
+        denominators of skipped rows; 0 for a rank that only takes part in the collectives)."""
+        t, g = self.cfg.train, self.cfg.generation
+        device_type = mb.completion_ids.device.type
+        offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
+        head = live_head(self.policy)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast), offload:
+            hidden = completion_hidden(head, mb, self.pack)  # (b, c, H)
+            loss, metrics = linear_grpo_loss(
+                hidden, head.weight, mb.completion_ids, mb.advantages, bias=head.bias,
+                mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
+                epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
+                loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
+                max_completion_length=g.max_completion_length,
+                num_items_in_batch=num_items if t.loss_type == "dapo" else None)
+        if t.loss_type == "dapo":
+            # Each rank's sum over its tokens / the global count; data parallelism averages the ranks'
+            # gradients, so multiply by the number of ranks to get the sum (TRL does the same).
+            scale = scale * self.world_size
+        else:  # per-micro-batch means: averaged over the accumulation (and over ranks, by the averaging)
+            scale = scale / t.gradient_accumulation_steps
+        return (loss if scale == 1.0 else loss * scale), metrics

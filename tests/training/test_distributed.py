@@ -1,0 +1,162 @@
+"""Data-parallel training under torchrun on the CPU (gloo, 2 processes): the same step as one process.
+
+Each test launches real processes with torchrun (torch.distributed.run), as a user would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(launch + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def one_step_experiment(tmp_path, nproc: int, loss_type: str, strategy: str, *overrides: str) -> dict:
+    out = tmp_path / "-".join([strategy, loss_type, str(nproc), *overrides])
+    done = run([str(WORKER), str(out), loss_type, strategy, *overrides], nproc=nproc)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out / "params.pt")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_ranks_take_the_same_steps_as_one(tmp_path, strategy, loss_type):
+    """3 optimizer steps on a fixed batch: 2 ranks x 4 completions == 1 rank x 8 (clipping active).
+
+    Adam divides each update by the gradient's running RMS, so parameters alone would not see a wrong
+    gradient scale (say dapo's denominator counted on one rank): the global gradient norms before
+    clipping are compared too. atol 5e-5 against updates of ~3e-2: Adam turns reduction-order
+    rounding of near-zero gradients into update differences of that size."""
+    one = one_step_experiment(tmp_path, 1, loss_type, strategy)
+    two = one_step_experiment(tmp_path, 2, loss_type, strategy)
+    start = one_step_experiment(tmp_path, 1, loss_type, strategy, "learning_rate=0")["params"]
+    assert one["params"].keys() == two["params"].keys()
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=1e-5, atol=5e-5, msg=k)
+        assert not torch.equal(v, start[k]), f"{k} did not move: the test would not see a wrong update"
+    assert one["grad_norms"][0] > 0.5  # max_grad_norm=0.5: the global norm's clip is active
+    torch.testing.assert_close(torch.tensor(two["grad_norms"]), torch.tensor(one["grad_norms"]), rtol=1e-5, atol=0)
+
+
+def test_the_ranks_of_a_node_share_one_reference_copy_and_step_as_one_rank(tmp_path):
+    """beta > 0: the reference weights are one /dev/shm file mapped by both ranks; KL included, 2 x 4 == 1 x 8."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs Linux's /proc/self/maps to see the mapping")
+    one = one_step_experiment(tmp_path, 1, "dapo", "ddp", "beta=0.1", "reference_compute=cpu")
+    two = one_step_experiment(tmp_path, 2, "dapo", "ddp", "beta=0.1", "reference_compute=cpu")
+    out = tmp_path / "-".join(["ddp", "dapo", "2", "beta=0.1", "reference_compute=cpu"])
+    assert [(out / f"reference-shared-rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
+    assert (tmp_path / "-".join(["ddp", "dapo", "1", "beta=0.1", "reference_compute=cpu"])
+            / "reference-shared-rank0").read_text() == "False"  # one process: its own copy, as before
+    for k, v in one["params"].items():
+        torch.testing.assert_close(two["params"][k], v, rtol=1e-5, atol=5e-5, msg=k)
+    torch.testing.assert_close(torch.tensor(two["grad_norms"]), torch.tensor(one["grad_norms"]), rtol=1e-5, atol=0)
+
+
+TOY = ["recipes/toy_tokens.yaml", "per_device_train_batch_size=32", "progress_bar=false"]  # 2 ranks x 32 x 2
+
+
+def train(tmp_path, name: str, *overrides: str, nproc: int = 2, timeout: int = 300):
+    return run(["-m", "lowmem_grpo", "train", *TOY, f"output_dir={tmp_path / name}", *overrides], nproc=nproc,
+               timeout=timeout)
+
+
+def metrics(run_dir) -> list[dict]:
+    import json
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+
+
+def test_a_torchrun_run_learns_writes_once_and_resumes_exactly(tmp_path):
+    """torchrun -m lowmem_grpo train: the reward rises, rank 0 alone writes metrics.jsonl, the checkpoint
+    loads with from_pretrained, and a run resumed from step 20 ends with the same weights and metrics."""
+    from transformers import AutoModelForCausalLM
+
+    done = train(tmp_path, "a", "max_steps=40", "save_steps=20", "eval_on_start=false", "eval_on_end=false")
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = metrics(tmp_path / "a")
+    assert [r["step"] for r in rows] == list(range(1, 41))  # one writer: each step once
+    rewards = [r["reward"] for r in rows]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.03, rewards
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoint-40")
+    assert model.config.vocab_size == 32
+
+    # Resume from step 20 in a fresh folder: the same 20 steps follow, on both ranks' own batches and RNGs.
+    import shutil
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "checkpoint-20", tmp_path / "b" / "checkpoint-20")
+    done = train(tmp_path, "b", "max_steps=40", "save_steps=20", "eval_on_start=false", "eval_on_end=false",
+                 "resume_from=latest")
+    assert done.returncode == 0, done.stderr[-4000:]
+    resumed = metrics(tmp_path / "b")
+    assert [r["step"] for r in resumed] == list(range(21, 41))
+    for r, ref in zip(resumed, rows[20:]):
+        for k in ("reward", "loss", "grad_norm", "kl", "num_tokens"):
+            assert r[k] == ref[k], (r["step"], k)
+    from safetensors.torch import load_file
+    a = load_file(tmp_path / "a" / "checkpoint-40" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "checkpoint-40" / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    # Another number of ranks cannot continue this checkpoint exactly: a clear error.
+    done = train(tmp_path, "b", "max_steps=60", "resume_from=latest", "per_device_train_batch_size=64", nproc=1)
+    assert done.returncode == 2 and "written by 2 process(es)" in done.stderr, done.stderr[-2000:]
+
+
+FAILING_REWARD = '''
+import os
+def flaky(prompts, completions, completion_ids, trainer_state=None, **kwargs):
+    if os.environ["RANK"] == "1" and trainer_state.global_step >= 3:
+        raise ValueError("reward service unreachable on rank 1")
+    return [0.0 for _ in completions]
+'''
+
+
+def test_a_rank_that_raises_stops_the_job_with_its_error_and_a_checkpoint(tmp_path):
+    import time
+    (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
+    t0 = time.perf_counter()
+    done = train(tmp_path, "run", "max_steps=50", f"reward_funcs=[{tmp_path / 'failing_reward.py'}:flaky]", "reward_weights=[1.0]",
+                 "eval_on_start=false", "eval_on_end=false", "ddp_timeout=60", timeout=180)
+    elapsed = time.perf_counter() - t0
+    assert done.returncode != 0
+    assert elapsed < 90, f"the surviving rank waited {elapsed:.0f} s"  # not the 60 s collective timeout + more
+    assert "reward service unreachable on rank 1" in done.stderr
+    saved = sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*"))
+    assert saved == ["checkpoint-4"], saved  # generation batches start at steps 0, 2, 4: 4 steps done, saved alone
+    # That checkpoint continues (every rank starts a new generation batch: the failing rank could not
+    # collect the others' unfinished ones).
+    done = train(tmp_path, "run", "max_steps=6", "eval_on_start=false", "eval_on_end=false", "resume_from=latest")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in metrics(tmp_path / "run")] == list(range(1, 7))
+
+
+def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_and_saves_once(tmp_path):
+    import signal
+    import time
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "lowmem_grpo", "train", *TOY, f"output_dir={out}", "max_steps=1000",
+                             "eval_on_start=false", "eval_on_end=false"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").is_file()
+                                          and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # torchrun's agent passes SIGTERM on to every rank
+    output = proc.communicate(timeout=60)[0]
+    saved = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+    steps = [r["step"] for r in metrics(out)]
+    assert len(saved) == 1 and saved[0] == steps[-1], (saved, steps, output[-3000:])
+    assert steps == list(range(1, steps[-1] + 1))
