@@ -10,7 +10,9 @@ forward, backward, optimizer. Each phase's peak is the sum of what is alive at i
                         forward of every micro-batch after the first when gradients accumulate; with
                         the optimizer step in backward only the tensors alive at once: the tied
                         embedding (its gradient lives from the head to the embedding lookup) + the
-                        largest other tensor
+                        largest other tensor, and at the lookup the embedding's second gradient while
+                        it is added to the first (not with optim.offload_optimizer, which sends the
+                        head's contribution to the host at once and adds the two there: offload.py)
     activations         per token and layer, as measured on a one-layer model of the architecture
                         (layer_probe.py: what autograd keeps, the forward's and backward's transients);
                         checkpointing keeps one layer input per layer and recomputes one layer at a
@@ -28,7 +30,8 @@ Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS worksp
 fragmentation come on top (`margin_bytes`).
 
 With optim.offload_optimizer the device holds no optimizer state and no update temporaries (the
-update runs on the CPU); the gradients alive at once are those of the optimizer in backward.
+update runs on the CPU); the gradients alive at once are those of the optimizer in backward, less the
+tied embedding's second (V, H) gradient at the lookup (the host holds one more (V, H) buffer instead).
 
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
 the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py), and the
@@ -226,12 +229,14 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
                         if t.optimizer_in_backward and not offload else 0)
     # A gradient that meets an existing .grad is made whole, then added: a transient the size of the
     # tensor. The largest is the embedding: at the head when gradients accumulate, and at the
-    # embedding lookup when the head and the embedding are tied.
+    # embedding lookup when the head and the embedding are tied -- unless the offloaded optimizer
+    # split them (the head's contribution is on the host by then; the sum is made there).
     new_grad = wb * max(arch.tensor_sizes)
+    tied_sum_on_device = arch.tied and not (t.optimizer_in_backward and offload)
     backward = max([{"gradients": grads_head + (new_grad if grads_before else 0), "activations": bwd_head,
                      "loss head": head_bwd},
                     {"gradients": grads_head, "activations": bwd_first},
-                    {"gradients": grads_end + (new_grad if (arch.tied or grads_before) else 0),
+                    {"gradients": grads_end + (new_grad if (tied_sum_on_device or grads_before) else 0),
                      "activations": bwd_last}], key=total)
     forward, backward = {**base, **forward}, {**base, **backward}
     backward["optimizer states"] += in_backward_step  # each tensor's update runs as its gradient is ready
@@ -279,6 +284,8 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0) -> 
         host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
         host["weights copy"] = master * arch.params
         host["gradient buffer"] = wb * arch.params
+        if arch.tied and cfg.train.optimizer_in_backward:  # the tied head's contribution, its own buffer
+            host["gradient buffer"] += wb * arch.vocab * arch.hidden
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations
     return {k: int(v) for k, v in host.items()}

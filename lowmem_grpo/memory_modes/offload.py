@@ -34,14 +34,29 @@ benchmarks/offload_host_update.py and RESULTS.md.
 
 Per step, across PCIe: every gradient down and every weight up, 2 x bytes(dtype) x parameters (1.5B
 bf16: 6.2 GB); see `pcie_bytes_per_step`.
+
+The tied embedding (`split_tied_head`). A tied weight W (V x H) has two uses: the fused loss head at the
+end of the forward and the embedding lookup at its start. Autograd sums a leaf's contributions before
+its hook fires, so the head's (V, H) gradient would wait on the device through the whole backward and
+meet the lookup's (V, H) gradient at the end: two of them alive at once (Qwen2.5-3B bf16: 2 x 0.58
+GiB). Instead the head multiplies by a leaf of its own that shares W's storage (policy/model.py,
+`use_head_leaf`); its hook sends the head's contribution to a host buffer as soon as the head's
+backward is done, and the device copy is freed. When W's own hook fires (the lookup), its gradient
+goes down as any other, the two are added on the host (the same single rounding as autograd's sum on
+the device), and the per-tensor rule applies to the sum: its norm is computed on the host, it is
+skipped if non-finite, clipped to W's share, and W gets one update. The device never holds more than
+one (V, H) gradient; the host holds one more (V, H) buffer. (The on-device optimizer in backward has no
+such split: there the sum needs both contributions on the device at the lookup either way.)
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
+from torch import nn
 
+from ..phases import mark_gradient, scope
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, _Finished, fp32_norm_tensor
 
 
@@ -108,6 +123,74 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self.refresh_host_weights()
         super().__init__(groups, make_inner, max_grad_norm, defaults, lag_bytes)
         self._index_of = {p: i for i, p in enumerate(self.params)}
+        self.tied: Optional[torch.Tensor] = None  # the tied embedding whose head use has its own leaf
+        self._head_leaf: Optional[torch.Tensor] = None
+        self.head_host: Optional[torch.Tensor] = None  # the head's contribution, on the host (V x H)
+        self._head_arrived = False  # in this step (its copy may still be on the way: _head_ready)
+        self._head_ready: Optional[torch.cuda.Event] = None
+
+    # ----- the tied embedding (module docstring) ---------------------------------------------------
+    def split_tied_head(self, model: nn.Module) -> bool:
+        """If `model`'s output embedding is tied to its input embedding, give the fused head a leaf of its
+        own for the weight (module docstring, "The tied embedding"); returns whether it did."""
+        from ..policy.model import use_head_leaf
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
+            return False
+        self.tied = out.weight
+        self.head_host = torch.empty(self.tied.shape, dtype=self.tied.dtype, pin_memory=self.on_cuda)
+        self._host_grad_ptrs.add(self.head_host.data_ptr())
+        use_head_leaf(out, self.head_leaf)
+        return True
+
+    def head_leaf(self) -> torch.Tensor:
+        """The tensor the fused head uses for the tied weight: its storage, its own gradient. Made again if
+        the weight's storage changed (e.g. `.data` replaced)."""
+        w, leaf = self.tied, self._head_leaf
+        if leaf is None or leaf.data_ptr() != w.data_ptr() or leaf.shape != w.shape or leaf.device != w.device:
+            leaf = self._head_leaf = w.detach().requires_grad_(w.requires_grad)
+            leaf.register_post_accumulate_grad_hook(self._head_hook)
+        return leaf
+
+    def _head_hook(self, leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        w = self.tied
+        if not self.active:  # a backward outside a training step: the weight's .grad gets everything, as unsplit
+            with torch.no_grad():
+                w.grad = grad if w.grad is None else w.grad.add_(grad)
+            return
+        if self._index_of[w] in self._fired:
+            raise RuntimeError("the output head's gradient of the tied embedding arrived after the embedding "
+                               "lookup's; its single update has already been applied")
+        self._count_live([q.grad for q in self.params if q.grad is not None] + [grad])
+        mark_gradient(grad)
+        with scope("optimizer"):
+            if self._head_arrived:  # a second contribution in one backward (not in the trainer's graphs)
+                self._wait_head()
+                self.head_host.add_(grad.to(self.head_host.device))
+                return
+            self._head_ready = self._to_host(grad, self.head_host)
+            self._head_arrived = True
+
+    def _wait_head(self) -> None:
+        if self._head_ready is not None and not self._head_ready.query():
+            self._head_ready.synchronize()
+            self.host_waits += 1
+        self._head_ready = None
+
+    def _arrived(self, f: _Finished) -> tuple[torch.Tensor, float]:
+        if f.norm is not None:
+            return super()._arrived(f)
+        # The tied weight: the lookup's gradient is on the host; the sum and its norm are made there.
+        if self._head_arrived:
+            self._wait_head()
+            f.grad.add_(self.head_host)
+            self._head_arrived = False
+        return f.grad, float(fp32_norm_tensor(f.grad))
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self._head_arrived, self._head_ready = False, None
 
     def refresh_host_weights(self) -> None:
         """Copy the device weights into the host copies (at start and after weights are loaded)."""
@@ -123,26 +206,37 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         super()._count_live([g for g in grads if g.data_ptr() not in self._host_grad_ptrs])
 
     def _finished(self, index: int, grad: torch.Tensor) -> _Finished:
-        """Start the gradient's trip to the host; the device copy is freed when the trip is done."""
+        """Start the gradient's trip to the host; the device copy is freed when the trip is done. The tied
+        weight's norm waits for the head's contribution: it is computed on the host (`_arrived`)."""
         p = self.params[index]
         host_grad, host_norm = self.host_grad[p], self._host_norm_slots[index]
         nbytes = grad.numel() * grad.element_size()
+        if p is self.tied and self._head_arrived:
+            return _Finished(index, host_grad, None, self._to_host(grad, host_grad), None, nbytes)
+        ready = self._to_host(grad, host_grad, fp32_norm_tensor(grad), host_norm)
+        return _Finished(index, host_grad, host_norm, ready, None, nbytes)
+
+    def _to_host(self, grad: torch.Tensor, host_grad: torch.Tensor, norm: Optional[torch.Tensor] = None,
+                 host_norm: Optional[torch.Tensor] = None) -> Optional[torch.cuda.Event]:
+        """Copy a gradient (and its norm) into host buffers: at once on the CPU (None), else queued on the
+        side stream, with an event that completes when they are there."""
         if not self.on_cuda:
             host_grad.copy_(grad)
-            host_norm.copy_(fp32_norm_tensor(grad))
-            return _Finished(index, host_grad, host_norm, None, None, nbytes)
-        compute = torch.cuda.current_stream(grad.device)
-        norm = fp32_norm_tensor(grad)
-        self.side.wait_stream(compute)  # the gradient and its norm are complete on the compute stream
+            if norm is not None:
+                host_norm.copy_(norm)
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(grad.device))  # grad and norm are complete there
         with torch.cuda.stream(self.side):
             host_grad.copy_(grad, non_blocking=True)
-            host_norm.copy_(norm, non_blocking=True)
+            if norm is not None:
+                host_norm.copy_(norm, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.side)
         # The caching allocator must not hand this memory out before the side stream has read it.
         grad.record_stream(self.side)
-        norm.record_stream(self.side)
-        return _Finished(index, host_grad, host_norm, ready, None, nbytes)
+        if norm is not None:
+            norm.record_stream(self.side)
+        return ready
 
     def _apply(self, index, grad, norm, stream) -> None:
         p = self.params[index]
@@ -164,6 +258,16 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
                 p.copy_(upload)
 
     def end_step(self) -> float:
+        if self._head_arrived and self._index_of[self.tied] not in self._fired:
+            # The head used the tied weight and the lookup did not (hidden states given directly): the
+            # head's contribution is the whole gradient.
+            index = self._index_of[self.tied]
+            self._wait_head()
+            self._head_arrived = False
+            host_grad = self.host_grad[self.tied]
+            host_grad.copy_(self.head_host)
+            self._fired.append(index)
+            self._pending.append(_Finished(index, host_grad, None, None, None, 0))
         norm = super().end_step()
         if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
             torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)

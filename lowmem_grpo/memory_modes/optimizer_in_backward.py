@@ -106,7 +106,7 @@ class _Finished:
     """A gradient whose hook has run; its update waits until its norm is on the host."""
     index: int  # into OptimizerInBackward.params
     grad: torch.Tensor
-    norm: torch.Tensor  # 0-dim fp32; on the host once `ready` has completed
+    norm: Optional[torch.Tensor]  # 0-dim fp32; on the host once `ready` has completed (None: see _arrived)
     ready: Optional[torch.cuda.Event]  # None: `norm` is readable now
     stream: Optional[torch.cuda.Stream]  # where the gradient was made; the update is queued there too
     nbytes: int
@@ -226,7 +226,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
             must -= 1
             self._pending.popleft()
             self._pending_bytes -= f.nbytes
-            self._apply(f.index, f.grad, float(f.norm), f.stream)  # a host read: `ready` has completed
+            self._apply(f.index, *self._arrived(f), f.stream)
+
+    def _arrived(self, f: _Finished) -> tuple[torch.Tensor, float]:
+        """(gradient, its norm read on the host) of a finished gradient whose `ready` has completed."""
+        return f.grad, float(f.norm)
 
     def _wait(self, f: _Finished) -> None:
         if f.ready is not None and not f.ready.query():

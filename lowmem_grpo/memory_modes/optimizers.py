@@ -35,9 +35,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     if in_backward and cfg.offload_optimizer:
         from .offload import OffloadedOptimizerInBackward
         if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
-            return OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
-                                                cfg.max_grad_norm, defaults=kw, master_fp32=True)
-        return OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
+            opt = OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
+                                               cfg.max_grad_norm, defaults=kw, master_fp32=True)
+        else:
+            opt = OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
+        opt.split_tied_head(model)  # a tied embedding's two (V, H) gradients never meet on the device
+        return opt
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward
         return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)

@@ -14,9 +14,10 @@ import logging
 import os
 import re
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -218,13 +219,41 @@ def check_logits_are_linear(config) -> None:
                     "exactly and would train on a different distribution. This model is not supported.")
 
 
+# Output embeddings whose weight the fused head reads through a stand-in leaf (`use_head_leaf`). Weak keys:
+# a copy of the model (the reference) or a model that is gone holds no entry.
+_HEAD_LEAVES: "weakref.WeakKeyDictionary[nn.Module, Callable[[], torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def use_head_leaf(output_embedding: nn.Module, leaf: Optional[Callable[[], torch.Tensor]]) -> None:
+    """Make `Head.weight` of this output embedding return `leaf()` instead of its weight (None: undo).
+
+    For a tied embedding, the offloaded optimizer (memory_modes/offload.py, "The tied embedding") gives
+    the head a leaf tensor that shares the weight's storage, so autograd hands over the head's gradient
+    contribution as soon as the head's backward is done, instead of holding it until the embedding
+    lookup at the very end of backward. The optimizer sums the two contributions itself."""
+    if leaf is None:
+        _HEAD_LEAVES.pop(output_embedding, None)
+    else:
+        _HEAD_LEAVES[output_embedding] = leaf
+
+
 @dataclass
 class Head:
     """What linear_grpo_loss needs from a causal LM."""
 
     decoder: nn.Module  # input_ids -> last_hidden_state (after the final norm)
-    weight: nn.Parameter  # (V, H) output embedding (tied: the input embedding)
-    bias: Optional[nn.Parameter]
+    output: nn.Linear  # the output embedding (tied: its weight is the input embedding's)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """(V, H) the matrix the fused head multiplies by: the output embedding's weight, or the leaf
+        standing in for it (`use_head_leaf`: same storage, same values, its own gradient)."""
+        leaf = _HEAD_LEAVES.get(self.output)
+        return self.output.weight if leaf is None else leaf()
+
+    @property
+    def bias(self) -> Optional[nn.Parameter]:
+        return self.output.bias
 
 
 def check_fused_head(model: nn.Module) -> Head:
@@ -238,7 +267,7 @@ def check_fused_head(model: nn.Module) -> Head:
     if decoder is None or decoder is model:
         raise ModelError(f"{type(model).__name__} has no separate decoder ({model.base_model_prefix!r}); "
                          "the fused head needs its hidden states")
-    return Head(decoder=decoder, weight=head.weight, bias=head.bias)
+    return Head(decoder=decoder, output=head)
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

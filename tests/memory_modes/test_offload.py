@@ -209,3 +209,153 @@ def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
     assert all(torch.equal(again.host[q], opt.host[p]) for p, q in zip(model.parameters(), again_model.parameters()))
     with pytest.raises(ValueError, match="no fp32 master weights"):
         again.load_state_dict({k: v for k, v in state.items() if k != "master"})
+
+
+# --- The tied embedding: the head's gradient contribution on a leaf of its own (offload.py) ---------------
+
+def _head_loss(model, seed, poison=False, rows=3):
+    """A loss through the fused head (as the trainer computes it): the tied weight is used twice, by the
+    embedding lookup and by the head (via Head.weight: the split's leaf, when there is one)."""
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.policy.model import check_fused_head, hidden_states
+    head = check_fused_head(model)
+    ids = torch.randint(0, model.config.vocab_size, (rows, 7), generator=torch.Generator().manual_seed(seed))
+    hidden = hidden_states(head, ids, torch.ones_like(ids))  # (3, 7, H)
+    loss = -linear_token_logprobs(hidden[:, :-1], head.weight, ids[:, 1:]).float().mean()
+    if poison:  # a non-finite gradient in the head's contribution only (the lookup's stays finite)
+        loss = loss + head.weight[0, 0] * float("nan")
+    return loss
+
+
+def _step(model, opt, seed, **kw):
+    torch.manual_seed(100 + seed)  # stochastic rounding draws from the global RNG, per parameter
+    opt.begin_step()
+    _head_loss(model, seed, **kw).backward()
+    return opt.end_step()
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_8bit", "bf16_sr"])
+def test_tied_head_split_steps_equal_the_unsplit_steps(kind):
+    # Bit for bit, after several steps with per-tensor clipping active: the split (head contribution to
+    # the host at once, summed there with the lookup's) against the offloaded optimizer without it and
+    # the optimizer in backward on the device (both: autograd sums the two contributions on the device).
+    dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
+    models = {name: _model(dtype) for name in ("device", "unsplit", "split")}
+    opts = {"device": OptimizerInBackward([{"params": list(models["device"].parameters()), "lr": 1e-2}],
+                                          _make(kind), 0.05)}
+    for name in ("unsplit", "split"):
+        opts[name] = OffloadedOptimizerInBackward([{"params": list(models[name].parameters()), "lr": 1e-2}],
+                                                  _make(kind), 0.05)
+    split = models["split"]
+    assert opts["split"].split_tied_head(split) and opts["split"].tied is split.model.embed_tokens.weight
+    from lowmem_grpo.policy.model import check_fused_head
+    assert check_fused_head(split).weight is not split.lm_head.weight  # the head's own leaf ...
+    assert check_fused_head(split).weight.data_ptr() == split.lm_head.weight.data_ptr()  # ... on the same storage
+    assert check_fused_head(models["unsplit"]).weight is models["unsplit"].lm_head.weight
+    # The tied gradient is clipped (its norm is over its cap), so the sum's norm decides the update.
+    probe = _model(dtype)
+    _head_loss(probe, 0).backward()
+    assert probe.lm_head.weight.grad.float().norm() > opts["split"].caps[opts["split"].tied]
+    for step in range(4):
+        norms = {name: _step(models[name], opts[name], step) for name in models}
+        assert norms["split"] == norms["unsplit"] == norms["device"]  # the global norm, summed per tensor
+        # both contributions were there: the head's (on the host) and the lookup's
+        assert opts["split"].head_host.abs().sum() > 0 and opts["split"].max_live_grads == 1
+    for name in ("unsplit", "split"):
+        for (k, x), (_, y) in zip(models["device"].named_parameters(), models[name].named_parameters()):
+            assert torch.equal(x, y), (name, k)
+        _states_equal(opts["device"].state_dict(), opts[name].state_dict())
+    assert not torch.equal(split.lm_head.weight, _model(dtype).lm_head.weight)
+    assert all(p.grad is None for p in split.parameters())
+
+
+def test_tied_head_split_drops_nothing():
+    # The check above fails if a contribution is lost: dropping the head's makes the weights differ.
+    models = [_model(), _model()]
+    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
+            for m in models]
+    opts[1].split_tied_head(models[1])
+    opts[1]._head_hook = lambda leaf: setattr(leaf, "grad", None)  # noqa: E731  (the head's contribution, lost)
+    opts[1]._head_leaf = None  # the leaf is made again, with the lossy hook
+    for step in range(2):
+        for m, o in zip(models, opts):
+            _step(m, o, step)
+    assert not torch.equal(models[0].lm_head.weight, models[1].lm_head.weight)
+
+
+def test_tied_head_split_skips_a_nonfinite_sum_and_touches_nothing():
+    # NaN in the head's contribution only: the sum is non-finite, so the tied weight and its states are
+    # left as they were (the other tensors step), exactly as without the split.
+    models = [_model(), _model()]
+    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+            for m in models]
+    assert opts[1].split_tied_head(models[1])
+    for m, o in zip(models, opts):
+        _step(m, o, 0)
+    tied_before = models[1].lm_head.weight.detach().clone()
+    index = opts[1].params.index(opts[1].tied)
+    states_before = {k: v.clone() for k, v in opts[1].state_dict()["inner"][index]["state"][0].items()}
+    others_before = {k: v.detach().clone() for k, v in models[1].named_parameters()}
+    for m, o in zip(models, opts):
+        assert math.isnan(_step(m, o, 1, poison=True))
+        assert o.nonfinite_tensors == 1  # the tied weight only
+    assert torch.equal(models[1].lm_head.weight, tied_before)
+    assert torch.equal(opts[1].host[opts[1].tied], tied_before)
+    for name, v in opts[1].state_dict()["inner"][index]["state"][0].items():
+        assert torch.equal(v, states_before[name]), name
+    moved = [k for k, v in models[1].named_parameters() if not torch.equal(v, others_before[k])]
+    assert len(moved) == len(opts[1].params) - 1
+    for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(x, y), k
+
+
+def test_tied_head_split_head_only_and_outside_a_step():
+    # Hidden states given directly (no lookup): the head's contribution is the whole gradient, applied at
+    # end_step. A backward outside a step: the weight's .grad holds both contributions, as without the split.
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.policy.model import check_fused_head
+    models = [_model(), _model()]
+    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
+            for m in models]
+    opts[1].split_tied_head(models[1])
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(1))
+    for m, o in zip(models, opts):
+        o.begin_step()
+        (-linear_token_logprobs(hidden, check_fused_head(m).weight, ids).mean()).backward()
+        o.end_step()
+    assert not torch.equal(models[1].lm_head.weight, _model().lm_head.weight)
+    for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(x, y), k
+    for m in models:
+        _head_loss(m, 3).backward()  # no begin_step(): e.g. a user's probe
+    assert torch.equal(models[0].lm_head.weight.grad, models[1].lm_head.weight.grad)
+    assert check_fused_head(models[1]).weight.grad is None
+
+
+def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
+    # Measured (the CPU allocator's events, memory.track) on a model whose (V, H) embedding dominates,
+    # with SGD inside (its update makes no temporaries: on this CPU the "host" side shares the allocator).
+    # Without the split the head's contribution waits in autograd until the lookup and meets the lookup's
+    # there: two (V, H) gradients at once. With it, one at a time.
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from lowmem_grpo.memory import track
+
+    vocab, hidden = 8192, 128
+    vh_bytes = vocab * hidden * 4  # 4 MiB
+    peaks = {}
+    for split in (False, True):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+        opt = OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}],
+                                           lambda groups: torch.optim.SGD(groups, lr=1e-2), 1.0)
+        if split:
+            opt.split_tied_head(m)
+        with track("cpu") as t:
+            _step(m, opt, 1, rows=1)  # 6 tokens: the head's workspace (6 x V fp32) is small beside (V, H)
+        peaks[split] = t.peak_bytes
+        print(f"split={split}: peak {t.peak_bytes / vh_bytes:.3f} x (V, H) gradient bytes")
+        assert opt.max_live_grad_bytes == vh_bytes  # the gradients handed to the optimizer: one at a time
+    assert peaks[False] >= 2 * vh_bytes, peaks
+    assert peaks[True] < 1.25 * vh_bytes, peaks
