@@ -21,10 +21,6 @@ from ..policy.model import Head
 from ..policy.rollout import Batch, completion_hidden
 
 
-def live_head(policy: nn.Module) -> Head:
-    """The decoder and output embedding as the module holds them now (FSDP2 swaps them during forward)."""
-    out = policy.get_output_embeddings()
-    return Head(decoder=getattr(policy, policy.base_model_prefix), weight=out.weight, bias=out.bias)
 
 
 class PolicyLoss(nn.Module):
@@ -33,6 +29,8 @@ class PolicyLoss(nn.Module):
         super().__init__()
         self.policy = policy
         self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
+        # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
+        self.head = Head(decoder=getattr(policy, policy.base_model_prefix), output=policy.get_output_embeddings())
 
     def forward(self, mb: Batch, num_items: int, scale: float = 1.0):
         """(loss, metrics) of micro-batch `mb` (on the device). `num_items`: dapo's denominator, the
@@ -41,7 +39,7 @@ class PolicyLoss(nn.Module):
         t, g = self.cfg.train, self.cfg.generation
         device_type = mb.completion_ids.device.type
         offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
-        head = live_head(self.policy)
+        head = self.head
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast), offload:
             hidden = completion_hidden(head, mb, self.pack)  # (b, c, H)
             loss, metrics = linear_grpo_loss(

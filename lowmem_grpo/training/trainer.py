@@ -51,7 +51,7 @@ from . import distributed
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
-from .loss import PolicyLoss, live_head
+from .loss import PolicyLoss
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
 from .metrics import NullLog, RunLog, peak_memory_bytes, reset_peak_memory
@@ -314,7 +314,7 @@ class Trainer:
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
-            gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=live_head(self.policy),
+            gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
                                        reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
                                        eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
                                        autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
