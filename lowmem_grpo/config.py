@@ -120,8 +120,10 @@ class ModelConfig:
                                           "side stream (overlapping compute) and back in backward: saves "
                                           "layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic. Needs "
                                           "gradient_checkpointing.")
-    bf16: Optional[bool] = _f(None, "bf16 autocast for forward/backward. None = on for CUDA GPUs of compute "
-                                    "capability >= 8.0, off otherwise. Weights stay fp32 (master weights).")
+    bf16: Optional[bool] = _f(None, "bf16 autocast for forward/backward. None = on where bf16 is native: CUDA "
+                                    "GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX; off "
+                                    "otherwise (emulated bf16 is slower than fp32). Weights stay fp32 (master "
+                                    "weights).")
     attn_implementation: str = _f("sdpa", "transformers attention implementation (sdpa | eager | flash_attention_2).")
     trust_remote_code: bool = _f(False, "Passed to transformers when loading.")
     disable_dropout: bool = _f(True, "Set every dropout probability of the model to 0 when it is loaded (TRL's "

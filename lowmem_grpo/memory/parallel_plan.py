@@ -15,7 +15,8 @@ what a rank holds (training/distributed.py):
                                         one computing and the next, prefetched); in backward also
                                         those units' unsharded gradients before their reduce-scatter
              optimizer                  nothing: it steps the local shards
-Host RAM is for the N ranks of one node together (each keeps its own reference copy, say).
+Host RAM is for the N ranks of one node together: one reference copy with reference_compute=cpu (the
+ranks share it), one per rank when streamed (each pins its own).
 Not yet checked against a GPU run (no GPU has been lent for it); the NCCL buffers are not counted.
 """
 
@@ -57,7 +58,10 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str) -> dict:
         phases[phase] = {k: int(v) for k, v in cats.items()}
     totals = {p: sum(c.values()) for p, c in phases.items()}
     peak = max(totals, key=totals.get)
-    host = {k: v * nproc for k, v in result["host_categories"].items()}  # every rank keeps its own, on one node
+    # Host RAM of a node's ranks: each keeps its own, except the reference model run on the CPU, which
+    # the ranks share (distributed.share_on_node; streamed, each rank pins its own copy).
+    shared = {"reference model"} if cfg.train.reference_compute == "cpu" else set()
+    host = {k: v * (1 if k in shared else nproc) for k, v in result["host_categories"].items()}
     return {**result, "categories": phases[peak], "phases": totals, "phase_categories": phases,
             "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "strategy": strategy,
             "host_categories": host, "host_bytes": sum(host.values())}

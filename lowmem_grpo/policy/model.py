@@ -291,8 +291,20 @@ def check_bf16_weights(device: torch.device) -> None:
                              "no native bf16 (needs compute capability >= 8.0); use model.precision=fp32")
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX-BF16, from /proc/cpuinfo's flags).
+    Without it torch emulates bf16 matmuls on the CPU, several times slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: no way to tell cheaply, so off
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
-    """Resolve model.bf16: None means on for GPUs with native bf16 (compute capability >= 8.0)."""
+    """Resolve model.bf16: None means on where bf16 is native: GPUs of compute capability >= 8.0, CPUs
+    with AVX512-BF16 or AMX (a 2-core AMD EPYC without them ran the CPU demo's steps ~4x slower in bf16)."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         native = major >= 8  # is_bf16_supported() is True on Turing through emulation; that is slow
@@ -300,7 +312,7 @@ def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
             raise ModelError(f"model.bf16=true but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no "
                              "native bf16 (needs compute capability >= 8.0); set model.bf16=false")
         return native if setting is None else bool(setting)
-    return bool(setting)
+    return cpu_has_native_bf16() if setting is None else bool(setting)
 
 
 def enable_checkpointing(model) -> None:

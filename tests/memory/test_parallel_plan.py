@@ -27,7 +27,10 @@ def test_ddp_holds_every_gradient_in_every_phase():
         assert cats["gradients"] == max(one["phase_categories"][phase].get("gradients", 0), grads), phase
         assert cats["weights"] == one["phase_categories"][phase]["weights"]
     assert two["phases"]["rollout"] == one["phases"]["rollout"] + grads
-    assert two["host_bytes"] == 2 * one["host_bytes"]  # a reference copy per rank, both on the node
+    assert two["host_bytes"] == one["host_bytes"]  # reference_compute=cpu: the node's ranks share one copy
+    streamed = per_rank(plan(cfg, arch), load_config(None, ["beta=0.04", "reference_compute=stream"], check=False),
+                        arch, 2, "ddp")
+    assert streamed["host_bytes"] == 2 * one["host_bytes"]  # streamed: each rank pins its own copy
 
 
 def test_fsdp_shards_states_and_weights_and_gathers_the_model_for_rollouts():
@@ -56,3 +59,11 @@ def test_plan_cli_per_rank_and_refusals(capsys):
     with pytest.raises(ConfigError, match="whole groups"):  # 4 completions per rank, groups of 8
         run(None, "Qwen2.5-0.5B", "8GiB", ["per_device_train_batch_size=4", "num_generations=8"], False,
             "64GiB", nproc=2)
+
+
+def test_the_two_card_recipe_fits_a_desktop_budget_per_rank():
+    from pathlib import Path
+    cfg = load_config(Path(__file__).parents[2] / "recipes" / "qwen2.5-1.5b_gsm8k_2x8gb.yaml")
+    arch = Arch.from_config(preset("Qwen2.5-1.5B"))
+    result = per_rank(plan(cfg, arch), cfg, arch, 2, cfg.train.strategy)
+    assert result["peak_bytes"] / 2**30 <= 6.67, result  # 7.5 GiB with the margin (0.5 GiB + 5%)

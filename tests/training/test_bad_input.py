@@ -1,5 +1,6 @@
 """Bad input stops the run with a message that names the problem and the fix."""
 
+import io
 import json
 
 import pytest
@@ -67,6 +68,16 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
     assert bf16_autocast_wanted(None, torch.device("cuda")) is False  # auto: off, not emulated
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     assert bf16_autocast_wanted(None, torch.device("cuda")) is True
+
+
+def test_bf16_auto_on_a_cpu_follows_its_native_bf16(monkeypatch):
+    from lowmem_grpo.policy import model
+    for flags, native in (("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True)):
+        monkeypatch.setattr("builtins.open", lambda *a, flags=flags, **k: io.StringIO(f"processor: 0\nflags\t: {flags}\n"))
+        assert model.cpu_has_native_bf16() is native
+        assert bf16_autocast_wanted(None, torch.device("cpu")) is native
+        assert bf16_autocast_wanted(True, torch.device("cpu")) is True  # asked for: on (emulated where not native)
+        assert bf16_autocast_wanted(False, torch.device("cpu")) is False
 
 
 def test_bf16_weights_need_the_sr_optimizer_and_a_bf16_gpu(toy_config, monkeypatch):
