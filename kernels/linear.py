@@ -97,22 +97,22 @@ def _linear_logprobs_backward_op(
                     grad_h.addmm_(dlogits, w)
                 else:
                     grad_h += dlogits @ w
-    empty = hidden.new_empty(0)
+    # A gradient not needed is an empty tensor, a new one each time: a custom op's outputs may not alias
+    # each other (one shared empty tensor fails as soon as two gradients are not needed).
     return (
-        empty if grad_h is None else grad_h.to(hidden.dtype),
-        empty if grad_w is None else grad_w,
-        empty if grad_b is None else grad_b.to(bias.dtype),
+        hidden.new_empty(0) if grad_h is None else grad_h.to(hidden.dtype),
+        hidden.new_empty(0) if grad_w is None else grad_w,
+        hidden.new_empty(0) if grad_b is None else grad_b.to(bias.dtype),
     )
 
 
 @_linear_logprobs_backward_op.register_fake
 def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperature, chunk_size,
       need_hidden, need_weight, need_bias):
-    empty = hidden.new_empty(0)
     return (
-        torch.empty_like(hidden) if need_hidden else empty,
-        torch.empty_like(weight) if need_weight else empty,
-        torch.empty_like(bias) if need_bias else empty,
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
+        torch.empty_like(bias) if need_bias else hidden.new_empty(0),
     )
 
 

@@ -3,6 +3,8 @@
 TRITON_INTERPRET must be set before the kernels are defined (triton.jit reads it at decoration
 time), so it is set here, before any test module imports lowmem_grpo.kernels.
 
+model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the CPU supports.
+
 Tests marked `cuda` are about a CUDA-only path and are skipped on a machine without a GPU; every other
 test pins its own device (the CPU unless it says otherwise), so the suite means the same on a GPU
 machine (benchmarks/gpu_session.sh runs it there).
@@ -15,6 +17,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# model.bf16 auto turns bf16 autocast on for CPUs with native bf16; the suite computes in fp32 on every
+# CPU (tolerances and bitwise checks were set for it). Subprocesses inherit this.
+os.environ["LOWMEM_GRPO_CPU_BF16"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,8 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from ..config import Config, ConfigError, load_config
-from ..config import batch_plan
+from ..config import Config, ConfigError, batch_plan, load_config
 from ..memory.parallel_plan import per_rank
 from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
 from ..memory.presets import PRESETS, preset

@@ -7,7 +7,7 @@ what a rank holds (training/distributed.py):
            are allocated when the model is wrapped and the gradients are views into them
            (gradient_as_bucket_view), so they exist in every phase, rollout included.
     fsdp   weights, gradients and optimizer states are 1/N per rank (each tensor's rows split over
-           the ranks). On top, what is gathered whole:
+           the ranks). On top, what is gathered whole (in bf16 when fp32 weights run under autocast):
              rollout, log-prob passes   the whole model (gathered once per generation batch, next to
                                         the shards it was gathered from)
              forward, backward          the root (embeddings, final norm, head: gathered for the
@@ -35,20 +35,22 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str) -> dict:
         return result
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     weights, grads = wb * arch.params, wb * arch.params
+    # FSDP2 gathers fp32 weights in bf16 under autocast (on by default on a GPU: plan.py's assumption)
+    gathered = 2 if cfg.model.bf16 is not False else wb
     phases = {}
     for phase, cats in result["phase_categories"].items():
         cats = dict(cats)
         if strategy == "ddp":
             cats["gradients"] = max(cats.get("gradients", 0), grads)
         else:
-            root = wb * (arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden)
-            layer = wb * arch.layer_params()
+            root = gathered * (arch.vocab * arch.hidden * (1 if arch.tied else 2) + arch.hidden)
+            layer = gathered * arch.layer_params()
             shards = weights // nproc
             cats["optimizer states"] = cats.get("optimizer states", 0) // nproc
             if "gradients" in cats:
                 cats["gradients"] = cats["gradients"] // nproc
             if phase in ("rollout", "old log-probs", "reference log-probs"):
-                cats["weights"] = shards + weights
+                cats["weights"] = shards + gathered * arch.params
             elif phase == "optimizer":
                 cats["weights"] = shards
             else:

@@ -204,10 +204,15 @@ def decoder_layers(policy: torch.nn.Module) -> list:
     return list(layers)
 
 
-def wrap(loss_module: torch.nn.Module, policy: torch.nn.Module, world: World) -> torch.nn.Module:
+def wrap(loss_module: torch.nn.Module, policy: torch.nn.Module, world: World,
+         autocast: bool = False) -> torch.nn.Module:
     """The loss module made data-parallel: DDP (every rank holds the whole model; gradients averaged in
     buckets during backward) or FSDP2 (fully_shard on each decoder layer, then on the loss module for
-    the rest: parameters, gradients and optimizer states are 1/N per rank). One process: unchanged."""
+    the rest: parameters, gradients and optimizer states are 1/N per rank). One process: unchanged.
+
+    FSDP2 with fp32 weights under bf16 autocast gathers them in bf16 (MixedPrecisionPolicy), so no
+    whole fp32 layer, and no whole fp32 output embedding, is ever on a device; gradients are still
+    reduced and kept in fp32."""
     if not world.distributed:
         return loss_module
     if world.strategy == "ddp":
@@ -216,10 +221,13 @@ def wrap(loss_module: torch.nn.Module, policy: torch.nn.Module, world: World) ->
         # Construction broadcasts rank 0's parameters, so every rank starts from the same weights.
         # gradient_as_bucket_view: the gradients live in the all-reduce buckets, not in a second copy.
         return DistributedDataParallel(loss_module, device_ids=None, gradient_as_bucket_view=True)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    fp32 = next(policy.parameters()).dtype == torch.float32
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if autocast and fp32
+          else MixedPrecisionPolicy())
     for layer in decoder_layers(policy):
-        fully_shard(layer)
-    fully_shard(loss_module)  # the root: embeddings, final norm and head (a tied head is one parameter)
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(loss_module, mp_policy=mp)  # the root: embeddings, final norm and head (a tied head is one parameter)
     return loss_module
 
 

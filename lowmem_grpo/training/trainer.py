@@ -43,7 +43,7 @@ from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, check_fused_head, enable_checkpointing,
                             load_model, load_tokenizer)
 from ..policy.packing import resolve_pack_prompts
-from ..policy.rollout import Batch, completion_hidden
+from ..policy.rollout import Batch
 from ..rewards import load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
@@ -51,9 +51,9 @@ from . import distributed
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
-from .loss import PolicyLoss
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
+from .loss import PolicyLoss
 from .metrics import NullLog, RunLog, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
@@ -149,9 +149,11 @@ class Trainer:
         # The loss as a module, made data-parallel under torchrun (FSDP2 shards the weights here, so
         # before the optimizer is built on them; it steps the local shards).
         self.loss_module = distributed.wrap(PolicyLoss(self.policy, cfg, autocast=self.autocast, pack=self.pack,
-                                                       world_size=self.world.size), self.policy, self.world)
+                                                       world_size=self.world.size), self.policy, self.world,
+                                            autocast=self.autocast)
         self.shards = distributed.LocalShards(self.policy) if self.world.fsdp else None
-        self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim, stochastic_rounding=m.precision == "bf16_sr",
+        self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim,
+                                         stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.generation: Optional[GenerationBatch] = None

@@ -89,6 +89,30 @@ def test_tied_embedding_gets_both_gradients(device):
     assert ours[inputs.unique()].abs().sum() > 0
 
 
+@pytest.mark.parametrize("needs", [("weight",), ("hidden",), ("weight", "bias"), ("bias",)])
+def test_only_some_inputs_need_gradients(device, needs):
+    """Frozen hidden states (a probe on a fixed encoder), a frozen head, a bias alone: the gradients not
+    needed come back as None and the others match the reference. (A single shared empty tensor for the
+    missing gradients made the backward op's outputs alias each other, which torch refuses.)"""
+    V, H, N = 300, 16, 10
+    g = torch.Generator().manual_seed(0)
+    base = {"hidden": torch.randn(N, H, generator=g), "weight": torch.randn(V, H, generator=g) * 0.1,
+            "bias": torch.randn(V, generator=g) * 0.1}
+    ids = torch.randint(0, V, (N,), generator=g).to(device)
+    grads = []
+    for head in (lambda h, w, y, b: linear_token_logprobs(h, w, y, bias=b, chunk_size=64),
+                 lambda h, w, y, b: reference.linear_token_logprobs(h, w, y, bias=b)):
+        t = {k: v.to(device).requires_grad_(k in needs) for k, v in base.items()}
+        head(t["hidden"], t["weight"], ids, t["bias"]).sum().backward()
+        grads.append({k: v.grad for k, v in t.items()})
+    ours, ref = grads
+    for k in base:
+        if k in needs:
+            torch.testing.assert_close(ours[k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
+        else:
+            assert ours[k] is None, k
+
+
 def test_autocast_mixes_fp32_weight_and_bf16_compute():
     hidden = torch.randn(4, 16, requires_grad=True)
     weight = torch.randn(100, 16, requires_grad=True)

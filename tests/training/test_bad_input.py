@@ -72,8 +72,13 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
 
 def test_bf16_auto_on_a_cpu_follows_its_native_bf16(monkeypatch):
     from lowmem_grpo.policy import model
-    for flags, native in (("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True)):
-        monkeypatch.setattr("builtins.open", lambda *a, flags=flags, **k: io.StringIO(f"processor: 0\nflags\t: {flags}\n"))
+    monkeypatch.setenv("LOWMEM_GRPO_CPU_BF16", "1")
+    assert model.cpu_has_native_bf16() is True  # the override (tests/conftest.py sets 0)
+    monkeypatch.delenv("LOWMEM_GRPO_CPU_BF16")
+    cases = (("fpu sse avx2 avx512f", False), ("fpu avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True))
+    for flags, native in cases:
+        cpuinfo = f"processor: 0\nflags\t: {flags}\n"
+        monkeypatch.setattr("builtins.open", lambda *a, text=cpuinfo, **k: io.StringIO(text))
         assert model.cpu_has_native_bf16() is native
         assert bf16_autocast_wanted(None, torch.device("cpu")) is native
         assert bf16_autocast_wanted(True, torch.device("cpu")) is True  # asked for: on (emulated where not native)

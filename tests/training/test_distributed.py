@@ -126,7 +126,8 @@ def test_a_rank_that_raises_stops_the_job_with_its_error_and_a_checkpoint(tmp_pa
     import time
     (tmp_path / "failing_reward.py").write_text(FAILING_REWARD)
     t0 = time.perf_counter()
-    done = train(tmp_path, "run", "max_steps=50", f"reward_funcs=[{tmp_path / 'failing_reward.py'}:flaky]", "reward_weights=[1.0]",
+    done = train(tmp_path, "run", "max_steps=50", f"reward_funcs=[{tmp_path / 'failing_reward.py'}:flaky]",
+                 "reward_weights=[1.0]",
                  "eval_on_start=false", "eval_on_end=false", "ddp_timeout=60", timeout=180)
     elapsed = time.perf_counter() - t0
     assert done.returncode != 0
