@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
     try:
         args.recipe = resolve_recipe(args.recipe)
+        if args.command in ("eval", "profile") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(f"`lowmem-grpo {args.command}` runs in one process (only `train` uses torchrun's "
+                              f"ranks): run it without torchrun")
         if args.command == "profile":
             from .profile import run as profile
             return profile(args.recipe, load_config(args.recipe, args.overrides), args.overrides, args.steps, args.out)

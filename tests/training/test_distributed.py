@@ -161,3 +161,9 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_and_saves_once
     steps = [r["step"] for r in metrics(out)]
     assert len(saved) == 1 and saved[0] == steps[-1], (saved, steps, output[-3000:])
     assert steps == list(range(1, steps[-1] + 1))
+
+
+def test_eval_and_profile_under_torchrun_are_refused_once(tmp_path):
+    done = run(["-m", "lowmem_grpo", "eval", "recipes/toy_tokens.yaml", f"output_dir={tmp_path}"], nproc=2)
+    assert done.returncode != 0
+    assert done.stderr.count("runs in one process") == 1, done.stderr[-2000:]  # rank 0 says it, once
