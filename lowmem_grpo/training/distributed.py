@@ -49,6 +49,8 @@ class PeerFailure(RuntimeError):
 def _collective(what: str) -> Iterator[None]:
     try:
         yield
+    except torch.OutOfMemoryError:  # this rank's own failure (a RuntimeError too): it saves and reports
+        raise
     except (RuntimeError, dist.DistError) as e:
         raise PeerFailure(f"{what} failed: another rank stopped or did not answer within train.ddp_timeout "
                           f"(that rank's error is above). torch: {str(e).splitlines()[0][:200]}") from e
