@@ -24,6 +24,7 @@ trainer has one code path.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -168,6 +169,10 @@ def start(strategy: str, device: str, timeout_s: float) -> tuple[World, Optional
         backend = "nccl" if cuda else "gloo"
         kwargs = {"device_id": torch.device(name)} if cuda else {}
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+        # Ours to leave: at the latest when the interpreter exits (a script using the Python API may not
+        # call stop()); a group still alive when C++ destructors run can abort the process ("terminate
+        # called without an active exception"), failing a run that had finished.
+        atexit.register(stop)
     if rank != 0:  # one copy of the run's progress messages: warnings and errors still show on every rank
         logging.getLogger("lowmem_grpo").setLevel(logging.WARNING)
     return World(rank=rank, size=size, local_rank=local_rank, strategy=strategy), name

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.policy.rollout import Batch  # noqa: E402
+from lowmem_grpo.training import distributed  # noqa: E402
 from lowmem_grpo.training.generation import GenerationBatch  # noqa: E402
 from lowmem_grpo.training.trainer import Trainer  # noqa: E402
 from tests.training.conftest import TINY_LLAMA, toy_rows, write_jsonl  # noqa: E402
@@ -68,6 +69,7 @@ def main(out: str, loss_type: str, strategy: str, *overrides: str) -> None:
     state = trainer.full_state_dict()
     if rank == 0:
         torch.save({"params": state, "grad_norms": norms}, work / "params.pt")
+    distributed.stop()  # as the CLI does at the end of a run
 
 
 if __name__ == "__main__":
