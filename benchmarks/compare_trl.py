@@ -187,8 +187,6 @@ def spawn(kind: str, cfg: dict) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"cmp_{kind}_"))
     cfg = {**cfg, "result": str(work / "result.json")}
     (work / "cfg.json").write_text(json.dumps(cfg))
-    # lowmem-grpo comes from the installed package, never from the tree on sys.path: the tree's
-    # top-level `kernels/` folder would shadow Hugging Face's `kernels` package, which transformers probes.
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     print(f"[compare_trl] {kind} {cfg.get('setting', '')} seed {cfg.get('seed', '-')}: running", flush=True)
     subprocess.run([sys.executable, __file__, "--worker", kind, str(work / "cfg.json")], check=True, env=env, cwd=ROOT)

@@ -119,8 +119,8 @@ def check_env(json_path: str | None) -> int:
             missing.append(f"{name}: {type(e).__name__}: {e}")
     import lowmem_grpo.kernels as kernels
     info["kernels_from"] = str(Path(kernels.__file__).parent)
-    if Path(kernels.__file__).resolve().parent != ROOT / "kernels":
-        missing.append(f"lowmem_grpo.kernels comes from {kernels.__file__}, not this tree's kernels/")
+    if Path(kernels.__file__).resolve().parent != ROOT / "lowmem_grpo" / "kernels":
+        missing.append(f"lowmem_grpo.kernels comes from {kernels.__file__}, not this tree's lowmem_grpo/kernels/")
     info["import_errors"] = missing
     print(json.dumps(info, indent=2))
     if json_path:

@@ -20,6 +20,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   fi
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# This tree first: lowmem_grpo imports from it, and lowmem_grpo.kernels is its kernels/ folder.
+# This tree first: lowmem_grpo (and its kernels/) imports from it.
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$python" benchmarks/gpu_session.py "$@"

@@ -2,7 +2,7 @@
 
 The package, bottom to top (each layer imports only the ones above it in this list):
 
-    lowmem_grpo.kernels   fused loss-head ops (the top-level `kernels/` folder of the source tree)
+    kernels/              fused loss-head ops (import nothing else of the package)
     config, phases        the settings tree; the step's phase markers for the profiler
     policy/               loading the model, generation, the no-grad log-prob passes
     rewards/              reward functions: TRL's signature, built-ins, loading, calling
@@ -18,10 +18,7 @@ bottom with config. `from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCal
 (and torch) on first use only, so `import lowmem_grpo` and `lowmem_grpo.kernels` stay light.
 """
 
-import importlib.util
 import logging
-import os
-import sys
 
 __version__ = "0.1.0"
 
@@ -43,38 +40,6 @@ def _default_log_handler() -> None:
 
 
 _default_log_handler()
-
-
-class _SourceTreeKernels:
-    """Finds `lowmem_grpo.kernels` in a source tree, where it is the `kernels/` folder beside this package.
-
-    An install maps that folder into the package (pyproject's package-dir). A bare tree (the GPU
-    machine, a clone with its root on sys.path) has no such mapping, and a tree that shadows an install
-    (`python -m pytest` from the root puts the root first) would fail to import the kernels or take
-    another tree's. So when this package is imported from a source tree, `lowmem_grpo.kernels` is
-    always that tree's `kernels/`. Only this one name is handled.
-    """
-
-    def __init__(self, folder: str):
-        self.folder = folder
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != __name__ + ".kernels":
-            return None
-        return importlib.util.spec_from_file_location(fullname, os.path.join(self.folder, "__init__.py"),
-                                                      submodule_search_locations=[self.folder])
-
-
-def _map_source_tree_kernels() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.path.isfile(os.path.join(here, "kernels", "__init__.py")):
-        return  # an installed wheel: the kernels are inside the package
-    folder = os.path.join(os.path.dirname(here), "kernels")
-    if os.path.isfile(os.path.join(folder, "__init__.py")):
-        sys.meta_path.insert(0, _SourceTreeKernels(folder))
-
-
-_map_source_tree_kernels()
 
 
 _API = ("GRPOConfig", "GRPOTrainer", "TrainerCallback")

@@ -1,7 +1,7 @@
 """The recipes shipped with the package: where they are, their names and headers, and the files each needs.
 
 The top-level `recipes/` folder of the source tree installs as `lowmem_grpo/recipes/` (pyproject's
-package-dir, as `kernels/` does), so a `pip install` user has them; in a source tree (editable install,
+package-dir), so a `pip install` user has them; in a source tree (editable install,
 or the bare tree on sys.path) they are the `recipes/` folder beside this package. Imports nothing.
 """
 

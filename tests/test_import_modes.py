@@ -1,7 +1,6 @@
 """`import lowmem_grpo.kernels` loads the kernels of the tree it should, however the package is found.
 
-The `kernels/` folder sits beside `lowmem_grpo/` in the source tree and is mapped into the package
-by an install (pyproject's package-dir). Three ways people run the code:
+Three ways people run the code:
   (a) an editable install (`make setup`, `pip install -e .`);
   (b) a regular wheel install, also run from inside a source tree, which then shadows the install
       (`python -m pytest` puts the working directory first);
@@ -44,7 +43,7 @@ def _loaded(cwd, path=(), site=True) -> tuple[Path, Path]:
 
 
 def _copy_tree(dest: Path) -> Path:
-    for name in ("lowmem_grpo", "kernels", "tests", "recipes"):
+    for name in ("lowmem_grpo", "tests", "recipes"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, dest / name)
@@ -62,7 +61,7 @@ def _pytest_runs(cwd, path=()):
 def test_no_install_bare_tree(tmp_path):
     """(c) A bare copy of the tree, nothing installed: its own package and kernels."""
     tree = _copy_tree(tmp_path / "tree")
-    assert _loaded(tree) == (tree / "lowmem_grpo", tree / "kernels")
+    assert _loaded(tree) == (tree / "lowmem_grpo", tree / "lowmem_grpo" / "kernels")
     assert Path(_python(["-c", RECIPES], tree).split()[-1]) == tree / "recipes"
     _pytest_runs(tree)
 
@@ -97,7 +96,7 @@ def test_wheel_install_alone_and_shadowed_by_a_tree(tmp_path):
     # a pip-install user copies a recipe with its data, and it loads
     _python(["-m", "lowmem_grpo", "recipes", "cp", "char_e", "mine"], elsewhere, [site])
     assert (elsewhere / "mine" / "char_e.yaml").is_file() and (elsewhere / "mine" / "data" / "char_e_train.jsonl").is_file()
-    assert _loaded(tree, [site]) == (tree / "lowmem_grpo", tree / "kernels")
+    assert _loaded(tree, [site]) == (tree / "lowmem_grpo", tree / "lowmem_grpo" / "kernels")
     _pytest_runs(tree, [site])
 
 
@@ -112,7 +111,7 @@ def test_editable_install(tmp_path):
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     package, kernels = (Path(p).resolve().parent for p in proc.stdout.split()[-2:])
-    assert kernels == package.parent / "kernels", (package, kernels)
+    assert kernels == package / "kernels", (package, kernels)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layout.py"],
                           cwd=package.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:]

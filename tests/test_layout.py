@@ -33,8 +33,6 @@ BELOW = {
 def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         yield "lowmem_grpo." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts), path
-    for path in sorted((ROOT / "kernels").rglob("*.py")):
-        yield "lowmem_grpo.kernels." + ".".join(path.relative_to(ROOT / "kernels").with_suffix("").parts), path
 
 
 def _imported(module: str, path: pathlib.Path) -> set[str]:

@@ -113,14 +113,14 @@ def optimizer_state_bytes(sizes: list[int], optimizer: str, weight_bytes: int) -
 
 
 def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:
-    """The fused head's memory for n completion tokens (kernels/linear.py), beyond its inputs."""
+    """The fused head's memory for n completion tokens (lowmem_grpo/kernels/linear.py), beyond its inputs."""
     chunk = default_chunk_size(n, arch.vocab)
     total = n * chunk * compute_bytes + n * arch.hidden * compute_bytes  # workspace + hidden in compute dtype
     if compute_bytes != weight_bytes:
         total += chunk * arch.hidden * compute_bytes  # one weight slice cast per GEMM
     if backward:
         total += 4 * n * arch.hidden  # fp32 d hidden accumulator
-    if device == "cpu":  # the torch fallback: row chunks of the slice in fp32, at most three (kernels/logprobs.py)
+    if device == "cpu":  # the torch fallback: row chunks of the slice in fp32, at most three (lowmem_grpo/kernels/logprobs.py)
         total += min(3 * 4 * n * chunk, DEFAULT_WORKSPACE_BYTES)
     return total
 

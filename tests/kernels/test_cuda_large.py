@@ -3,7 +3,7 @@
 CPU tests run the same kernels in Triton's interpreter at small sizes; what only a GPU shows is the
 compiled code at real sizes: int64 row offsets (N * V > 2^31 elements would overflow int32 offsets
 in the last rows), the vocabulary-block loop at V = 151936, and the in-place backward on a 4 GiB
-buffer. The reference is the fp32 (and bf16) spec of kernels/reference.py, run a row chunk at a
+buffer. The reference is the fp32 (and bf16) spec of lowmem_grpo/kernels/reference.py, run a row chunk at a
 time so that it fits beside the op's own buffers.
 """
 
@@ -112,7 +112,7 @@ def test_linear_grpo_loss_at_qwen_sizes_matches_the_cpu_spec(loss_type):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_kernels_launch_on_their_tensors_device():
     # Triton launches on the current device; tensors on cuda:1 while cuda:0 is current must still be
-    # computed on cuda:1 (kernels/_backend.py launch_guard).
+    # computed on cuda:1 (lowmem_grpo/kernels/_backend.py launch_guard).
     torch.manual_seed(3)
     x = torch.randn(64, 5000)
     ids = torch.randint(0, 5000, (64,))

@@ -1,0 +1,22 @@
+"""Fused loss-head ops for GRPO: per-token log-probs and losses without vocab-size tensors.
+
+    token_logprobs         logits (..., V)           -> logp (...)           (op 1)
+    grpo_token_loss        logits (B, T, V)          -> per-token loss        (ops 2+3)
+    linear_token_logprobs  hidden (..., H), W (V, H) -> logp (...)           (op 4)
+    linear_grpo_loss       hidden (B, T, H), W       -> scalar loss, metrics  (op 4 + loss)
+
+CUDA tensors run Triton kernels; CPU tensors run a chunked torch path with the same memory bound.
+`reference` holds the plain fp32 torch spec every op is tested against.
+"""
+
+from ._backend import HAS_TRITON, get_backend, set_backend, use_backend
+from .grpo_loss import GRPOTokenLoss, grpo_token_loss, grpo_token_terms
+from .linear import linear_token_logprobs
+from .linear_loss import ISLevel, LossType, linear_grpo_loss
+from .logprobs import token_logprobs
+
+__all__ = [
+    "token_logprobs", "grpo_token_loss", "linear_token_logprobs", "linear_grpo_loss",
+    "grpo_token_terms", "GRPOTokenLoss", "LossType", "ISLevel",
+    "HAS_TRITON", "get_backend", "set_backend", "use_backend",
+]
