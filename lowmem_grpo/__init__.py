@@ -2,7 +2,8 @@
 
 The package, bottom to top (each layer imports only the ones above it in this list):
 
-    kernels/              fused loss-head ops (import nothing else of the package)
+    ranges                the allowed ranges of settings that both kernels and config check
+    kernels/              fused loss-head ops (import nothing else of the package but ranges)
     config, phases        the settings tree; the step's phase markers for the profiler
     policy/               loading the model, generation, the no-grad log-prob passes
     rewards/              reward functions: TRL's signature, built-ins, loading, calling

@@ -15,18 +15,20 @@ PACKAGE = ROOT / "lowmem_grpo"
 
 # package (first component under lowmem_grpo) -> the other packages it may import
 BELOW = {
-    "kernels": set(),
-    "config": set(),
+    "ranges": set(),  # the value ranges both the kernels and the config check (one copy of each rule)
+    "kernels": {"ranges"},
+    "config": {"ranges"},
     "phases": set(),
     "shipped_recipes": set(),
-    "policy": {"config", "kernels"},
+    "policy": {"ranges", "config", "kernels"},
     "rewards": set(),
-    "memory_modes": {"config", "phases", "kernels", "policy"},
-    "training": {"config", "phases", "kernels", "policy", "rewards", "memory_modes"},
-    "memory": {"config", "phases", "kernels", "policy", "rewards", "memory_modes", "training"},
-    "api": {"config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes", "training"},
-    "cli": {"config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes", "training",
-            "memory", "api"},
+    "memory_modes": {"ranges", "config", "phases", "kernels", "policy"},
+    "training": {"ranges", "config", "phases", "kernels", "policy", "rewards", "memory_modes"},
+    "memory": {"ranges", "config", "phases", "kernels", "policy", "rewards", "memory_modes", "training"},
+    "api": {"ranges", "config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes",
+            "training"},
+    "cli": {"ranges", "config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes",
+            "training", "memory", "api"},
 }
 
 

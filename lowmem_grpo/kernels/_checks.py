@@ -6,6 +6,7 @@ import torch
 
 from torch._subclasses.fake_tensor import is_fake
 
+from ..ranges import TEMPERATURE
 from ._backend import debug_checks
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -19,10 +20,7 @@ def check_float(t: torch.Tensor, name: str) -> None:
 
 
 def check_temperature(temperature: float) -> float:
-    temperature = float(temperature)
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    return temperature
+    return TEMPERATURE.check(temperature, "temperature")  # the config checks the same rule (ranges.py)
 
 
 def check_shape(t: torch.Tensor | None, shape: tuple[int, ...], name: str, device: torch.device) -> None:

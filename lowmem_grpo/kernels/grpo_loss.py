@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..ranges import BETA, EPSILON_HIGH, EPSILON_LOW
 from ._backend import use_triton
 from ._checks import check_float, check_ids, check_mask, check_shape, check_temperature
 from .logprobs import _token_logprobs_backward_op, finalize_stats, logits_stats, may_overwrite, new_stats
@@ -34,15 +35,11 @@ class GRPOTokenLoss:
 
 
 def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float, ref_logp) -> tuple[float, float, float]:
-    epsilon_low = float(epsilon_low)
-    epsilon_high = epsilon_low if epsilon_high is None else float(epsilon_high)
-    beta = float(beta)
-    if not 0.0 <= epsilon_low < 1.0:
-        raise ValueError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
-    if not epsilon_high >= 0.0:
-        raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
-    if not beta >= 0.0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
+    """The clip ranges and KL coefficient as floats, checked against the ranges the config also checks
+    (lowmem_grpo/ranges.py); epsilon_high None means epsilon_low."""
+    epsilon_low = EPSILON_LOW.check(epsilon_low, "epsilon_low")
+    epsilon_high = epsilon_low if epsilon_high is None else EPSILON_HIGH.check(epsilon_high, "epsilon_high")
+    beta = BETA.check(beta, "beta")
     if beta > 0.0 and ref_logp is None:
         raise ValueError(f"beta={beta} > 0 adds a KL penalty and needs ref_logp (reference-model log-probs); "
                          "pass ref_logp=... or set beta=0.0")
