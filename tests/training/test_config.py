@@ -36,7 +36,7 @@ def test_recipe_then_command_line_precedence(tmp_path):
     assert cfg.train.beta == 0.1 and cfg.train.max_steps == 7 and cfg.optim.learning_rate == 3e-6
     assert cfg.model.name_or_path == "a"
     # YAML 1.1 would read 1e-05 as a string, even nested in a dict (a model config's rms_norm_eps)
-    cfg = load_config(recipe, ['model.config={"model_type": "llama", "rms_norm_eps": 1e-05}'])
+    cfg = load_config(recipe, ["model.name_or_path=null", 'model.config={"model_type": "llama", "rms_norm_eps": 1e-05}'])
     assert cfg.model.config["rms_norm_eps"] == 1e-5
 
 
@@ -144,3 +144,78 @@ def test_reward_timeout_is_checked():
     assert load_config(None, [*MINIMAL, "reward_timeout=2.5"]).rewards.reward_timeout == 2.5
     with pytest.raises(ConfigError, match="reward_timeout must be > 0"):
         load_config(None, [*MINIMAL, "reward_timeout=0"])
+
+
+def test_the_loss_hyper_parameters_follow_the_kernels_rule():
+    """epsilon, epsilon_high, beta and temperature: the config refuses exactly what the fused ops refuse
+    (one rule, lowmem_grpo/ranges.py), so a bad value stops before the model loads, not inside the loss."""
+    from lowmem_grpo.kernels._checks import check_temperature
+    from lowmem_grpo.kernels.grpo_loss import check_grpo_hparams
+    kernel_checks = {"epsilon": lambda v: check_grpo_hparams(v, None, 0.0, None),
+                     "epsilon_high": lambda v: check_grpo_hparams(0.2, v, 0.0, None),
+                     "beta": lambda v: check_grpo_hparams(0.2, None, v, object()),
+                     "temperature": check_temperature}
+    for key, kernel_check in kernel_checks.items():
+        for value in (-1.0, -1e-9, 0.0, 1e-9, 0.2, 0.999, 1.0, 5.0, float("nan"), float("inf")):
+            try:
+                kernel_check(value)
+                kernel_ok = True
+            except ValueError:
+                kernel_ok = False
+            text = {"nan": ".nan", "inf": ".inf"}.get(str(value), repr(value))
+            try:
+                load_config(None, [*MINIMAL, f"{key}={text}"])
+                config_ok = True
+            except ConfigError as e:
+                assert key in str(e)
+                config_ok = False
+            assert config_ok == kernel_ok, (key, value, config_ok, kernel_ok)
+    with pytest.raises(ConfigError, match=r"train.epsilon must be in \[0, 1\), got 5.0 .*the default is 0.2"):
+        load_config(None, [*MINIMAL, "epsilon=5"])
+
+
+def test_two_model_sources_are_an_error_naming_both(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {config: {model_type: llama}, tokenizer: none}\nrewards: {reward_funcs: [numeric_answer]}\n")
+    with pytest.raises(ConfigError, match=r"two model sources: model.name_or_path='/some/path' .*model.config "
+                                          r"\(a randomly initialised llama\).*model.config=null.*model.name_or_path=null"):
+        load_config(recipe, ["model.name_or_path=/some/path"])
+    # each fix the message names works
+    cfg = load_config(recipe, ["model.name_or_path=/some/path", "model.config=null"])
+    assert cfg.model.name_or_path == "/some/path" and cfg.model.config is None
+    cfg = load_config(recipe, ["model.name_or_path=/some/path", "model.name_or_path=null"])
+    assert cfg.model.name_or_path == "" and cfg.model.config == {"model_type": "llama"}
+    assert load_config(recipe, ["model.name_or_path="]).model.name_or_path == ""  # `key=` clears it too
+    with pytest.raises(ConfigError, match=r"model.gguf_file='m.gguf' is a file inside model.name_or_path, which is "
+                                          "not set"):
+        load_config(recipe, ["model.gguf_file=m.gguf"])
+
+
+def test_a_recipe_that_is_not_yaml_names_file_line_and_column(tmp_path):
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("model: {name_or_path: a\ntrain: {beta: 0.1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    message = str(e.value)
+    assert "\n" not in message and str(recipe) in message and "is not valid YAML: line 2, column 6" in message
+    assert "(while parsing a flow mapping at line 1, column 8)" in message
+    recipe.write_text("train:\n\tbeta: 0.1\n")  # a tab for indentation
+    with pytest.raises(ConfigError, match=r"broken.yaml' is not valid YAML: line 2, column 1: found character '\\t'"):
+        load_config(recipe)
+    recipe.write_bytes(b"train: {beta: \xff}\n")
+    with pytest.raises(ConfigError, match="broken.yaml' cannot be read: 'utf-8' codec can't decode"):
+        load_config(recipe)
+
+
+def test_an_override_that_is_not_yaml_names_the_key_and_the_fix():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*MINIMAL, "system_prompt=Answer: in one word: yes"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert message == ("the value of system_prompt on the command line is not valid YAML: 'Answer: in one word: yes', "
+                       "line 1, column 20: mapping values are not allowed here; if it is text, quote it: "
+                       "'system_prompt=\"Answer: in one word: yes\"'")
+    assert load_config(None, [*MINIMAL, 'system_prompt="Answer: in one word: yes"']).data.system_prompt == \
+        "Answer: in one word: yes"  # the fix it names works
+    with pytest.raises(ConfigError, match=r"value of reward_weights .*'\[1.0,', line 1, column 6: expected the node"):
+        load_config(None, [*MINIMAL, "reward_weights=[1.0,"])
