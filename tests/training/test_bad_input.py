@@ -112,3 +112,30 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     assert "did you mean 'max_steps'" in err and "Traceback" not in err
     assert main(["train", str(recipe)]) == 2
     assert "data.train_file is not set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["/missing/folder", "./missing", "../missing", "~/missing-model", "runs/x/checkpoint-3",
+                                  "missing/"])
+def test_eval_of_a_missing_folder_says_no_such_folder(tmp_path, capsys, monkeypatch, path):
+    """The hub's 'Repo id must be in the form ...' was the answer to a mistyped checkpoint folder."""
+    monkeypatch.chdir(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {{config: {json.dumps(TINY_LLAMA)}, tokenizer: none}}\n"
+                      "rewards: {reward_funcs: [numeric_answer]}\n")
+    assert main(["eval", str(recipe), f"model={path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lowmem-grpo: error: no such folder: {path}") and err.count("\n") == 1, err
+    assert "Repo id" not in err and "Traceback" not in err and "hub id such as" in err
+
+
+def test_only_paths_that_look_local_are_checked_as_folders(tmp_path):
+    from lowmem_grpo.policy.model import check_local_folder, looks_local
+    for hub_id in ("gpt2", "Qwen/Qwen2.5-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M"):
+        assert not looks_local(hub_id) and check_local_folder(hub_id, "model.name_or_path") == hub_id
+    for local in ("/abs/path", "./rel", "../up", "~/home", "a/b/c", "trailing/", ".", ".."):
+        assert looks_local(local), local
+    assert check_local_folder(str(tmp_path) + "/", "model.name_or_path") == str(tmp_path)  # an existing one passes
+    from lowmem_grpo.config import ModelConfig
+    from lowmem_grpo.policy.model import load_tokenizer
+    with pytest.raises(ModelError, match=r"no such folder: ./tok \(.*/tok\), given as model.tokenizer"):
+        load_tokenizer(ModelConfig(name_or_path="gpt2", tokenizer="./tok"))
