@@ -6,9 +6,10 @@
 Padding tokens (mask given) are dropped before the head (their rows are gathered away), so they
 cost no GEMM work. Gathering them needs the number of kept tokens on the host: a caller that counted
 them before the batch went to the GPU passes it (`mask_count`) and the gather is sync-free
-(`torch.nonzero_static`); otherwise it is counted here, one device sync per call. The per-token loss is op 2 (closed-form gradient) at the token level; GSPO's
-sequence-level ratio needs a reduction over each sequence first, so that variant is plain autograd
-on (B, T) vectors, which are tiny next to the head.
+(`torch.nonzero_static`); otherwise it is counted here, one device sync per call. The per-token
+loss is op 2 (closed-form gradient) at the token level; GSPO's sequence-level ratio needs a
+reduction over each sequence first, so that variant is plain autograd on (B, T) vectors, which are
+tiny next to the head.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ._backend import debug_checks
-from ._checks import check_ids, check_mask, check_shape
+from ._checks import _tracing, check_ids, check_mask, check_shape
 from .grpo_loss import _expand_advantages, check_grpo_hparams, grpo_token_terms
 from .linear import check_linear_args, linear_token_logprobs
 
@@ -79,8 +80,8 @@ def kept_rows(mask: Tensor, mask_count: Optional[int] = None) -> Tensor:
     the wrong rows: it is checked on the CPU, and on CUDA in debug mode (LOWMEM_GRPO_DEBUG=1) only."""
     flat = mask.reshape(-1)
     if mask_count is None:
-        mask_count = int(flat.sum())  # the one sync, for callers that do not know the count
-    elif mask.device.type == "cpu" or debug_checks():
+        return flat.nonzero().squeeze(1)  # a sync on CUDA, for callers that do not know the count
+    if (mask.device.type == "cpu" or debug_checks()) and not _tracing(mask):
         actual = int(flat.sum())
         if actual != mask_count:
             raise ValueError(f"mask_count={mask_count} but the mask has {actual} True entries: pass the mask's "

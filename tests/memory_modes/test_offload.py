@@ -524,3 +524,77 @@ def test_cuda_tied_head_split_matches_the_device_optimizer(kind, dtype, steps):
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
     assert_uploaded(models["split"], opts["split"])
     assert_every_weight_moved(models["split"], start)
+
+
+class LaggingCopies:
+    """Stands in for the side stream of a GPU that runs behind the host: a gradient's copy to its host
+    buffer lands only when the host waits for its event or a later one (one stream: in order), and
+    never by itself. Installed in place of OffloadedOptimizerInBackward._to_host, it makes the CPU run
+    the CUDA path's bookkeeping (events polled and waited for, updates held back, the head's copy
+    waited for through _head_ready): code that read a host buffer before its copy landed would read
+    the previous step's gradient."""
+
+    def __init__(self, monkeypatch):
+        self.recorded = self.done = self.waits = 0
+        self.in_flight = []  # (sequence number, copy to run when it lands)
+        monkeypatch.setattr(OffloadedOptimizerInBackward, "_to_host",
+                            lambda opt, grad, host_grad, norm=None, host_norm=None:
+                            self.to_host(grad, host_grad, norm, host_norm))
+
+    def to_host(self, grad, host_grad, norm, host_norm):
+        grad = grad.clone()  # the device copy stays alive until its copy is done (record_stream)
+        norm = None if norm is None else norm.clone()
+
+        def land():
+            host_grad.copy_(grad)
+            if norm is not None:
+                host_norm.copy_(norm)
+        self.recorded += 1
+        self.in_flight.append((self.recorded, land))
+        return _LaggingEvent(self, self.recorded)
+
+    def complete(self, seq):
+        while self.in_flight and self.in_flight[0][0] <= seq:
+            self.in_flight.pop(0)[1]()
+        self.done = max(self.done, seq)
+
+
+class _LaggingEvent:
+    def __init__(self, copies, seq):
+        self.copies, self.seq = copies, seq
+
+    def query(self):
+        return self.seq <= self.copies.done
+
+    def synchronize(self):
+        self.copies.waits += 1
+        self.copies.complete(self.seq)
+
+
+def test_tied_head_split_with_lagging_copies_equals_the_device_optimizer(monkeypatch):
+    # The CUDA path's bookkeeping on the CPU (LaggingCopies): with copies that land late and a small lag,
+    # updates are held back and applied in batches, the tied weight's sum waits for both copies, and the
+    # parameters after several clipped steps are bit for bit those of the optimizer in backward on the
+    # device. The head-only step (no lookup) waits for the head's copy in end_step.
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.policy.model import check_fused_head
+    copies = LaggingCopies(monkeypatch)
+    models = [_model(), _model()]
+    device = OptimizerInBackward([{"params": list(models[0].parameters()), "lr": 1e-2}], _make("adamw"), 0.05)
+    split = OffloadedOptimizerInBackward([{"params": list(models[1].parameters()), "lr": 1e-2}], _make("adamw"),
+                                         0.05, lag_bytes=8 * 1024)
+    assert split.split_tied_head(models[1])
+    for step in range(4):
+        norms = [_step(m, o, step) for m, o in zip(models, (device, split))]
+        assert norms[1] == pytest.approx(norms[0], rel=1e-6)  # the tied norm: on the host, from the sum
+        assert split.host_waits > 1 and not copies.in_flight  # held back, waited for, all landed
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(1))
+    for m, o in zip(models, (device, split)):  # the head alone: its copy is the whole gradient
+        o.begin_step()
+        (-linear_token_logprobs(hidden, check_fused_head(m).weight, ids).mean()).backward()
+        o.end_step()
+    assert not copies.in_flight
+    for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(x, y), k
+    assert_uploaded(models[1], split)
