@@ -4,9 +4,12 @@
         -> (loss 0-dim, metrics dict)
 
 Padding tokens (mask given) are dropped before the head (their rows are gathered away), so they
-cost no GEMM work. The per-token loss is op 2 (closed-form gradient) at the token level; GSPO's
-sequence-level ratio needs a reduction over each sequence first, so that variant is plain autograd
-on (B, T) vectors, which are tiny next to the head.
+cost no GEMM work. Gathering them needs the number of kept tokens on the host: a caller that counted
+them before the batch went to the GPU passes it (`mask_count`) and the gather is sync-free
+(`torch.nonzero_static`); otherwise it is counted here, one device sync per call. The per-token
+loss is op 2 (closed-form gradient) at the token level; GSPO's sequence-level ratio needs a
+reduction over each sequence first, so that variant is plain autograd on (B, T) vectors, which are
+tiny next to the head.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Optional, Type, TypeVar
 import torch
 from torch import Tensor
 
-from ._checks import check_ids, check_mask, check_shape
+from ._backend import debug_checks
+from ._checks import _tracing, check_ids, check_mask, check_shape
 from .grpo_loss import _expand_advantages, check_grpo_hparams, grpo_token_terms
 from .linear import check_linear_args, linear_token_logprobs
 
@@ -68,6 +72,23 @@ def reduce_loss(per_token: Tensor, maskf: Tensor, loss_type: LossType, *, max_co
     return total.sum() / (per_token.shape[0] * length)
 
 
+def kept_rows(mask: Tensor, mask_count: Optional[int] = None) -> Tensor:
+    """(n_kept,) int64: the flat indices where the bool `mask` is True, in order (`mask.nonzero()`).
+
+    `mask_count`, the number of them when the caller knows it on the host, makes it sync-free on CUDA
+    (`nonzero()` reads the count back from the device, a pipeline drain). A wrong count would gather
+    the wrong rows: it is checked on the CPU, and on CUDA in debug mode (LOWMEM_GRPO_DEBUG=1) only."""
+    flat = mask.reshape(-1)
+    if mask_count is None:
+        return flat.nonzero().squeeze(1)  # a sync on CUDA, for callers that do not know the count
+    if (mask.device.type == "cpu" or debug_checks()) and not _tracing(mask):
+        actual = int(flat.sum())
+        if actual != mask_count:
+            raise ValueError(f"mask_count={mask_count} but the mask has {actual} True entries: pass the mask's "
+                             "own count (e.g. int(mask.sum()) before moving it to the GPU), or leave it None")
+    return torch.nonzero_static(flat, size=mask_count).squeeze(1)
+
+
 def _sequence_level_terms(logp, adv, maskf, old, ref, eps_low, eps_high, beta):
     """GSPO: one ratio per sequence from the mean token log-ratio; (loss, kl, clip code), each (B, T)."""
     log_ratio = logp - (logp.detach() if old is None else old)
@@ -92,6 +113,7 @@ def linear_grpo_loss(
     bias: Optional[Tensor] = None, epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
     beta: float = 0.0, temperature: float = 1.0, loss_type: str = "dapo", importance_sampling_level: str = "token",
     max_completion_length: Optional[int] = None, num_items_in_batch=None, chunk_size: Optional[int] = None,
+    mask_count: Optional[int] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch from the decoder's last hidden states; no (B*T, V) tensor exists.
 
@@ -113,6 +135,8 @@ def linear_grpo_loss(
             micro-batches; TRL passes the generation batch's count scaled to one step (README, "Where
             we differ from TRL, on purpose").
         chunk_size: vocabulary slice width of the fused head (see linear_token_logprobs).
+        mask_count: the number of True entries of `mask`, if known on the host (the trainer counts them
+            before the micro-batch goes to the GPU): the padding is then dropped without a device sync.
 
     Returns:
         (loss, metrics): loss is 0-dim fp32, differentiable w.r.t. hidden, weight and bias. metrics
@@ -143,7 +167,7 @@ def linear_grpo_loss(
                                               return_entropy=True, chunk_size=chunk_size)  # (B, T) each
         entropy = entropy.detach()
     else:  # the head runs on the unmasked tokens only
-        keep = mask.reshape(-1).nonzero().squeeze(1)  # (n_kept,)
+        keep = kept_rows(mask, mask_count)  # (n_kept,)
         kept_logp, kept_entropy = linear_token_logprobs(
             hidden.reshape(B * T, H).index_select(0, keep), weight, flat_ids.index_select(0, keep), bias=bias,
             temperature=temperature, return_entropy=True, chunk_size=chunk_size)

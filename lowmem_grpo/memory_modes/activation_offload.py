@@ -15,11 +15,23 @@ import torch
 from torch import nn
 
 
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The copy stream of `device`, made on first use and reused by every pack of every context after
+    it (the loss makes a context per micro-batch; a stream per pack would take the next stream of
+    torch's pool each time)."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
     def __init__(self, min_bytes: int = 1 << 20, copy_on_cpu: bool = False):
         self.min_bytes = min_bytes
         self.copy_on_cpu = copy_on_cpu
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
         self.offloaded_bytes = 0  # total moved to the host inside this context (a test checks it)
         super().__init__(self._pack, self._unpack)
 
@@ -36,7 +48,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         self.offloaded_bytes += t.numel() * t.element_size()
         if t.device.type == "cpu":
             return (t.clone(), None, t.device)
-        stream = self.streams.setdefault(t.device, torch.cuda.Stream(t.device))
+        stream = side_stream(t.device)
         stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before we copy it
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         with torch.cuda.stream(stream):

@@ -9,7 +9,7 @@ the gathered weight (the root's parameters: embeddings, final norm, head), not t
 from __future__ import annotations
 
 import contextlib
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -32,10 +32,12 @@ class PolicyLoss(nn.Module):
         # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
         self.head = Head(decoder=getattr(policy, policy.base_model_prefix), output=policy.get_output_embeddings())
 
-    def forward(self, mb: Batch, num_items: int, scale: float = 1.0):
+    def forward(self, mb: Batch, num_items: int, scale: float = 1.0, tokens: Optional[int] = None):
         """(loss, metrics) of micro-batch `mb` (on the device). `num_items`: dapo's denominator, the
         completion tokens of the optimizer step summed over ranks. `scale` multiplies the loss (the
-        denominators of skipped rows; 0 for a rank that only takes part in the collectives)."""
+        denominators of skipped rows; 0 for a rank that only takes part in the collectives). `tokens`:
+        `mb.completion_mask.sum()` if the caller counted it on the host (the head then drops the
+        padding without a device sync)."""
         t, g = self.cfg.train, self.cfg.generation
         device_type = mb.completion_ids.device.type
         offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
@@ -48,7 +50,7 @@ class PolicyLoss(nn.Module):
                 epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
                 loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
                 max_completion_length=g.max_completion_length,
-                num_items_in_batch=num_items if t.loss_type == "dapo" else None)
+                num_items_in_batch=num_items if t.loss_type == "dapo" else None, mask_count=tokens)
         if t.loss_type == "dapo":
             # Each rank's sum over its tokens / the global count; data parallelism averages the ranks'
             # gradients, so multiply by the number of ranks to get the sum (TRL does the same).

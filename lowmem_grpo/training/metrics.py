@@ -31,6 +31,47 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+class StepSums:
+    """The loss and the token-weighted metric sums of one optimizer step's micro-batches, kept where the
+    loss is computed and read on the host once per step: on a GPU every host read of a device number
+    (`.item()`) waits for all queued work (a pipeline drain), and per micro-batch that was six of them.
+
+    The additions are in fp64, as the Python floats they replace were: each value is widened exactly,
+    multiplied by its integer token count and added in the same order, so the sums are bit for bit
+    those of `loss.item()` and `v.item() * n` summed in Python."""
+
+    def __init__(self):
+        self.loss: Optional[torch.Tensor] = None  # fp64 0-dim: sum of the micro-batches' losses
+        self.sums: dict[str, torch.Tensor] = {}  # name -> fp64 0-dim: sum of metric * tokens
+        self._host: Optional[tuple[float, dict[str, float]]] = None  # the last read, until the next add
+
+    @staticmethod
+    def _added(total: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().to(torch.float64)
+        # from an fp64 zero, as from the Python 0.0 before: 0.0 + (-0.0) is 0.0
+        return (torch.zeros_like(value) if total is None else total) + value
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        self.loss = self._added(self.loss, loss)
+        self._host = None
+
+    def add_metrics(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
+        """metrics: 0-dim tensors (token means over the micro-batch); tokens: its masked token count."""
+        for name, value in metrics.items():
+            self.sums[name] = self._added(self.sums.get(name), value.detach().to(torch.float64) * tokens)
+        self._host = None
+
+    def read(self) -> tuple[float, dict[str, float]]:
+        """(loss sum, {name: token-weighted sum}) on the host: one device read for all of them."""
+        if self._host is None:
+            names = sorted(self.sums)
+            values = [self.sums[k] for k in names] + ([self.loss] if self.loss is not None else [])
+            host = torch.stack(values).tolist() if values else []  # the step's one sync
+            loss = host.pop() if self.loss is not None else 0.0
+            self._host = (loss, dict(zip(names, host)))
+        return self._host[0], dict(self._host[1])
+
+
 def _clean(value):
     """JSON-safe scalars: tensors -> floats, NaN/inf -> None (JSON has no NaN)."""
     if isinstance(value, torch.Tensor):

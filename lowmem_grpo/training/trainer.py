@@ -54,7 +54,7 @@ from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_be
 from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
                          skipped_rows_scale, trained_rows)
 from .loss import PolicyLoss
-from .metrics import NullLog, RunLog, peak_memory_bytes, reset_peak_memory
+from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
@@ -325,11 +325,12 @@ class Trainer:
         return gb
 
     # ----- one optimizer step ------------------------------------------------------------------
-    def micro_batch_loss(self, mb: Batch, num_items: int, scale: float = 1.0):
+    def micro_batch_loss(self, mb: Batch, num_items: int, scale: float = 1.0, tokens: Optional[int] = None):
         """Loss of one micro-batch (already on the device) through the fused head, and its metrics
         (training/loss.py). `scale` restores the loss denominators of rows left out (skipped
-        zero-advantage completions); `num_items` is dapo's denominator over every rank."""
-        return self.loss_module(mb, num_items, scale)
+        zero-advantage completions); `num_items` is dapo's denominator over every rank; `tokens`, the
+        micro-batch's completion tokens counted on the host, spares the head a device sync."""
+        return self.loss_module(mb, num_items, scale, tokens=tokens)
 
     def _gradient_sync(self, last: bool):
         """DDP all-reduces on the last micro-batch of an optimizer step only (no_sync before it)."""
@@ -343,7 +344,8 @@ class Trainer:
         num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
         self.policy.train()
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
-        loss_sum, tokens, computed, sums, grad_norm, backwards = 0.0, 0, 0, {}, 0.0, 0
+        step_sums = StepSums()  # loss and metrics stay on the device until the step is over: no sync per micro-batch
+        tokens, computed, grad_norm, backwards = 0, 0, 0.0, 0
         for i, mb in enumerate(rows):
             keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
             empty = int(mb.completion_mask.sum()) == 0  # all masked (mask_truncated_completions): nothing to learn
@@ -360,25 +362,28 @@ class Trainer:
             else:
                 scale = skipped_rows_scale(mb, keep, t.loss_type)
             part = mb if keep.all() else mb.select(keep)
+            n = int(part.completion_mask.sum())  # counted on the host, before the micro-batch moves
             with self._gradient_sync(last=i == len(rows) - 1):
                 with phase("forward"):
-                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale)
-                    loss_sum += loss.item()
+                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale, tokens=n)
+                    step_sums.add_loss(loss)
+                    if not only_collectives:
+                        step_sums.add_metrics(metrics, n)
                 with phase("backward"):
                     if not in_backward:
                         loss.backward()
-                    elif np.isfinite(loss_sum):  # the weights change during this backward: check the loss first
+                    # The weights change during this backward: check the loss first. (One micro-batch per
+                    # step here, so this read is also the step's metrics read.)
+                    elif np.isfinite(step_sums.read()[0]):
                         self.optimizer.begin_step()
                         loss.backward()
                         grad_norm = self.optimizer.end_step()
             if only_collectives:
                 continue
             backwards += 1
-            n = int(part.completion_mask.sum())
             tokens += computed_tokens(part, self.pack, self.head.decoder)
             computed += n
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v.item() * n
+        loss_sum, sums = step_sums.read()  # the metrics' one host read of this step
         if world.distributed:  # token-weighted sums over ranks; the loss is the ranks' mean (see loss.py)
             keys = sorted(metrics)  # every rank ran every micro-batch, so every rank has the same metric names
             total = world.sum([loss_sum, tokens, computed, backwards] + [sums.get(k, 0.0) for k in keys])

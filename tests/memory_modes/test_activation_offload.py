@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.activation_offload import offload_activations
+from lowmem_grpo.memory_modes import activation_offload
+from lowmem_grpo.memory_modes.activation_offload import offload_activations, side_stream
 from lowmem_grpo.policy.model import enable_checkpointing
 
 
@@ -50,3 +51,34 @@ def test_async_offload_on_cuda_gives_identical_gradients():
     assert hooks.offloaded_bytes > 0
     for k in plain:
         torch.testing.assert_close(moved[k], plain[k], rtol=0, atol=0, msg=k)
+
+
+def test_the_copy_stream_is_made_once_per_device(monkeypatch):
+    # Made on first use and reused: not a new stream (the next one of torch's pool) for every tensor packed.
+    made = []
+    monkeypatch.setattr(activation_offload, "_side_streams", {})
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    first = side_stream(torch.device("cuda", 0))
+    assert side_stream(torch.device("cuda", 0)) is first and made == [torch.device("cuda", 0)]
+    assert side_stream(torch.device("cuda", 1)) is not first and len(made) == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_session.sh)")
+def test_async_offload_on_cuda_makes_one_stream(monkeypatch):
+    # Every layer input of two forwards (two contexts, as the loss makes one per micro-batch) goes through
+    # the same side stream, made once.
+    made = []
+
+    class CountedStream(torch.cuda.Stream):
+        def __new__(cls, *args, **kwargs):
+            if "stream_id" not in kwargs:  # a stream taken from the pool (current_stream() wraps an existing one)
+                made.append(1)
+            return super().__new__(cls, *args, **kwargs)
+    monkeypatch.setattr(activation_offload, "_side_streams", {})
+    monkeypatch.setattr(torch.cuda, "Stream", CountedStream)
+    hooks = [offload_activations(min_bytes=1), offload_activations(min_bytes=1)]
+    for h in hooks:
+        _grads("cuda", h)
+    assert all(h.offloaded_bytes >= 3 * 4 * 32 * 64 * 4 for h in hooks)  # several tensors packed each
+    assert len(made) == 1

@@ -9,18 +9,23 @@ import torch
 from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward, host_bytes_per_param, pcie_bytes_per_step
 from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
 
+from .ulp import assert_within_one_bf16_ulp, bf16_ulp
 
-def _model(dtype=torch.float32):
+
+def _model(dtype=torch.float32, device="cpu"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
+    # eager attention: its backward is deterministic on CUDA too (two models given the same inputs get the
+    # same gradients bit for bit, so paths that share the optimizer's code can be compared bitwise)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    return model.to(dtype)
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         attn_implementation="eager"))
+    return model.to(device, dtype)
 
 
 def _loss(model, seed):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (3, 7), generator=g)
+    ids = torch.randint(0, 64, (3, 7), generator=g).to(model.device)
     logits = model(input_ids=ids).logits.float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
 
@@ -35,6 +40,17 @@ def _make(kind):
         return lambda groups: cls(groups, lr=1e-2, min_8bit_size=256)
     import bitsandbytes as bnb
     return lambda groups: bnb.optim.AdamW8bit(groups, lr=1e-2, min_8bit_size=256)
+
+
+def assert_uploaded(model, opt) -> None:
+    """Every device weight is bit for bit its host copy: none missed its last upload."""
+    for k, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), opt.host[p]), f"{k}: the device weight is not its host copy"
+
+
+def assert_every_weight_moved(model, start: dict) -> None:
+    for k, p in model.named_parameters():
+        assert not torch.equal(p.detach().cpu(), start[k].cpu()), f"{k} never moved"
 
 
 def _states_equal(a: dict, b: dict) -> None:
@@ -141,22 +157,37 @@ def test_host_ram_and_pcie_arithmetic():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["adamw_8bit", "bf16_sr"])
-def test_offloaded_on_cuda_matches_and_holds_no_device_states(kind):
-    # On a GPU: the host update (bitsandbytes' CPU kernels) against the device update (its CUDA kernels):
-    # close, not bitwise (different kernels); no optimizer state on the device.
-    dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
-    on_device, offloaded = _model(dtype).cuda(), _model(dtype).cuda()
-    a = OptimizerInBackward([{"params": list(on_device.parameters()), "lr": 1e-3}], _make(kind), 1.0)
-    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-3}], _make(kind), 1.0)
-    for step in range(3):
+@pytest.mark.parametrize("kind, dtype, steps", [
+    ("adamw", torch.float32, 4), ("adamw", torch.bfloat16, 4), ("adamw_8bit", torch.float32, 1),
+    ("bf16_sr", torch.bfloat16, 1)])
+def test_offloaded_on_cuda_matches_and_holds_no_device_states(kind, dtype, steps):
+    # On a GPU: the host update (CPU kernels) against the device update (CUDA kernels): different code, so
+    # not bitwise. bf16 weights: each element within one bf16 ulp of the device path's; fp32: within 1e-5
+    # relative (one update is 1e-2). Every weight moved, every device weight is its host copy (a missed
+    # last upload fails that even where an update is under an ulp), no optimizer state is on the device.
+    # One step only where the two paths cannot stay together: bitsandbytes' 8-bit states are quantised by
+    # the CPU and the CUDA kernel from fp32 values that differ in their last bits, so now and then one of
+    # them lands on the neighbouring 8-bit code, a change of ~1% of an update from the next step on; and
+    # stochastic rounding draws its noise from the GPU's RNG on the device and the CPU's on the host.
+    on_device, offloaded = _model(dtype, "cuda"), _model(dtype, "cuda")
+    start = {k: v.detach().clone() for k, v in on_device.named_parameters()}
+    # lr 1e-2: more than one bf16 ulp at a norm gain of 1.0 (2**-7), so every element moves
+    a = OptimizerInBackward([{"params": list(on_device.parameters()), "lr": 1e-2}], _make(kind), 1.0)
+    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make(kind), 1.0)
+    for step in range(steps):
         for model, opt in ((on_device, a), (offloaded, b)):
+            torch.manual_seed(10 + step)
             opt.begin_step()
             _loss(model, step).backward()
-            opt.end_step()
-    tol = dict(rtol=2e-2, atol=2e-3) if kind == "bf16_sr" else dict(rtol=1e-4, atol=1e-5)
+            assert math.isfinite(opt.end_step())
+    torch.cuda.synchronize()
+    assert_uploaded(offloaded, b)
+    assert_every_weight_moved(offloaded, start)
     for (k, x), (_, y) in zip(on_device.named_parameters(), offloaded.named_parameters()):
-        torch.testing.assert_close(x.float(), y.float(), msg=k, **tol)
+        if dtype == torch.bfloat16:
+            assert_within_one_bf16_ulp(x, y, k)
+        else:
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
     for s in b.state_dict()["inner"]:
         for v in s["state"].values():
             assert all(t.device.type == "cpu" for t in v.values() if isinstance(t, torch.Tensor))
@@ -220,6 +251,7 @@ def _head_loss(model, seed, poison=False, rows=3):
     from lowmem_grpo.policy.model import check_fused_head, hidden_states
     head = check_fused_head(model)
     ids = torch.randint(0, model.config.vocab_size, (rows, 7), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(model.device)
     hidden = hidden_states(head, ids, torch.ones_like(ids))  # (3, 7, H)
     loss = -linear_token_logprobs(hidden[:, :-1], head.weight, ids[:, 1:]).float().mean()
     if poison:  # a non-finite gradient in the head's contribution only (the lookup's stays finite)
@@ -359,3 +391,210 @@ def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
         assert opt.max_live_grad_bytes == vh_bytes  # the gradients handed to the optimizer: one at a time
     assert peaks[False] >= 2 * vh_bytes, peaks
     assert peaks[True] < 1.25 * vh_bytes, peaks
+
+
+def test_one_bf16_ulp_rule():
+    # The rule's bound, per element: equal or neighbours pass; two ulps, or a norm gain's 1e-2 step, fail.
+    one = torch.tensor([1.0, 0.02, -3.0, 0.0], dtype=torch.bfloat16)
+    assert torch.equal(bf16_ulp(one), torch.tensor([2.0 ** -7, 2.0 ** -13, 2.0 ** -6, 2.0 ** -133]))
+    assert_within_one_bf16_ulp(one, one, "equal")
+    neighbours = one.float() + bf16_ulp(one)
+    assert torch.equal(neighbours.to(torch.bfloat16).float(), neighbours)  # exactly the next bf16 numbers
+    assert_within_one_bf16_ulp(one, neighbours.to(torch.bfloat16), "up")
+    below_one = torch.tensor([1.0 - 2.0 ** -8], dtype=torch.bfloat16)  # 1.0's neighbour below: half a spacing
+    assert_within_one_bf16_ulp(torch.tensor([1.0]), below_one, "below 1.0")
+    with pytest.raises(AssertionError, match="1 of 1 elements"):
+        assert_within_one_bf16_ulp(torch.tensor([1.0]), torch.tensor([1.0 - 2.0 ** -7]), "two below")
+    with pytest.raises(AssertionError, match="1 of 4 elements"):
+        assert_within_one_bf16_ulp(one, one.float() + torch.tensor([0.0, 0.0, 0.0, 1e-3]), "an update at 0")
+
+
+def test_tied_head_split_refuses_a_head_gradient_after_the_lookups():
+    # The head's contribution must arrive before the lookup's (the head runs last in the forward, so its
+    # backward runs first). In a graph where the head ran first, the tied weight is updated before the
+    # head's backward: an error, never a silently dropped contribution. (Autograd's own check on the
+    # weight, saved by the head and changed in place since, usually speaks first; the split's check is
+    # behind it.)
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.policy.model import check_fused_head, hidden_states
+    model = _model()
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), None)
+    assert opt.split_tied_head(model)
+    head = check_fused_head(model)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
+    given = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    head_first = -linear_token_logprobs(given, head.weight, ids[0, :4]).mean()  # before the lookup: its backward last
+    lookup_after = hidden_states(head, ids, torch.ones_like(ids)).float().pow(2).mean()
+    opt.begin_step()
+    with pytest.raises(RuntimeError, match="arrived after the embedding lookup's|modified by an inplace operation"):
+        (head_first + lookup_after).backward()
+    assert opt.nonfinite_tensors == 0 and opt._index_of[opt.tied] in opt._fired  # the lookup's update ran first
+
+
+def test_tied_head_split_follows_a_replaced_weight_storage():
+    # The head's leaf shares the weight's storage; when the storage is replaced (`.data =`, as loading
+    # weights may do) the next forward gets a new leaf on the new storage, and steps still equal the
+    # unsplit optimizer's bit for bit.
+    models = [_model(), _model()]
+    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 0.05)
+            for m in models]
+    assert opts[1].split_tied_head(models[1])
+    from lowmem_grpo.policy.model import check_fused_head
+    first_leaf = check_fused_head(models[1]).weight
+    for m, o in zip(models, opts):
+        _step(m, o, 0)
+        m.lm_head.weight.data = m.lm_head.weight.data.clone()  # new storage, same values
+        o.refresh_host_weights()
+    leaf = check_fused_head(models[1]).weight
+    assert leaf is not first_leaf and leaf.data_ptr() == models[1].lm_head.weight.data_ptr()
+    for step in range(1, 3):
+        for m, o in zip(models, opts):
+            _step(m, o, step)
+    for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(x, y), k
+    assert_uploaded(models[1], opts[1])
+
+
+# --- The tied-head split on a GPU: side-stream copies, _head_ready events, the sum on the host ---------------
+
+def _split_on_cuda(kind, dtype, max_grad_norm):
+    """(models, optimizers) for "device" (optimizer in backward on the GPU), "unsplit" and "split" (offloaded,
+    without and with the tied-head split), all on CUDA."""
+    models = {name: _model(dtype, "cuda") for name in ("device", "unsplit", "split")}
+    opts = {"device": OptimizerInBackward([{"params": list(models["device"].parameters()), "lr": 1e-2}],
+                                          _make(kind), max_grad_norm)}
+    for name in ("unsplit", "split"):
+        opts[name] = OffloadedOptimizerInBackward([{"params": list(models[name].parameters()), "lr": 1e-2}],
+                                                  _make(kind), max_grad_norm)
+    assert opts["split"].split_tied_head(models["split"])
+    return models, opts
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, dtype", [("adamw", torch.float32), ("adamw_8bit", torch.float32),
+                                         ("bf16_sr", torch.bfloat16)])
+def test_cuda_tied_head_split_equals_the_unsplit_offload_bit_for_bit(kind, dtype):
+    # Split and unsplit share every line of host code (the same inner optimizer on the host, the same CPU
+    # RNG draws in the same order for stochastic rounding) and get the same device gradients (eager
+    # attention, no atomics in the fused head): the only difference is where the tied weight's two
+    # contributions meet, summed by autograd on the GPU or by the optimizer on the host, one rounding
+    # either way. So bit for bit, after several steps. (No clipping here: the tied norm is computed on
+    # the GPU without the split and on the host with it; the next test clips.)
+    models, opts = _split_on_cuda(kind, dtype, None)
+    split = opts["split"]
+    start = {k: v.detach().clone() for k, v in models["split"].named_parameters()}
+    for step in range(4):
+        norms = {name: _step(models[name], opts[name], step) for name in ("unsplit", "split")}
+        assert norms["split"] == pytest.approx(norms["unsplit"], rel=1e-6)
+        # both contributions were there: the head's reached the host buffer (its event waited for) ...
+        assert split.head_host.float().abs().sum() > 0 and not split._head_arrived
+        assert split.max_live_grads == 1  # ... and the device held one gradient at a time
+    torch.cuda.synchronize()
+    for (k, x), (_, y) in zip(models["unsplit"].named_parameters(), models["split"].named_parameters()):
+        assert torch.equal(x, y), k
+    _states_equal(opts["unsplit"].state_dict(), split.state_dict())
+    assert_uploaded(models["split"], split)
+    assert_every_weight_moved(models["split"], start)
+    assert all(p.grad is None for p in models["split"].parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind, dtype, steps", [("adamw", torch.float32, 4), ("adamw", torch.bfloat16, 4),
+                                                ("bf16_sr", torch.bfloat16, 1)])
+def test_cuda_tied_head_split_matches_the_device_optimizer(kind, dtype, steps):
+    # Against the optimizer in backward on the GPU (its inner optimizer's CUDA kernels, the head's and the
+    # lookup's contributions summed by autograd on the device), with per-tensor clipping active on the tied
+    # weight: fp32 within 1e-5 relative (one update is 1e-2), bf16 within one bf16 ulp per element. Several
+    # steps where the two paths can stay together (torch AdamW); one with stochastic rounding (its noise
+    # comes from different RNGs; see test_offloaded_on_cuda_matches_and_holds_no_device_states). Dropping
+    # either contribution of the tied weight moves it by a whole update, far outside either bound.
+    models, opts = _split_on_cuda(kind, dtype, 0.05)
+    probe = _model(dtype, "cuda")
+    _head_loss(probe, 0).backward()
+    assert probe.lm_head.weight.grad.float().norm() > opts["split"].caps[opts["split"].tied]  # clipped
+    start = {k: v.detach().clone() for k, v in models["split"].named_parameters()}
+    for step in range(steps):
+        norms = {name: _step(models[name], opts[name], step) for name in ("device", "split")}
+        assert norms["split"] == pytest.approx(norms["device"], rel=1e-3)
+    torch.cuda.synchronize()
+    for (k, x), (_, y) in zip(models["device"].named_parameters(), models["split"].named_parameters()):
+        if dtype == torch.bfloat16:
+            assert_within_one_bf16_ulp(x, y, k)
+        else:
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
+    assert_uploaded(models["split"], opts["split"])
+    assert_every_weight_moved(models["split"], start)
+
+
+class LaggingCopies:
+    """Stands in for the side stream of a GPU that runs behind the host: a gradient's copy to its host
+    buffer lands only when the host waits for its event or a later one (one stream: in order), and
+    never by itself. Installed in place of OffloadedOptimizerInBackward._to_host, it makes the CPU run
+    the CUDA path's bookkeeping (events polled and waited for, updates held back, the head's copy
+    waited for through _head_ready): code that read a host buffer before its copy landed would read
+    the previous step's gradient."""
+
+    def __init__(self, monkeypatch):
+        self.recorded = self.done = self.waits = 0
+        self.in_flight = []  # (sequence number, copy to run when it lands)
+        monkeypatch.setattr(OffloadedOptimizerInBackward, "_to_host",
+                            lambda opt, grad, host_grad, norm=None, host_norm=None:
+                            self.to_host(grad, host_grad, norm, host_norm))
+
+    def to_host(self, grad, host_grad, norm, host_norm):
+        grad = grad.clone()  # the device copy stays alive until its copy is done (record_stream)
+        norm = None if norm is None else norm.clone()
+
+        def land():
+            host_grad.copy_(grad)
+            if norm is not None:
+                host_norm.copy_(norm)
+        self.recorded += 1
+        self.in_flight.append((self.recorded, land))
+        return _LaggingEvent(self, self.recorded)
+
+    def complete(self, seq):
+        while self.in_flight and self.in_flight[0][0] <= seq:
+            self.in_flight.pop(0)[1]()
+        self.done = max(self.done, seq)
+
+
+class _LaggingEvent:
+    def __init__(self, copies, seq):
+        self.copies, self.seq = copies, seq
+
+    def query(self):
+        return self.seq <= self.copies.done
+
+    def synchronize(self):
+        self.copies.waits += 1
+        self.copies.complete(self.seq)
+
+
+def test_tied_head_split_with_lagging_copies_equals_the_device_optimizer(monkeypatch):
+    # The CUDA path's bookkeeping on the CPU (LaggingCopies): with copies that land late and a small lag,
+    # updates are held back and applied in batches, the tied weight's sum waits for both copies, and the
+    # parameters after several clipped steps are bit for bit those of the optimizer in backward on the
+    # device. The head-only step (no lookup) waits for the head's copy in end_step.
+    from lowmem_grpo.kernels import linear_token_logprobs
+    from lowmem_grpo.policy.model import check_fused_head
+    copies = LaggingCopies(monkeypatch)
+    models = [_model(), _model()]
+    device = OptimizerInBackward([{"params": list(models[0].parameters()), "lr": 1e-2}], _make("adamw"), 0.05)
+    split = OffloadedOptimizerInBackward([{"params": list(models[1].parameters()), "lr": 1e-2}], _make("adamw"),
+                                         0.05, lag_bytes=8 * 1024)
+    assert split.split_tied_head(models[1])
+    for step in range(4):
+        norms = [_step(m, o, step) for m, o in zip(models, (device, split))]
+        assert norms[1] == pytest.approx(norms[0], rel=1e-6)  # the tied norm: on the host, from the sum
+        assert split.host_waits > 1 and not copies.in_flight  # held back, waited for, all landed
+    hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(1))
+    for m, o in zip(models, (device, split)):  # the head alone: its copy is the whole gradient
+        o.begin_step()
+        (-linear_token_logprobs(hidden, check_fused_head(m).weight, ids).mean()).backward()
+        o.end_step()
+    assert not copies.in_flight
+    for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
+        assert torch.equal(x, y), k
+    assert_uploaded(models[1], split)
