@@ -145,8 +145,8 @@ def _compile(extra, timeout):
 
 def test_every_kernel_compiles_at_the_extreme_block_sizes():
     # The default suite compiles the smallest and the largest BLOCK_V the launchers use (one of each
-    # num_warps); the full list is the slow test below (5 x 554 kernels: 3m00s on 2 CPU cores, against
-    # ~50 s for this subset).
+    # num_warps); the full list is the slow test below (5 x 554 kernels: 3m00s to 5m12s on this project's
+    # shared 2 CPU cores, cold Triton cache, against 67 s for this test file by default).
     from lowmem_grpo.kernels.logprobs_triton import block_configs
 
     blocks = [b for b, _ in block_configs()]
