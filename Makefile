@@ -1,6 +1,9 @@
 # Two entry points for a fresh machine: `make demo` (set up + run the CPU demo recipe) and `make test`
-# (set up + run the test suite). Torch is pinned to the CPU build used on this project's machines;
-# on a CUDA machine, install your own torch first and `pip install -e ".[test]"`.
+# (set up + run the test suite). TORCH_PIN pins torch's version, not its build: pip installs the build
+# the package index serves (a CUDA build from PyPI on Linux x86_64; the CPU build on this project's
+# machines, from their local wheel index). To keep a torch you installed into .venv first (e.g. from
+# pytorch.org's index for your CUDA driver): `make setup TORCH_PIN=torch` (already satisfied, left alone).
+# README: "On your GPU".
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

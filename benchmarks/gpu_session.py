@@ -59,11 +59,14 @@ def parts(tiny: bool) -> dict[str, list[Step]]:
     pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
     return {
         "env": [Step("versions, GPU and imports", [PY, "benchmarks/gpu_session.py", "--check-env"], 120)],
-        # Every cuda-marked test, then every op test on CUDA tensors (the kernels' `device` fixture ids
-        # are cpu-torch, cpu-triton, cuda-torch, cuda-triton). On a CPU both select only skips.
+        # Every cuda-marked test, then every other op test on CUDA tensors, selected by the kernels'
+        # `device` fixture ids (cpu-torch, cpu-triton, cuda-torch, cuda-triton). Not `-k cuda`: that
+        # also matches file names (test_cuda_large.py), which ran its ~13 GB tests in both steps.
+        # tests/test_gpu_session.py checks that no test is in both. On a CPU both select only skips.
         "cuda-tests": [
             Step("cuda-marked tests", [*pytest, "-m", "cuda", "tests"], 300, json_out=False),
-            Step("kernel tests on CUDA tensors", [*pytest, "tests/kernels", "-k", "cuda"], 420, json_out=False,
+            Step("kernel tests on CUDA tensors", [*pytest, "tests/kernels", "-m", "not cuda",
+                                                  "-k", "cuda-torch or cuda-triton"], 420, json_out=False,
                  ok_codes=(0, 5) if tiny else (0,)),  # 5: nothing selected (no CUDA ids on a CPU)
         ],
         # The whole default suite: on a GPU, device `auto` means CUDA wherever a test does not pin the CPU.

@@ -8,8 +8,14 @@ except: the model is built from the architecture preset with random weights (mem
 depend on weight values; no hub download), prompts are random token ids of exactly --prompt-len
 tokens, completions run to --completion-len (EOS is an id a random model practically never samples),
 and the reward is the fraction of even token ids (it varies, so advantages are non-zero). Nothing is
-saved to disk. On CUDA, --memory-cap-gib caps the process with set_per_process_memory_fraction, as
-on a card with that much memory; a step that does not fit fails with an out-of-memory error.
+saved to disk. On CUDA, --memory-cap-gib models a card with that much memory: the CUDA context (driver,
+kernel images) sits on the card but outside the caching allocator, and set_per_process_memory_fraction
+caps only the allocator, so the allocator is capped at the card's size minus the context as measured
+at start-up (the driver's used memory after CUDA init minus before: NVML before, mem_get_info after;
+without an NVML reading from before init, everything on the device outside this process's allocator,
+other processes included, counts as context). The context grows a little later as kernels load lazily (cuBLAS, Triton): the
+result reports what lay outside the allocator at the end too. A step that does not fit fails with an
+out-of-memory error.
 Each step = one generation batch's rollout (if due) + one optimizer step, timed after a device sync.
 """
 
@@ -71,10 +77,55 @@ def build(args) -> Trainer:
     return Trainer(cfg)
 
 
-def cap_cuda_memory(gib: float, device: torch.device) -> None:
-    """Cap this process at `gib` GiB of the card, as on a card with that much memory."""
+def allocator_fraction(card_bytes: int, context_bytes: int, total_bytes: int) -> float:
+    """The set_per_process_memory_fraction that leaves the allocator `card_bytes - context_bytes` of a
+    device of `total_bytes`: allocator + CUDA context = the modelled card."""
+    if card_bytes <= context_bytes:
+        raise ValueError(f"--memory-cap-gib {card_bytes / GiB:.2f} is not more than the CUDA context "
+                         f"({context_bytes / GiB:.2f} GiB): give the size of a real card, e.g. 8")
+    return min(1.0, (card_bytes - context_bytes) / total_bytes)
+
+
+def _nvml_used_bytes(device: torch.device):
+    """The device's used memory as nvidia-smi reports it, read without creating a CUDA context; None
+    without NVML (pynvml), or when this process's context exists already (an import made it)."""
+    if torch.cuda.is_initialized():
+        return None
+    index = device.index if device.index is not None else 0  # no index: torch would init CUDA to find one
+    try:
+        return int(torch.cuda.device_memory_used(torch.device("cuda", index)))
+    except Exception:  # noqa: BLE001 - no pynvml, no NVML library: fall back (see cap_cuda_memory)
+        return None
+
+
+def _init_cuda(device: torch.device) -> None:
+    torch.zeros(1, device=device)  # creates the context
+    torch.cuda.synchronize(device)
+
+
+def outside_allocator_bytes(device: torch.device) -> int:
+    """Device memory in use that this process's caching allocator does not hold (context, other processes)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def cap_cuda_memory(gib: float, device: torch.device) -> dict:
+    """Cap this process as on a card of `gib` GiB: the allocator gets the card minus the CUDA context.
+    Call before anything touches CUDA (the context is measured as it is created)."""
+    before = _nvml_used_bytes(device)
+    _init_cuda(device)
+    after = outside_allocator_bytes(device)
+    context = after - before if before is not None else after
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), device)
+    fraction = allocator_fraction(int(gib * GiB), context, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    info = {"card_bytes": int(gib * GiB), "context_bytes": context, "allocator_cap_bytes": int(fraction * total),
+            "device_total_bytes": total, "context_measured_by": "NVML before, mem_get_info after CUDA init"
+            if before is not None else "all device memory outside this allocator after CUDA init (no NVML reading "
+                                       "before init: other processes' memory counts too)"}
+    print(f"modelling a {gib:g} GiB card: CUDA context {context / GiB:.2f} GiB ({info['context_measured_by']}), "
+          f"allocator capped at {fraction * total / GiB:.2f} GiB of this {total / GiB:.1f} GiB device")
+    return info
 
 
 def main(argv=None) -> int:
@@ -92,8 +143,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    cap = None
     if device.type == "cuda" and args.memory_cap_gib:
-        cap_cuda_memory(args.memory_cap_gib, device)
+        cap = cap_cuda_memory(args.memory_cap_gib, device)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     trainer = build(args)
@@ -104,6 +156,7 @@ def main(argv=None) -> int:
         "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
         "overrides": args.overrides, "setup_s": setup_s, "steps": [], "peak_bytes": 0,
         "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
+        "memory_cap": cap,
     }
     for _ in range(args.steps):
         reset_peak_memory(device)
@@ -121,6 +174,7 @@ def main(argv=None) -> int:
             row["rollout_tokens_per_s"] = gb.batch.completion_ids.numel() / generation_s
         if device.type == "cuda":
             row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+            row["outside_allocator_bytes"] = outside_allocator_bytes(device)  # the context as it is now
         result["steps"].append(row)
         result["peak_bytes"] = max(result["peak_bytes"], row["peak_bytes"])
         print(json.dumps(row))

@@ -1,11 +1,15 @@
 """Ahead-of-time compilation of every Triton kernel for NVIDIA targets, no GPU needed.
 
-    python -m lowmem_grpo.kernels.aot [--cc 75 80 86 89 90]
+    python -m lowmem_grpo.kernels.aot [--cc 75 80 86 89 90] [--block-v 1 4096]
 
-Compiles each kernel in every configuration the launchers use (logits dtype, constexpr flags, block
-size) down to a cubin for each compute capability, and fails on a compile error or when a kernel
-needs more shared memory than the target has. Must run without TRITON_INTERPRET (the interpreter
-replaces the kernels with Python functions that cannot be compiled).
+Compiles each kernel in every configuration the launchers can produce (logits dtype, constexpr flags,
+block size and warps) down to a cubin for each compute capability, and fails on a compile error or
+when a kernel needs more shared memory than the target has. The configurations come from the
+launchers' own rules (logprobs_triton.block_configs, grpo_loss_triton.TOKEN_BLOCK / TOKEN_WARPS, the
+ops' accepted dtypes _checks.FLOAT_DTYPES), so this list and the launchers cannot drift apart.
+`--block-v` compiles a subset of the block sizes (the default test suite does; the full list is a
+`slow` test). Must run without TRITON_INTERPRET (the interpreter replaces the kernels with Python
+functions that cannot be compiled).
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ from dataclasses import dataclass
 SHARED_MEMORY_LIMIT = {75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 GPU_NAMES = {75: "Turing (RTX 20xx)", 80: "A100", 86: "Ampere (RTX 30xx)", 89: "Ada (RTX 40xx)", 90: "Hopper (H100)"}
 
-LOGITS_DTYPES = ("fp32", "bf16", "fp16")
 FLAGS = (False, True)
+
+
+def logits_dtypes() -> tuple[str, ...]:
+    """Triton names of the logits dtypes the ops accept (a dtype added there without a name here fails)."""
+    import torch
+
+    from ._checks import FLOAT_DTYPES
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return tuple(names[dt] for dt in FLOAT_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -44,13 +57,20 @@ def _spec(module, kernel, signature, constexprs, num_warps):
     return Spec(kernel, module, sig, tuple(constexprs), num_warps)
 
 
-def kernel_specs() -> list[Spec]:
-    """Every configuration the launchers in logprobs_triton / grpo_loss_triton can produce."""
-    # (BLOCK_V, num_warps) from block_config: 4096/8 for vocab-sized rows, small blocks for narrow slices
-    blocks = ((4096, 8), (256, 4))
+def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
+    """Every configuration the launchers in logprobs_triton / grpo_loss_triton can produce; with
+    `block_v`, only the row kernels' configurations with those BLOCK_V (and every token kernel)."""
+    from .grpo_loss_triton import TOKEN_BLOCK, TOKEN_WARPS
+    from .logprobs_triton import block_configs
+
+    blocks = [(b, w) for b, w in block_configs() if block_v is None or b in block_v]
+    if block_v is not None and len(blocks) != len(set(block_v)):
+        known = [b for b, _ in block_configs()]
+        raise ValueError(f"--block-v {sorted(set(block_v) - set(known))} is not a block size the launchers use; "
+                         f"choose from {known}")
     specs = []
     lp, gl = "lowmem_grpo.kernels.logprobs_triton", "lowmem_grpo.kernels.grpo_loss_triton"
-    for dt, (block, warps) in itertools.product(LOGITS_DTYPES, blocks):
+    for dt, (block, warps) in itertools.product(logits_dtypes(), blocks):
         for acc, ent in itertools.product(FLAGS, FLAGS):
             specs.append(_spec(lp, "logits_stats_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("m_ptr", "*fp32"), ("s_ptr", "*fp32"),
@@ -77,7 +97,7 @@ def kernel_specs() -> list[Spec]:
             ("ref_ptr", "*fp32"), ("loss_ptr", "*fp32"), ("kl_ptr", "*fp32"), ("code_ptr", "*i8"),
             ("dloss_ptr", "*fp32"), ("dkl_ptr", "*fp32"), ("n_tokens", "i32"), ("eps_low", "fp32"),
             ("eps_high", "fp32"), ("beta", "fp32"),
-        ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("BLOCK", 1024)], 4))
+        ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("BLOCK", TOKEN_BLOCK)], TOKEN_WARPS))
     return specs
 
 
@@ -105,8 +125,8 @@ def _compile_args(args):
     return compile_spec(*args)
 
 
-def compile_all(ccs=tuple(SHARED_MEMORY_LIMIT), workers: int = 2):
-    jobs = [(spec, cc) for cc in ccs for spec in kernel_specs()]
+def compile_all(ccs=tuple(SHARED_MEMORY_LIMIT), workers: int = 2, block_v: tuple[int, ...] | None = None):
+    jobs = [(spec, cc) for cc in ccs for spec in kernel_specs(block_v)]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(_compile_args, jobs, chunksize=4))
 
@@ -115,13 +135,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cc", type=int, nargs="+", default=list(SHARED_MEMORY_LIMIT), choices=list(SHARED_MEMORY_LIMIT))
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--block-v", type=int, nargs="+", default=None,
+                        help="compile only the row kernels with these BLOCK_V (default: every one the launchers use)")
     args = parser.parse_args(argv)
     import os
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled", file=sys.stderr)
         return 2
-    results = compile_all(tuple(args.cc), args.workers)
+    block_v = None if args.block_v is None else tuple(args.block_v)
+    try:
+        kernel_specs(block_v)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    results = compile_all(tuple(args.cc), args.workers, block_v)
     failures = [r for r in results if r[3] is not None]
     for cc in args.cc:
         mine = [r for r in results if r[1] == cc]

@@ -22,7 +22,8 @@ import triton.language as tl
 from ._backend import launch_guard
 from .logprobs_triton import block_config, row_stats
 
-TOKEN_BLOCK = 1024
+TOKEN_BLOCK = 1024  # tokens per program of grpo_token_kernel
+TOKEN_WARPS = 4
 
 
 @triton.jit
@@ -123,6 +124,7 @@ def grpo_token_terms_launch(logp, adv, mask, old, ref, outputs, *, eps_low, eps_
             logp, adv, logp if mask is None else mask, logp if old is None else old, logp if ref is None else ref,
             loss, kl, code, dloss, dkl, n, eps_low, eps_high, beta,
             HAS_MASK=mask is not None, HAS_OLD=old is not None, HAS_REF=ref is not None, BLOCK=TOKEN_BLOCK,
+            num_warps=TOKEN_WARPS,
         )
 
 

@@ -120,9 +120,17 @@ def logits_grad_kernel(
 
 
 def block_config(n_cols: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for rows of n_cols elements."""
+    """(BLOCK_V, num_warps) for rows of n_cols elements: the one rule every row-kernel launcher uses."""
     block = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
     return block, (8 if block >= 2048 else 4)
+
+
+def block_configs() -> list[tuple[int, int]]:
+    """Every (BLOCK_V, num_warps) that block_config can return, smallest block first: what ahead-of-time
+    compilation (aot.py) compiles. block_config sees n_cols only through next_power_of_2, capped at
+    MAX_BLOCK_V, so the powers of two 1 .. MAX_BLOCK_V stand for every row width (a fused-head slice can
+    be as narrow as 1 column: chunk_size=1, or the last slice of a vocabulary)."""
+    return sorted({block_config(1 << k) for k in range(MAX_BLOCK_V.bit_length())})
 
 
 def logits_stats(

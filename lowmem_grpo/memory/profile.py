@@ -58,6 +58,21 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
     return out
 
 
+def _cuda_device(device, params: list[torch.Tensor]) -> Optional[torch.device]:
+    """The CUDA device a profile reads: `device` (with its index made explicit, so no API call falls
+    back to the current device), else the first CUDA parameter's; None for a CPU run."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return next((p.device for p in params if isinstance(p, torch.Tensor) and p.is_cuda), None)
+
+
+def _profiler_activities(cuda: bool) -> list:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+
 def _device_kind(device) -> str:
     """'cuda' for GPU memory, 'host' for everything in CPU RAM (pinned included)."""
     return "cuda" if torch.device(device).type == "cuda" else "host"
@@ -131,12 +146,16 @@ class MemoryProfile:
     are weights, and the .grad of those that require grad are gradients; `optimizer`: whose state
     tensors are optimizer states; `reference`: the reference model's tensors; `batch`: tensors of a
     generation batch already in hand. `cuda_snapshot`: a path for the CUDA allocator's history.
+    `device`: the CUDA device whose allocator is read (peaks reset on entry, so the allocator's peak
+    is the block's own, not model loading's); default the device of the first CUDA parameter, and
+    none (a CPU profile) when no parameter is on CUDA.
     After the block, `.result` holds a ProfileResult (None if the block raised).
     """
 
     def __init__(self, params: list[torch.Tensor], optimizer=None, reference: Iterable[torch.Tensor] = (),
-                 batch: Iterable[torch.Tensor] = (), cuda_snapshot: Optional[str] = None):
+                 batch: Iterable[torch.Tensor] = (), cuda_snapshot: Optional[str] = None, device=None):
         self.params = list(params)
+        self.cuda_device = _cuda_device(device, self.params)
         self.optimizer = optimizer
         self.reference = list(reference)
         self.batch = list(batch)
@@ -145,37 +164,39 @@ class MemoryProfile:
         self._hooks = []
 
     def __enter__(self) -> "MemoryProfile":
-        cuda = torch.cuda.is_available()
+        dev = self.cuda_device
+        cuda = dev is not None
         if cuda:
-            torch.cuda.synchronize()
-            self._cuda_start = torch.cuda.memory_allocated()
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)  # the block's peak, not model loading's
+            self._cuda_start = torch.cuda.memory_allocated(dev)
             if self.cuda_snapshot:  # PyTorch's memory visualiser reads this (pytorch.org/memory_viz)
-                torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+                torch.cuda.memory._record_memory_history(max_entries=1_000_000, device=dev)
         self._baseline = self._known_tensors()
         # Gradients: mark every .grad once accumulated (an optimizer-in-backward hook marks its own
         # before freeing it; hooks run in registration order, so these then see .grad == None).
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p: mark_gradient(p.grad))
                        for p in self.params if p.requires_grad]
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self._prof = profile(activities=activities, profile_memory=True)
+        self._prof = profile(activities=_profiler_activities(cuda), profile_memory=True)
         self._prof.__enter__()
         with record_function(PREFIX + "start"):
             pass
         return self
 
     def __exit__(self, *exc) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        dev = self.cuda_device
+        if dev is not None:
+            torch.cuda.synchronize(dev)
         self._prof.__exit__(*exc)
         for h in self._hooks:
             h.remove()
         extra = {}
-        if torch.cuda.is_available():
-            extra["cuda_allocator"] = {"max_allocated_bytes": torch.cuda.max_memory_allocated(),
-                                       "max_reserved_bytes": torch.cuda.max_memory_reserved()}
+        if dev is not None:
+            extra["cuda_allocator"] = {"device": str(dev), "max_allocated_bytes": torch.cuda.max_memory_allocated(dev),
+                                       "max_reserved_bytes": torch.cuda.max_memory_reserved(dev)}
             if self.cuda_snapshot:
                 torch.cuda.memory._dump_snapshot(self.cuda_snapshot)
-                torch.cuda.memory._record_memory_history(enabled=None)
+                torch.cuda.memory._record_memory_history(enabled=None, device=dev)
                 extra["cuda_snapshot"] = self.cuda_snapshot
         if exc[0] is None:
             self.result = self._analyse(extra)
@@ -277,7 +298,7 @@ class MemoryProfile:
         for cat, storages in self._baseline.items():
             for (kind, _), nbytes in storages.items():
                 baseline.setdefault(kind, np.zeros(len(CATEGORIES), np.int64))[cat_index[cat]] += nbytes
-        if torch.cuda.is_available():  # what the allocator held at the start that we could not name
+        if self.cuda_device is not None:  # what the allocator held at the start that we could not name
             b = baseline.setdefault("cuda", np.zeros(len(CATEGORIES), np.int64))
             b[cat_index["other"]] += max(0, self._cuda_start - int(b.sum()))
         # Which baseline storages a free belongs to (e.g. optimizer states replaced): by pointer.
@@ -396,7 +417,8 @@ def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) ->
     batch = trainer.generation.batch.state_dict().values() if trainer.generation is not None else ()
     weights = list(trainer.policy.parameters()) + list(trainer.policy.buffers())
     times, widths = [], (0, 0)
-    with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot) as prof:
+    with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot,
+                       device=trainer.device) as prof:
         for _ in range(steps):
             t0 = time.perf_counter()
             gb, _, _ = trainer.run_step()

@@ -161,3 +161,50 @@ def test_cuda_profile_matches_the_allocator_and_writes_a_snapshot(tmp_path):
     assert _at_end(prof.result, "gradients", "cuda") == _storage_bytes([p.grad for p in params])
     assert summary["peak_reserved_bytes"] >= summary["peak_bytes"]
     assert snapshot.stat().st_size > 0
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda's memory API on a CPU: records each call with the device it was given."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name, value in (("synchronize", None), ("reset_peak_memory_stats", None), ("memory_allocated", 0),
+                            ("max_memory_allocated", 7 * MiB), ("max_memory_reserved", 8 * MiB)):
+            monkeypatch.setattr(torch.cuda, name, self._record(name, value))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+
+    def _record(self, name, value):
+        def call(device=None):
+            self.calls.append((name, device))
+            return value
+        return call
+
+
+def test_profile_reads_the_given_cuda_device_explicitly_and_resets_its_peak_first(monkeypatch):
+    import lowmem_grpo.memory.profile as profile_module
+
+    fake = _FakeCuda(monkeypatch)
+    asked = []
+    monkeypatch.setattr(profile_module, "_profiler_activities", lambda cuda: asked.append(cuda) or
+                        [torch.profiler.ProfilerActivity.CPU])  # CUDA's profiler activity needs a real GPU
+    model = nn.Linear(64, 64)  # CPU tensors: only the allocator queries go to the (fake) CUDA device
+    with MemoryProfile(list(model.parameters()), device="cuda") as prof:
+        fake.calls.append(("work", None))
+        model(torch.randn(8, 64)).sum().backward()
+    names = [name for name, _ in fake.calls]
+    assert names.index("reset_peak_memory_stats") < names.index("work") < names.index("max_memory_allocated")
+    assert names.index("reset_peak_memory_stats") < names.index("memory_allocated")  # the start is after the reset
+    assert all(dev == torch.device("cuda", 1) for name, dev in fake.calls if name != "work"), fake.calls
+    assert asked == [True]
+    assert prof.result.extra["cuda_allocator"] == {"device": "cuda:1", "max_allocated_bytes": 7 * MiB,
+                                                   "max_reserved_bytes": 8 * MiB}
+
+
+def test_a_cpu_profile_leaves_cuda_alone_even_where_cuda_is_available(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    model = nn.Linear(64, 64)
+    with MemoryProfile(list(model.parameters())) as prof:
+        model(torch.randn(8, 64)).sum().backward()
+    assert fake.calls == [] and "cuda_allocator" not in prof.result.extra
+    assert set(prof.result.devices) == {"host"}
