@@ -193,13 +193,15 @@ def end_rank(code: int) -> NoReturn:
     them, and DDP and FSDP2 keep the group's C++ object, and so its threads, alive until the process
     ends (checked with torch 2.13: after destroy_process_group() and the module's deletion the
     pt_gloo_runloop threads are still there). Such a thread lets go of a collective's tensors after
-    the collective returned, and letting go of a tensor Python also holds takes the GIL (torch's
-    decref_pyobject, a noexcept function). When that happens as the interpreter finalizes, Python
-    ends the thread with pthread_exit, whose unwinding through the noexcept frame calls
-    std::terminate: "terminate called without an active exception", SIGABRT, and torchrun reports a
-    finished job as failed. Rarely (a thread descheduled at the wrong moment, as on a loaded CI
-    machine), hence not at every run. The interpreter's finalization and C++ static destructors are
-    the only steps skipped; nothing of the run is lost by that."""
+    the collective has returned, and letting go of a tensor Python also holds takes the GIL (torch's
+    decref_pyobject, a noexcept function, checks Py_IsInitialized() and then waits for the GIL). If
+    the interpreter starts finalizing during that wait, Python ends the thread with pthread_exit,
+    whose unwinding through the noexcept frame calls std::terminate: "terminate called without an
+    active exception", SIGABRT, and torchrun reports a finished job as failed. That is the path read
+    in torch's and CPython's sources; the window is narrow (a thread descheduled at the wrong moment,
+    as on a loaded CI machine), and it was not reproduced here. Without finalization no thread is
+    ended that way, and no C++ static destructor runs either (the other way a process can abort at
+    exit). Nothing of the run is lost: its files are written and closed, the exit handlers ran."""
     import atexit
     import sys
     atexit._run_exitfuncs()  # what a normal exit would have run (stop() included)
