@@ -26,7 +26,8 @@ def train(recipe: str, overrides: list[str]) -> int:
     """Train the recipe; exit code 130 when a signal stopped the run (after it saved).
 
     Under torchrun (`torchrun --nproc-per-node N -m lowmem_grpo train RECIPE`) every rank runs this;
-    the trainer joins the process group, and it is left here, also on an error."""
+    the trainer joins the process group, and it is left here, also on an error. A rank whose run is
+    over ends without finalizing the interpreter (distributed.end_rank)."""
     from ..training import distributed
     from ..training.trainer import Trainer  # torch/transformers only when needed
     cfg = load_config(recipe, overrides)
@@ -34,7 +35,10 @@ def train(recipe: str, overrides: list[str]) -> int:
         result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
     finally:
         distributed.stop()
-    return 130 if result["stopped_by"] else 0
+    code = 130 if result["stopped_by"] else 0
+    if distributed.torchrun_env() is not None:  # a finished rank must not abort at exit: see end_rank
+        distributed.end_rank(code)
+    return code
 
 
 def evaluate(recipe: str, overrides: list[str]) -> int:

@@ -15,8 +15,9 @@ what a rank holds (training/distributed.py):
                                         one computing and the next, prefetched); in backward also
                                         those units' unsharded gradients before their reduce-scatter
              optimizer                  nothing: it steps the local shards
-Host RAM is for the N ranks of one node together: one reference copy with reference_compute=cpu (the
-ranks share it), one per rank when streamed (each pins its own).
+Host RAM is for the ranks of one node together (N / nnodes of them: torchrun --nnodes puts as many on
+each node): one reference copy with reference_compute=cpu (a node's ranks share it), one per rank
+when streamed (each pins its own). Device memory is per rank and shards over all N ranks.
 Not yet checked against a GPU run (no GPU has been lent for it); the NCCL buffers are not counted.
 """
 
@@ -27,10 +28,14 @@ from .plan import Arch
 STRATEGIES = ("ddp", "fsdp")
 
 
-def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str) -> dict:
-    """`result` (plan() of the rank's settings) as one rank's prediction under `strategy` with `nproc` ranks."""
+def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: int = 1) -> dict:
+    """`result` (plan() of the rank's settings) as one rank's prediction under `strategy` with `nproc` ranks
+    in all, spread evenly over `nnodes` nodes (host RAM is a node's)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if nnodes < 1 or nproc % nnodes:
+        raise ValueError(f"{nproc} ranks on {nnodes} nodes: torchrun runs the same number of ranks on every node "
+                         "(--nproc-per-node); give a multiple of the node count")
     if nproc <= 1:
         return result
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
@@ -63,7 +68,8 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str) -> dict:
     # Host RAM of a node's ranks: each keeps its own, except the reference model run on the CPU, which
     # the ranks share (distributed.share_on_node; streamed, each rank pins its own copy).
     shared = {"reference model"} if cfg.train.reference_compute == "cpu" else set()
-    host = {k: v * (1 if k in shared else nproc) for k, v in result["host_categories"].items()}
+    per_node = nproc // nnodes
+    host = {k: v * (1 if k in shared else per_node) for k, v in result["host_categories"].items()}
     return {**result, "categories": phases[peak], "phases": totals, "phase_categories": phases,
-            "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "strategy": strategy,
+            "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "nnodes": nnodes, "strategy": strategy,
             "host_categories": host, "host_bytes": sum(host.values())}

@@ -30,7 +30,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -184,6 +184,34 @@ def stop() -> None:
         dist.destroy_process_group()
 
 
+def end_rank(code: int) -> NoReturn:
+    """End this torchrun rank with exit status `code` once its run is over, without finalizing the
+    interpreter: the exit handlers run (ours leaves the process group; a tracker's flushes), the
+    streams and log handlers are flushed, then os._exit.
+
+    Why: gloo's worker threads outlive the process group. destroy_process_group() does not stop
+    them, and DDP and FSDP2 keep the group's C++ object, and so its threads, alive until the process
+    ends (checked with torch 2.13: after destroy_process_group() and the module's deletion the
+    pt_gloo_runloop threads are still there). Such a thread lets go of a collective's tensors after
+    the collective has returned, and letting go of a tensor Python also holds takes the GIL (torch's
+    decref_pyobject, a noexcept function, checks Py_IsInitialized() and then waits for the GIL). If
+    the interpreter starts finalizing during that wait, Python ends the thread with pthread_exit,
+    whose unwinding through the noexcept frame calls std::terminate: "terminate called without an
+    active exception", SIGABRT, and torchrun reports a finished job as failed. That is the path read
+    in torch's and CPython's sources; the window is narrow (a thread descheduled at the wrong moment,
+    as on a loaded CI machine), and it was not reproduced here. Without finalization no thread is
+    ended that way, and no C++ static destructor runs either (the other way a process can abort at
+    exit). Nothing of the run is lost: its files are written and closed, the exit handlers ran."""
+    import atexit
+    import sys
+    atexit._run_exitfuncs()  # what a normal exit would have run (stop() included)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 # ----- what each strategy supports ----------------------------------------------------------------
 def check_supported(cfg, world: World) -> None:
     """Refuse the memory modes a strategy cannot run, naming the working alternative."""
@@ -303,7 +331,7 @@ SHARED_DIR = "/dev/shm"  # a RAM-backed file system on Linux: the one copy lives
 
 
 def share_on_node(model: torch.nn.Module, world: World) -> bool:
-    """Make the ranks of a node share one copy of `model`'s (frozen) weights: local rank 0 writes them
+    """Make the ranks of a node share one copy of `model`'s (frozen) weights: its local rank 0 writes them
     to a file in /dev/shm, every rank maps that file (torch.load(mmap=True)) and points the parameters
     at it, dropping its own copy, and the file's name is removed (the pages live until the last rank
     unmaps them, so nothing is left behind). Returns False, keeping private copies, where /dev/shm is
@@ -313,8 +341,12 @@ def share_on_node(model: torch.nn.Module, world: World) -> bool:
     path = None
     if world.local_rank == 0:
         path = _write_shared(model)
-    paths = world.gather_objects(path)
-    mine = paths[world.rank - world.local_rank]  # torchrun numbers a node's ranks contiguously
+    # A node is torchrun's GROUP_RANK (--node-rank with static rendezvous), not a host name: two
+    # launchers on one machine are two nodes, each with its own file (mkstemp names never collide,
+    # and each leader removes only its own).
+    node = int(os.environ.get("GROUP_RANK", world.rank - world.local_rank))
+    leaders = {n: p for n, local_rank, p in world.gather_objects((node, world.local_rank, path)) if local_rank == 0}
+    mine = leaders[node]
     if mine is not None:
         state = torch.load(mine, mmap=True, weights_only=True, map_location="cpu")
         with torch.no_grad():

@@ -62,6 +62,8 @@ def main(out: str, loss_type: str, strategy: str, *overrides: str) -> None:
         mine.ref_logp = trainer.ref.logprobs(mine, temperature=1.0, micro_batch=n)
         maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
         (work / f"reference-shared-rank{rank}").write_text(str("lowmem-grpo-reference-" in maps))
+        mapped = {word for word in maps.split() if "lowmem-grpo-reference-" in word}
+        (work / f"reference-file-rank{rank}").write_text(" ".join(sorted(mapped)))  # which node's copy
     norms = []
     for _ in range(3):
         trainer.generation = GenerationBatch(mine, 0, {}, 0.0)
@@ -70,6 +72,8 @@ def main(out: str, loss_type: str, strategy: str, *overrides: str) -> None:
     if rank == 0:
         torch.save({"params": state, "grad_norms": norms}, work / "params.pt")
     distributed.stop()  # as the CLI does at the end of a run
+    if world > 1:
+        distributed.end_rank(0)
 
 
 if __name__ == "__main__":
