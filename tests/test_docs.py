@@ -181,3 +181,29 @@ def test_recipe_header_planner_figures_are_the_planners(recipe, monkeypatch):
         if phase and phase != result["peak_phase"]:
             wrong.append(f"peak phase {phase!r} stated, the planner says {result['peak_phase']!r}")
     assert not wrong, f"recipes/{recipe} header (`lowmem-grpo plan {' '.join([path, *options])}`): " + "; ".join(wrong)
+
+
+# ---- dependency floors ------------------------------------------------------------------------------------
+# torch's floor (2.6) has no CPU wheel on the machines CI runs on, and triton's is set by the torch build;
+# pyproject.toml says so. Every other floor is what `make test-floor` installs and tests.
+UNTESTED_FLOORS = {"torch", "triton"}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = [int(p) for p in text.split(".")]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def test_pyproject_floors_are_the_versions_make_test_floor_tests():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M).group(1)
+    floors = dict(re.findall(r'^\s*"([\w-]+)>=([0-9.]+)', dependencies, re.M))
+    pins_line = re.search(r"^FLOOR_PINS := (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert pins_line, "Makefile: no FLOOR_PINS (the versions make test-floor installs)"
+    pins = dict(pin.split("==") for pin in pins_line.group(1).split())
+    tested = {name: floor for name, floor in floors.items() if name not in UNTESTED_FLOORS}
+    unpinned = sorted(set(tested) - set(pins))
+    assert not unpinned, f"pyproject.toml floors that make test-floor does not test: {unpinned}; add them to FLOOR_PINS"
+    differ = [f"{name}: pyproject >={tested[name]}, FLOOR_PINS =={pins[name]}" for name in tested
+              if _version(tested[name]) != _version(pins[name])]
+    assert not differ, "pyproject.toml's floors are not the tested versions: " + "; ".join(differ)
