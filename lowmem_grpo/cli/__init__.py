@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host-memory", default=None, help="the machine's RAM for the host-side check (default: this "
                                                          "machine's), e.g. 32GiB")
     s.add_argument("--nproc", type=int, default=1, help="ranks under torchrun: predict one rank's peak (default 1)")
+    s.add_argument("--nnodes", type=int, default=1,
+                   help="with --nproc: the nodes the N ranks are spread over (torchrun --nnodes); host RAM is one "
+                        "node's (default 1)")
     s.add_argument("--strategy", choices=("ddp", "fsdp"), default=None,
                    help="with --nproc: ddp or fsdp (default: the recipe's train.strategy)")
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
@@ -129,7 +132,7 @@ def main(argv=None) -> int:
             recipe, overrides = None, [recipe] + overrides
         try:
             return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory,
-                       nproc=args.nproc, strategy=args.strategy)
+                       nproc=args.nproc, strategy=args.strategy, nnodes=args.nnodes)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2

@@ -1,12 +1,13 @@
 """`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [--host-memory 32GiB] [--nproc N
-[--strategy ddp|fsdp]] [key=value ...] [--json]`
+[--nnodes M] [--strategy ddp|fsdp]] [key=value ...] [--json]`
 
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
 it fits the card after the documented margin, and if not, which changes make it fit. Also the host
 RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), checked
 against --host-memory (default: this machine's RAM); exit status 1 when that does not fit. With
---nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the node's host RAM.
+--nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the host RAM of one node (of the
+--nnodes M the N ranks are spread over).
 """
 
 from __future__ import annotations
@@ -51,13 +52,17 @@ def architecture(cfg: Config, model: str | None) -> tuple[Arch, str]:
 
 
 def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool,
-        host_memory: str | None = None, nproc: int = 1, strategy: str | None = None) -> int:
+        host_memory: str | None = None, nproc: int = 1, strategy: str | None = None,
+        nnodes: int = 1) -> int:
     cfg = load_config(recipe, overrides, check=False)
     arch, source = architecture(cfg, model)
     budget = parse_bytes(gpu_memory)
     host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give the number of ranks (>= 1)")
+    if nnodes < 1 or nproc % nnodes:
+        raise ConfigError(f"--nproc {nproc} --nnodes {nnodes}: torchrun runs the same number of ranks on every "
+                          "node; give --nproc as the ranks of all nodes (a multiple of --nnodes)")
     strategy = strategy or cfg.train.strategy
     if nproc > 1:
         batch_plan(cfg, nproc)  # each rank's share must be whole groups: the trainer's own check
@@ -65,7 +70,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
             raise ConfigError(f"--nproc {nproc}: optimizer_in_backward and offload_optimizer do not run under "
                               "torchrun (training/distributed.py); add optimizer_in_backward=false "
                               "offload_optimizer=false")
-    result = per_rank(plan(cfg, arch), cfg, arch, nproc, strategy)
+    result = per_rank(plan(cfg, arch), cfg, arch, nproc, strategy, nnodes)
     margin = margin_bytes(result["peak_bytes"])
     total = result["peak_bytes"] + margin
     fits = total <= budget
@@ -73,6 +78,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
     host_fits = result["host_bytes"] <= host_budget
     if as_json:
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget, "nproc": nproc,
+                          "nnodes": nnodes,
                           "strategy": strategy if nproc > 1 else None,
                           "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
                           "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
@@ -81,7 +87,8 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
                           "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas}, indent=2))
         return 0 if host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"
-          + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else ""))
+          + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else "")
+          + (f" on {nnodes} nodes (host RAM: one node's {nproc // nnodes})" if nnodes > 1 else ""))
     print(format_plan(result))
     print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
           f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB: {'FITS' if fits else 'DOES NOT FIT'}")

@@ -1,5 +1,7 @@
 """One rank's predicted memory under torchrun (memory/parallel_plan.py), on hand-checkable numbers."""
 
+import json
+
 import pytest
 
 from lowmem_grpo.config import ConfigError, load_config
@@ -56,9 +58,26 @@ def test_plan_cli_per_rank_and_refusals(capsys):
     assert "one of 2 ranks (strategy=fsdp)" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="optimizer_in_backward=false"):
         run(None, "Qwen2.5-0.5B", "8GiB", ["optimizer_in_backward=true"], False, "64GiB", nproc=2)
+    with pytest.raises(ConfigError, match="multiple of --nnodes"):
+        run(None, "Qwen2.5-0.5B", "8GiB", [], False, "64GiB", nproc=3, nnodes=2)
     with pytest.raises(ConfigError, match="whole groups"):  # 4 completions per rank, groups of 8
         run(None, "Qwen2.5-0.5B", "8GiB", ["per_device_train_batch_size=4", "num_generations=8"], False,
             "64GiB", nproc=2)
+
+
+def test_plan_cli_host_ram_is_one_nodes(capsys):
+    """4 ranks streaming their own reference copies: one node holds 4 of them, each of 2 nodes 2."""
+    from lowmem_grpo.cli import main
+    base = ["plan", "--model", "Qwen2.5-0.5B", "--host-memory", "64GiB", "--json", "--nproc", "4",
+            "beta=0.04", "reference_compute=stream", "optimizer_in_backward=false", "offload_optimizer=false",
+            "per_device_train_batch_size=8"]
+    reports = []
+    for extra in ([], ["--nnodes", "2"]):
+        assert main([*base, *extra]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    one_node, two_nodes = reports
+    assert two_nodes["nnodes"] == 2 and two_nodes["peak_bytes"] == one_node["peak_bytes"]
+    assert two_nodes["host_categories"]["reference model"] * 2 == one_node["host_categories"]["reference model"] > 0
 
 
 def test_the_two_card_recipe_fits_a_desktop_budget_per_rank():
