@@ -12,12 +12,6 @@ from typing import Iterator
 
 import torch
 
-if not __name__.startswith("lowmem_grpo.kernels."):
-    raise ImportError(
-        f"{__name__} is lowmem_grpo's kernels folder imported under the wrong name; import it as "
-        "lowmem_grpo.kernels (the ops it registers with torch.library must exist once)"
-    )
-
 try:  # Triton is a Linux-only dependency; the package must import and work without it.
     import triton  # noqa: F401
 
