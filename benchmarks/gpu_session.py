@@ -83,6 +83,11 @@ def parts(tiny: bool) -> dict[str, list[Step]]:
         "trainer-0.5b-gsm8k": _trainer_steps("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 256, 1024, tiny),
         "trainer-0.5b-string": _trainer_steps("Qwen2.5-0.5B", "qwen2.5-0.5b_expected-string_8gb", 128, 64, tiny),
         "trainer-1.5b-gsm8k": _trainer_steps("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 256, 512, tiny),
+        # Host RAM the 1.5B recipe pins (offloaded optimizer, streamed reference) against the planner's
+        # figure and against per-tensor pin_memory's power-of-two blocks.
+        "pinned": [Step("pinned host memory vs the planner, 1.5B recipe",
+                        [PY, "benchmarks/pinned_host_memory.py", "--arch", "Qwen2.5-1.5B",
+                         "--recipe", f"{RECIPES}/qwen2.5-1.5b_gsm8k_8gb.yaml", *(["--tiny"] if tiny else [])], 240)],
         "memory": [
             Step("planner tables", [PY, "benchmarks/memory_accounting.py"], 120),
             Step("planner vs profiler, 8 GB recipes", [PY, "benchmarks/plan_accuracy.py", "--gpu-recipes",

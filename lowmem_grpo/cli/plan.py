@@ -84,6 +84,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
                           "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
                           "categories": result["categories"], "phase_categories": result["phase_categories"],
                           "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
+                          "host_pinned_bytes": result["host_pinned_bytes"], "host_pinned": result["host_pinned"],
                           "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas}, indent=2))
         return 0 if host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"

@@ -72,4 +72,5 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
     host = {k: v * (1 if k in shared else per_node) for k, v in result["host_categories"].items()}
     return {**result, "categories": phases[peak], "phases": totals, "phase_categories": phases,
             "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "nnodes": nnodes, "strategy": strategy,
-            "host_categories": host, "host_bytes": sum(host.values())}
+            "host_categories": host, "host_bytes": sum(host.values()),
+            "host_pinned_bytes": sum(host[c] for c in result.get("host_pinned", []))}

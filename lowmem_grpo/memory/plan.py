@@ -36,7 +36,11 @@ tied embedding's second (V, H) gradient at the lookup (the host holds one more (
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
 the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py), and the
 layer inputs of activation offload (one micro-batch's). Not counted: the Python process itself
-(torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files.
+(torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a GPU
+some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
+and the offloaded optimizer's buffers are blocks of exactly the counted bytes (host_arena.py);
+activation offload's layer inputs go through torch's caching host allocator, which rounds each up
+to a power of two (not counted).
 """
 
 from __future__ import annotations
@@ -267,28 +271,57 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
-    host = host_categories(cfg, arch, layers * layer_io if m.offload_activations else 0)
+    host = host_categories(cfg, arch, layers * layer_io if m.offload_activations else 0, device)
+    pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
     return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
-            "host_categories": host, "host_bytes": sum(host.values())}
+            "host_categories": host, "host_bytes": sum(host.values()),
+            "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
 
 
-def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0) -> dict:
-    """Host RAM the run keeps on purpose, per category (module docstring)."""
+def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
+    """Host RAM the run keeps on purpose, per category (module docstring).
+
+    The offloaded optimizer's weight copy (unless fp32 masters) and gradient buffer are one block of
+    host memory laid out as memory_modes/host_arena.py lays it out, its alignment and page rounding
+    included, and the tied head's buffer another: the two categories sum to the bytes the run pins,
+    to the byte (tests/memory/test_host_ram_plan.py checks it against the real optimizer). The
+    streamed reference model on a GPU is one block too (memory_modes/reference.py)."""
+    from ..memory_modes.host_arena import ALIGN, arena_bytes
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     host = {}
     if cfg.train.beta > 0:
-        host["reference model"] = wb * arch.params
+        streamed = device != "cpu" and cfg.train.reference_compute != "cpu"  # auto streams on a GPU
+        host["reference model"] = arena_bytes(wb * n for n in arch.tensor_sizes) if streamed else wb * arch.params
     if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (memory_modes/offload.py)
         master = 4 if cfg.optim.optimizer == "adamw" else wb
         host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
-        host["weights copy"] = master * arch.params
-        host["gradient buffer"] = wb * arch.params
-        if arch.tied and cfg.train.optimizer_in_backward:  # the tied head's contribution, its own buffer
-            host["gradient buffer"] += wb * arch.vocab * arch.hidden
+        aligned = lambda size: -(-size // ALIGN) * ALIGN  # noqa: E731  (a buffer and the padding after it)
+        copies = [wb * n for n in arch.tensor_sizes] if master == wb else []  # in the block, in its order
+        block = arena_bytes(copies + [wb * n for n in arch.tensor_sizes] + [4 * len(arch.tensor_sizes)])
+        host["weights copy"] = sum(aligned(c) for c in copies) if copies else master * arch.params
+        host["gradient buffer"] = block - (host["weights copy"] if copies else 0)  # + norm slots, page tail
+        if arch.tied and cfg.train.optimizer_in_backward:  # the tied head's contribution, its own block
+            host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations
     return {k: int(v) for k, v in host.items()}
+
+
+def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
+    """The host categories that are page-locked (they cannot swap): on a GPU, the buffers that cross PCIe
+    asynchronously. The fp32 masters and the optimizer states are ordinary memory."""
+    if device == "cpu":
+        return []
+    pinned = []
+    if cfg.train.beta > 0 and cfg.train.reference_compute != "cpu":  # streamed: auto on a GPU
+        pinned.append("reference model")
+    if cfg.optim.offload_optimizer:  # the weight copy unless it is an fp32 master of bf16 weights
+        master_of_bf16 = cfg.optim.optimizer == "adamw" and cfg.model.precision == "bf16_sr"
+        pinned += ["gradient buffer"] if master_of_bf16 else ["weights copy", "gradient buffer"]
+    if cfg.model.offload_activations:
+        pinned.append("activations (offloaded)")
+    return pinned
 
 
 def format_plan(result: dict) -> str:
@@ -307,6 +340,10 @@ def format_plan(result: dict) -> str:
     if result.get("host_categories"):
         parts = ", ".join(f"{k} {v / GiB:.3f}" for k, v in result["host_categories"].items())
         lines.append(f"host RAM: {result['host_bytes'] / GiB:.3f} GiB ({parts}), plus the Python process")
+        pinned = result.get("host_pinned_bytes", 0)
+        lines.append(f"  pinned (page-locked, cannot swap): {pinned / GiB:.3f} GiB"
+                     + (f" ({', '.join(result['host_pinned'])})" if pinned else "")
+                     + f"; not pinned: {(result['host_bytes'] - pinned) / GiB:.3f} GiB")
     return "\n".join(lines)
 
 

@@ -15,7 +15,10 @@ of a device update:
 So the device holds the weights and, briefly, the gradients in flight; the optimizer states, a copy
 of the weights and a gradient buffer live in host RAM. The host update of one tensor runs while the
 device works through the backward kernels already queued, in the hooks of later tensors (on the
-autograd thread; a separate update thread would overlap more and is not done).
+autograd thread; a separate update thread would overlap more and is not done). The buffers that
+cross PCIe are views of one block of exactly the planned size, page-locked on CUDA (host_arena.py:
+per-tensor `pin_memory` would round each up to a power of two); the start-up check
+(`check_host_ram`) counts them and the states before any is allocated.
 
 The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
 updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
@@ -57,6 +60,7 @@ import torch
 from torch import nn
 
 from ..phases import mark_gradient, scope
+from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, _Finished, fp32_norm_tensor
 
 
@@ -73,10 +77,13 @@ def pcie_bytes_per_step(num_params: int, weight_bytes: int) -> int:
     return 2 * weight_bytes * num_params
 
 
+MEMINFO, STATM = "/proc/meminfo", "/proc/self/statm"  # Linux's view of the machine's and this process's RAM
+
+
 def available_host_ram() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -85,15 +92,34 @@ def available_host_ram() -> int | None:
     return None
 
 
-def check_host_ram(needed: int) -> None:
-    """Refuse, with the numbers, before pinning more host memory than the machine has free: pinned pages
-    cannot be swapped, and running out of them ends in the kernel's OOM killer, not in an exception."""
+def process_ram() -> int | None:
+    """This process's resident memory (RSS, from /proc/self/statm), or None where it cannot be read."""
+    try:
+        with open(STATM) as f:
+            return int(f.read().split()[1]) * PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def check_host_ram(pinned: int, unpinned: int = 0) -> None:
+    """Refuse, with the numbers, before taking more host memory than the machine has available: `pinned`
+    bytes of page-locked buffers (they cannot be swapped, and running out of them ends in the kernel's
+    OOM killer, not in an exception) and `unpinned` bytes of optimizer states and fp32 masters. Both
+    come on top of what the process holds now, which MemAvailable already leaves out: the message
+    gives it, and the process's total, but it is not counted twice."""
     free = available_host_ram()
-    if free is not None and needed > free:
-        raise MemoryError(f"optim.offload_optimizer needs {needed / 2**30:.1f} GiB of host RAM for the weight copy "
-                          f"and gradient buffer (plus the optimizer states), but {free / 2**30:.1f} GiB is available: "
-                          "free host memory, or set optim.offload_optimizer=false (`lowmem-grpo plan` shows both "
-                          "sides)")
+    needed = pinned + unpinned
+    if free is None or needed <= free:
+        return
+    rss = process_ram() or 0
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    raise MemoryError(
+        f"optim.offload_optimizer needs {gib(pinned)} of pinned host memory (weight copy and gradient buffers, "
+        f"which cannot swap) + {gib(unpinned)} of optimizer states and fp32 masters = {gib(needed)} more host "
+        f"RAM, but {gib(free)} is available (MemAvailable; this process holds {gib(rss)} already, so it would "
+        f"reach {gib(rss + needed)} of the {gib(rss + free)} it can have): use a lower-memory setting "
+        "(optim.optimizer=adamw_8bit instead of adamw: 6 bytes per parameter instead of 14-16), a smaller "
+        "model, or close other programs; `lowmem-grpo plan` shows the breakdown")
 
 
 class OffloadedOptimizerInBackward(OptimizerInBackward):
@@ -104,21 +130,27 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
-                 master_fp32: bool = False):
+                 master_fp32: bool = False, state_bytes: int = 0):
         params = [p for g in groups for p in g["params"]]
         # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
         self.master_fp32 = master_fp32
         master = lambda p: torch.float32 if master_fp32 else p.dtype  # noqa: E731
-        check_host_ram(sum(p.numel() * (p.element_size() + master(p).itemsize) for p in params))  # before states
         self.on_cuda = any(p.device.type == "cuda" for p in params)
-        pin = self.on_cuda  # pinned memory needs a CUDA runtime; it makes the copies asynchronous
+        # The buffers that cross PCIe, in one block of exact size, page-locked on CUDA (host_arena.py): the
+        # weight copies (unless fp32 masters), the gradient buffers, the norm slots. The planner counts
+        # the same (memory/plan.py, host_categories). `state_bytes`: the inner optimizer's host states.
+        specs = ([(p.shape, p.dtype) for p in params if master(p) == p.dtype] + [(p.shape, p.dtype) for p in params]
+                 + [((len(params),), torch.float32)])
+        masters = sum(buffer_bytes(p.shape, torch.float32) for p in params if master(p) != p.dtype)
+        check_host_ram(arena_bytes(buffer_bytes(*s) for s in specs), masters + state_bytes)  # before any of it
+        self.arena = HostArena(specs, pinned=self.on_cuda)  # pinned: the copies are asynchronous
         # Built before the base class makes the inner optimizers, which take these host tensors.
         # (an fp32 master is never copied across PCIe itself: it goes up rounded, via the gradient buffer)
-        self.host = {p: torch.empty(p.shape, dtype=master(p), pin_memory=pin and master(p) == p.dtype)
-                     for p in params}
-        self.host_grad = {p: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for p in params}
+        self.host = {p: self.arena.take(p.shape, p.dtype) if master(p) == p.dtype
+                     else torch.empty(p.shape, dtype=master(p)) for p in params}
+        self.host_grad = {p: self.arena.take(p.shape, p.dtype) for p in params}
         self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
-        self._host_norm_slots = torch.empty(len(params), dtype=torch.float32, pin_memory=pin)
+        self._host_norm_slots = self.arena.take((len(params),), torch.float32)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
         self.refresh_host_weights()
         super().__init__(groups, make_inner, max_grad_norm, defaults, lag_bytes)
@@ -126,6 +158,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self.tied: Optional[torch.Tensor] = None  # the tied embedding whose head use has its own leaf
         self._head_leaf: Optional[torch.Tensor] = None
         self.head_host: Optional[torch.Tensor] = None  # the head's contribution, on the host (V x H)
+        self.head_arena: Optional[HostArena] = None  # its block of host memory
         self._head_arrived = False  # in this step (its copy may still be on the way: _head_ready)
         self._head_ready: Optional[torch.cuda.Event] = None
 
@@ -138,7 +171,10 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
             return False
         self.tied = out.weight
-        self.head_host = torch.empty(self.tied.shape, dtype=self.tied.dtype, pin_memory=self.on_cuda)
+        head = [(self.tied.shape, self.tied.dtype)]  # its own block: the split is decided after __init__
+        check_host_ram(arena_bytes([buffer_bytes(*head[0])]))
+        self.head_arena = HostArena(head, pinned=self.on_cuda)
+        self.head_host = self.head_arena.take(*head[0])
         self._host_grad_ptrs.add(self.head_host.data_ptr())
         use_head_leaf(out, self.head_leaf)
         return True

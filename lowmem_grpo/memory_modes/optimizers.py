@@ -33,12 +33,16 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if in_backward and cfg.offload_optimizer:
+        from ..memory.plan import optimizer_state_bytes
         from .offload import OffloadedOptimizerInBackward
+        sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
+        states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
         if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
             opt = OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
-                                               cfg.max_grad_norm, defaults=kw, master_fp32=True)
+                                               cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
         else:
-            opt = OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
+            opt = OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw,
+                                               state_bytes=states)
         opt.split_tied_head(model)  # a tied embedding's two (V, H) gradients never meet on the device
         return opt
     if in_backward:

@@ -1,7 +1,8 @@
 """The reference model (beta > 0), kept off the GPU.
 
-Its weights live in CPU RAM (pinned when a GPU is used). Reference log-probs are computed once per
-generation batch in one of two ways (train.reference_compute):
+Its weights live in CPU RAM (streamed on a GPU: in one pinned block of exactly their size,
+host_arena.py). Reference log-probs are computed once per generation batch in one of two ways
+(train.reference_compute):
 
 - "cpu": the whole forward runs on the CPU. Simple; fine for small models.
 - "stream": the forward runs on the training device while the weights stay in CPU RAM. Decoder
@@ -29,6 +30,18 @@ from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from ..policy.model import check_fused_head, position_ids_for
 from ..policy.packing import packed_completion_hidden, should_pack
 from ..policy.rollout import Batch
+from .host_arena import HostArena
+
+
+def pinned_copies(params: list[nn.Parameter]) -> HostArena:
+    """Move `params` into one block of pinned host memory of exactly their size (host_arena.py; per-tensor
+    `pin_memory()` rounds each up to a power of two). The block is pinned once filled: each old tensor
+    is freed as it is copied, so the host never holds two copies of the model."""
+    arena = HostArena([(p.shape, p.dtype) for p in params])
+    for p in params:
+        p.data = arena.take(p.shape, p.dtype).copy_(p.data)
+    arena.pin()
+    return arena
 
 
 class _LayerStreamer:
@@ -86,14 +99,14 @@ class Reference:
         self.mode = mode
         self.device = device if mode == "stream" else torch.device("cpu")
         self.streamer = None
+        self.arena = None  # the pinned block of the weights (streamed on CUDA)
         if mode == "stream":
             decoder = self.head.decoder
             if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
                 raise NotImplementedError(f"{type(decoder).__name__} has no .layers list to stream; "
                                           "use train.reference_compute=cpu")
-            if self.device.type == "cuda":
-                for p in model.parameters():
-                    p.data = p.data.pin_memory()  # asynchronous host-to-device copies need pinned memory
+            if self.device.type == "cuda":  # asynchronous host-to-device copies need pinned memory
+                self.arena = pinned_copies(list(model.parameters()))
             for name, child in decoder.named_children():
                 if name not in ("layers", "embed_tokens"):
                     child.to(self.device)  # final norm, rotary tables: a few KiB

@@ -7,6 +7,7 @@ from lowmem_grpo.config import load_config
 from lowmem_grpo.memory.plan import Arch, optimizer_state_bytes, plan
 from lowmem_grpo.memory_modes.optimizer_in_backward import LAG_BYTES
 from lowmem_grpo.memory.presets import preset
+from lowmem_grpo.memory_modes.host_arena import ALIGN, PAGE
 
 MINIMAL = ["model.name_or_path=x", "reward_funcs=[numeric_answer]"]
 
@@ -157,14 +158,28 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
         assert cats["optimizer states"] == 0, phase  # no state and no update temporaries on the device
         if phase != "backward":
             assert cats.get("gradients", 0) == on_device["phase_categories"][phase].get("gradients", 0), phase
-    assert on_device["host_categories"] == {"reference model": 2 * p}  # beta > 0: the frozen copy in CPU RAM
-    assert offloaded["host_categories"] == {"reference model": 2 * p, "optimizer states": states,
-                                            "weights copy": 2 * p, "gradient buffer": 2 * p + 2 * embedding}
-    assert offloaded["host_bytes"] == 6 * p + 2 * embedding + states
+    # Pinned on a GPU, in blocks laid out as memory_modes/host_arena.py lays them out: each tensor starts
+    # on a 64-byte boundary, each block is whole pages (tests/memory/test_host_ram_plan.py checks them
+    # against the real buffers). Every tensor of this model is a multiple of 64 bytes in bf16.
+    assert all(2 * n % ALIGN == 0 for n in arch.tensor_sizes)
+    pages = lambda n: -(-n // PAGE) * PAGE  # noqa: E731
+    ref = pages(2 * p)  # the streamed reference: one block
+    copy_and_grads = pages(2 * p + 2 * p + 4 * len(arch.tensor_sizes))  # + one fp32 norm slot per tensor
+    assert on_device["host_categories"] == {"reference model": ref}  # beta > 0: the frozen copy in CPU RAM
+    assert offloaded["host_categories"] == {"reference model": ref, "optimizer states": states,
+                                            "weights copy": 2 * p,
+                                            "gradient buffer": copy_and_grads - 2 * p + pages(2 * embedding)}
+    assert offloaded["host_bytes"] == ref + copy_and_grads + pages(2 * embedding) + states
+    assert offloaded["host_pinned_bytes"] == offloaded["host_bytes"] - states  # all but the states
     masters = plan(load_config(None, common + ["offload_optimizer=true", "optimizer=adamw"]), arch)
-    assert masters["host_categories"] == {"reference model": 2 * p, "optimizer states": 8 * p,  # fp32 m and v
-                                          "weights copy": 4 * p,  # fp32 master, bf16 grads
-                                          "gradient buffer": 2 * p + 2 * embedding}
+    assert masters["host_categories"] == {"reference model": ref, "optimizer states": 8 * p,  # fp32 m and v
+                                          "weights copy": 4 * p,  # fp32 master (not pinned), bf16 grads
+                                          "gradient buffer": pages(2 * p + 4 * len(arch.tensor_sizes))
+                                          + pages(2 * embedding)}
+    assert masters["host_pinned"] == ["reference model", "gradient buffer"]
+    on_cpu = plan(load_config(None, common + ["offload_optimizer=true", "reference_compute=cpu"]), arch)
+    assert on_cpu["host_categories"]["reference model"] == 2 * p  # run on the CPU: plain tensors, not pinned
+    assert on_cpu["host_pinned"] == ["weights copy", "gradient buffer"]
 
 
 def test_offload_splits_the_tied_embedding_gradients_at_the_lookup(monkeypatch):

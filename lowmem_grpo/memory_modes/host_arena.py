@@ -1,0 +1,142 @@
+"""Pinned host memory of exactly the planned size: one block of plain memory, carved into views.
+
+Why not `torch.empty(..., pin_memory=True)` per tensor. torch's caching host allocator rounds every
+pinned request up to a power of two (torch 2.13, `ATen/core/CachingHostAllocator.h`,
+`CachingHostAllocatorImpl::allocate`: `roundSize = c10::llvm::PowerOf2Ceil(size)` while
+`size <= pinned_max_round_threshold() && size <= pinned_max_cached_size()`, both unlimited by
+default). Summed over Qwen2.5's tensors in bf16, a weight copy + gradient buffer + head buffer grows
+from 2.88 to 3.62 GiB (1.5B) and from 5.75 to 8.38 GiB (3B); pinned pages cannot swap, so running
+out ends in the kernel's OOM killer, not in an exception.
+
+What torch 2.13 offers instead, as read from its sources:
+
+- `PYTORCH_ALLOC_CONF` (or `PYTORCH_CUDA_ALLOC_CONF`) keys `pinned_max_round_threshold_mb` and
+  `pinned_max_cached_size_mb` (`c10/core/AllocatorConfig.h`, key names from libc10's parser):
+  requests above the threshold are not rounded. But the setting is process-wide and read from the
+  environment once, so a library cannot apply it to its own buffers, and a user's value changes what
+  is pinned. And the free lists are indexed by `Log2_64_Ceil(size)` only (`get_free_block` takes any
+  cached block of the bucket without comparing sizes), so unrounded blocks are only safe with the
+  cache limit at or below the threshold (blocks above it are then freed, not cached).
+- `pinned_use_cuda_host_register` (`c10/cuda/CUDAAllocatorConfig.h`): the allocator mallocs and
+  registers instead of `cudaHostAlloc`, still the rounded size. `pinned_reserve_segment_size_mb`:
+  a reserved segment for small requests (rounded to 4 KiB).
+- `torch.cuda.cudart().cudaHostRegister(ptr, size, flags)` / `cudaHostUnregister(ptr)`: page-lock an
+  existing range, exactly that range; torch pins its checkpoint staging buffers this way
+  (`torch/cuda/_pin_memory_utils.py`, flags 1 = cudaHostRegisterPortable). Registered memory reports
+  `is_pinned()` and copies to and from it run asynchronously with `non_blocking=True`.
+- `torch.cuda.host_memory_stats()` (`torch/cuda/memory.py`): the caching host allocator's blocks,
+  in their rounded sizes. Memory registered here is not in them.
+
+So a HostArena plans its buffers up front, allocates one plain CPU block of the exact total (each
+buffer at an ALIGN-byte offset, the total rounded to whole pages: `arena_bytes`), and on CUDA
+page-locks that one range with cudaHostRegister; `take()` hands out the views in the planned order.
+Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes`
+(memory/plan.py). The range is unregistered when the arena is released or garbage-collected, after
+the device has finished the copies that may still use it. On a machine without CUDA the block is
+plain memory and nothing is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from typing import Iterable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes between buffers: a cache line, as torch's own CPU allocator aligns (c10::gAlignment)
+PAGE = 4096  # page-locking works on whole pages: the block starts on one and is a whole number of them
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch pins
+
+
+def buffer_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of one buffer of `shape` and `dtype`."""
+    return math.prod(shape) * dtype.itemsize
+
+
+def arena_bytes(sizes: Iterable[int]) -> int:
+    """Bytes of an arena holding buffers of these byte sizes, in order: each starts on an ALIGN boundary,
+    the total is rounded up to whole pages. What a HostArena allocates and pins, to the byte."""
+    end = 0
+    for size in sizes:
+        end = -(-end // ALIGN) * ALIGN + size
+    return -(-end // PAGE) * PAGE
+
+
+def _register(base: torch.Tensor) -> None:
+    err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), CUDA_HOST_REGISTER_PORTABLE)
+    if int(err) != 0:
+        raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed (cudaError "
+                          f"{int(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's pinned-memory "
+                          "limit); `lowmem-grpo plan` shows the pinned total, turn off optim.offload_optimizer "
+                          "to pin none")
+
+
+def _unregister(base: torch.Tensor) -> None:
+    """Unlock `base`'s pages, once the device has finished copies from or to them."""
+    torch.cuda.synchronize()
+    err = torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+    if int(err) != 0:
+        log.warning("cudaHostUnregister failed (cudaError %d): %.2f GiB of host memory stay page-locked until "
+                    "the process exits", int(err), base.numel() / 2**30)
+
+
+class HostArena:
+    """Host buffers of planned shapes and dtypes in one block of exact size, page-locked on CUDA.
+
+        arena = HostArena([(w.shape, w.dtype) for w in weights], pinned=torch.cuda.is_available())
+        buffers = [arena.take(w.shape, w.dtype) for w in weights]   # in the planned order
+
+    `nbytes` is what the block holds (alignment padding included) and, when `pinned`, what is
+    page-locked: `arena_bytes` of the planned sizes. `release()` unlocks it early; otherwise that
+    happens when the arena is garbage-collected (views handed out keep the memory itself alive, as
+    ordinary memory, if they outlive it)."""
+
+    def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pinned: bool = False):
+        self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
+        self.nbytes = arena_bytes(buffer_bytes(shape, dtype) for shape, dtype in self.specs)
+        # One block from torch's CPU allocator with a page of slack, so the range can start on a page.
+        block = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
+        start = -block.data_ptr() % PAGE
+        self._base = block[start:start + self.nbytes]
+        self._next = 0  # the next spec to hand out
+        self._offset = 0  # its byte offset, before alignment
+        self.pinned = False
+        self._finalizer = None
+        if pinned:
+            self.pin()
+
+    def pin(self) -> None:
+        """Page-lock the block (CUDA). Pinning after the buffers are filled from other host memory lets
+        each source be freed as it is copied: pages are only taken as they are first written."""
+        if self.pinned or not self.nbytes:
+            return
+        _register(self._base)
+        self.pinned = True
+        self._finalizer = weakref.finalize(self, _unregister, self._base)
+        self._finalizer.atexit = False  # at exit the driver unlocks everything; CUDA may be gone by then
+        log.info("pinned %.3f GiB of host memory in one block (%d buffers)", self.nbytes / 2**30, len(self.specs))
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The next planned buffer (uninitialised), which must be of this shape and dtype."""
+        if self._next == len(self.specs):
+            raise RuntimeError(f"this HostArena was planned for {len(self.specs)} buffers, all handed out")
+        planned = self.specs[self._next]
+        if planned != (tuple(shape), dtype):
+            raise RuntimeError(f"HostArena buffer {self._next} was planned as {planned}, asked for "
+                               f"{(tuple(shape), dtype)}: take buffers in the order they were planned")
+        start = -(-self._offset // ALIGN) * ALIGN
+        size = buffer_bytes(shape, dtype)
+        self._next += 1
+        self._offset = start + size
+        return self._base[start:start + size].view(dtype).view(shape)
+
+    def release(self) -> None:
+        """Unlock the pages now (after the device's pending copies); the views stay valid, unpinned."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+            self.pinned = False

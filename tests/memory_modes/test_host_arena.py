@@ -1,0 +1,156 @@
+"""One block of host memory carved into views (memory_modes/host_arena.py), and the offloaded optimizer's
+start-up check of host RAM (memory_modes/offload.py, check_host_ram) with /proc readings faked."""
+
+import math
+
+import pytest
+import torch
+
+import lowmem_grpo.memory_modes.host_arena as host_arena
+import lowmem_grpo.memory_modes.offload as offload
+from lowmem_grpo.memory_modes.host_arena import ALIGN, PAGE, HostArena, arena_bytes
+from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+
+# deliberately odd shapes: sizes that are not multiples of the alignment, a scalar, an empty tensor
+SPECS = [((5, 123, 123), torch.bfloat16), ((7,), torch.float32), ((), torch.int64), ((3, 0), torch.float16),
+         ((33, 17), torch.float32), ((1,), torch.uint8), ((64,), torch.float64)]
+
+
+def test_arena_bytes_by_hand():
+    assert arena_bytes([]) == 0
+    assert arena_bytes([1]) == PAGE  # the block is whole pages
+    assert arena_bytes([PAGE]) == PAGE
+    assert arena_bytes([1, 1]) == PAGE  # the second starts at 64, ends at 65
+    assert arena_bytes([PAGE - 1, 2]) == 2 * PAGE  # the second starts at 4096 (the next 64-byte boundary)
+    assert arena_bytes([PAGE - ALIGN, ALIGN]) == PAGE  # no padding between buffers already aligned
+
+
+def test_views_have_the_planned_shapes_alignment_and_do_not_overlap():
+    arena = HostArena(SPECS)
+    views = [arena.take(shape, dtype) for shape, dtype in SPECS]
+    sizes = [math.prod(s) * d.itemsize for s, d in SPECS]
+    assert arena.nbytes == arena_bytes(sizes) and arena.nbytes % PAGE == 0
+    assert sum(sizes) <= arena.nbytes < sum(sizes) + ALIGN * len(sizes) + PAGE
+    assert not arena.pinned  # nothing registered unless asked (and on a CPU never)
+    base = views[0].data_ptr()  # the first buffer starts the block
+    assert base % PAGE == 0  # on a page: the range cudaHostRegister locks is exactly nbytes
+    for v, (shape, dtype) in zip(views, SPECS):
+        assert v.shape == shape and v.dtype == dtype and v.is_contiguous()
+        if v.numel():  # (torch gives an empty tensor data_ptr 0)
+            assert v.data_ptr() % ALIGN == 0
+            assert v.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()  # one allocation
+            assert base <= v.data_ptr() and v.data_ptr() + v.numel() * v.element_size() <= base + arena.nbytes
+    # Fill each view with its own pattern after all are handed out: an overlap would overwrite a neighbour.
+    for i, v in enumerate(views):
+        v.copy_(torch.full(v.shape, i + 1, dtype=torch.float64).to(v.dtype))
+    for i, v in enumerate(views):
+        assert torch.equal(v, torch.full(v.shape, i + 1, dtype=torch.float64).to(v.dtype)), i
+
+
+def test_take_refuses_buffers_out_of_plan():
+    arena = HostArena(SPECS[:2])
+    with pytest.raises(RuntimeError, match="planned as"):
+        arena.take(*SPECS[1])  # the first planned is SPECS[0]
+    arena.take(*SPECS[0])
+    arena.take(*SPECS[1])
+    with pytest.raises(RuntimeError, match="all handed out"):
+        arena.take(*SPECS[0])
+
+
+def test_pin_registers_the_whole_block_once_and_release_unregisters_it(monkeypatch):
+    # The CUDA calls faked (this machine has none): the range given to cudaHostRegister is the block,
+    # exactly nbytes from a page boundary, and cudaHostUnregister gets the same pointer on release.
+    calls = []
+    monkeypatch.setattr(host_arena, "_register", lambda base: calls.append(("register", base.data_ptr(), base.numel())))
+    monkeypatch.setattr(host_arena, "_unregister", lambda base: calls.append(("unregister", base.data_ptr())))
+    arena = HostArena(SPECS, pinned=True)
+    first = arena.take(*SPECS[0])
+    assert arena.pinned
+    assert calls == [("register", first.data_ptr(), arena.nbytes)] and first.data_ptr() % PAGE == 0
+    arena.pin()  # already pinned: nothing more
+    arena.release()
+    assert not arena.pinned and calls[1:] == [("unregister", first.data_ptr())]
+    arena.release()  # once only
+    assert len(calls) == 2
+
+
+def test_a_collected_arena_unregisters(monkeypatch):
+    import gc
+    calls = []
+    monkeypatch.setattr(host_arena, "_register", lambda base: calls.append("register"))
+    monkeypatch.setattr(host_arena, "_unregister", lambda base: calls.append("unregister"))
+    arena = HostArena(SPECS, pinned=True)
+    view = arena.take(*SPECS[0])
+    view.fill_(3)
+    del arena
+    gc.collect()
+    assert calls == ["register", "unregister"]
+    assert torch.all(view == 3)  # the memory itself lives on with its views (unpinned)
+
+
+# ----- the start-up check ----------------------------------------------------------------------------
+
+def _fake_proc(monkeypatch, tmp_path, available_kib: int, rss_pages: int = 25600):
+    (tmp_path / "meminfo").write_text(f"MemTotal:       33554432 kB\nMemFree:         1000000 kB\n"
+                                      f"MemAvailable:   {available_kib:>9} kB\n")
+    (tmp_path / "statm").write_text(f"900000 {rss_pages} 1000 10 0 50000 0\n")
+    monkeypatch.setattr(offload, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(offload, "STATM", str(tmp_path / "statm"))
+
+
+def _tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def _build(model, state_bytes):
+    make = lambda groups: torch.optim.AdamW(groups, lr=1e-2)  # noqa: E731
+    return OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], make, 1.0,
+                                        state_bytes=state_bytes)
+
+
+def test_start_up_check_counts_the_pinned_block_and_the_states(monkeypatch, tmp_path):
+    model = _tiny()
+    params = list(model.parameters())
+    # fp32 weights, no master: the block holds each weight copy, each gradient buffer and the norm slots
+    sizes = [4 * p.numel() for p in params]
+    pinned = arena_bytes(sizes + sizes + [4 * len(params)])
+    states = 8 * 2**20  # what the caller says the inner optimizer's states take (whole KiB: meminfo's unit)
+    _fake_proc(monkeypatch, tmp_path, (pinned + states) // 1024)  # exactly enough: it goes ahead
+    opt = _build(model, states)
+    assert opt.arena.nbytes == pinned
+    _fake_proc(monkeypatch, tmp_path, (pinned + states) // 1024 - 1, rss_pages=262144)  # 1 KiB short: refused
+    with pytest.raises(MemoryError) as e:
+        _build(model, states)
+    msg = str(e.value)
+    assert "\n" not in msg  # one line
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    assert f"needs {gib(pinned)} of pinned host memory" in msg
+    assert f"+ {gib(states)} of optimizer states" in msg
+    assert f"= {gib(pinned + states)} more host RAM, but {gib(pinned + states - 1024)} is available" in msg
+    assert "this process holds 1.00 GiB already" in msg  # 262144 pages of 4 KiB (the faked statm)
+    assert "optim.optimizer=adamw_8bit instead of adamw" in msg and "`lowmem-grpo plan`" in msg
+
+
+def test_build_optimizer_passes_the_states_to_the_check(monkeypatch, tmp_path):
+    # The trainer's path: the states (fp32 moments of torch AdamW here) are in the check, so a machine
+    # with room for the pinned block but not for the states is refused before anything is allocated.
+    pytest.importorskip("bitsandbytes")
+    from lowmem_grpo.config import OptimConfig
+    from lowmem_grpo.memory.plan import optimizer_state_bytes
+    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    model = _tiny()
+    sizes = [p.numel() for p in model.parameters()]
+    cfg = OptimConfig(optimizer="adamw", offload_optimizer=True)
+    pinned = arena_bytes([4 * n for n in sizes] * 2 + [4 * len(sizes)])  # fp32 weights: no separate master
+    head = arena_bytes([4 * 64 * 32])  # the tied head's block, checked when the split is made
+    states = optimizer_state_bytes(sizes, "adamw", 4)
+    assert states == 8 * sum(sizes)
+    _fake_proc(monkeypatch, tmp_path, (pinned + states) // 1024 - 1)
+    with pytest.raises(MemoryError, match="pinned host memory"):
+        build_optimizer(model, cfg, in_backward=True)
+    _fake_proc(monkeypatch, tmp_path, (pinned + states + head) // 1024 + 1)
+    opt = build_optimizer(model, cfg, in_backward=True)
+    assert opt.arena.nbytes == pinned and opt.head_arena.nbytes == head
