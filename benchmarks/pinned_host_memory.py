@@ -4,6 +4,8 @@ power of two: lowmem_grpo/memory_modes/host_arena.py).
 
     python benchmarks/pinned_host_memory.py --arch Qwen2.5-1.5B --recipe recipes/qwen2.5-1.5b_gsm8k_8gb.yaml \\
         --json out.json          # on a GPU; --tiny: the architecture at toy width (CPU rehearsal)
+    python benchmarks/pinned_host_memory.py --arch Qwen2.5-3B --recipe recipes/qwen2.5-3b_gsm8k_8gb.yaml \\
+        --shapes-only            # the planner's figure against per-tensor pin_memory's, no model built
 
 Builds the recipe's offloaded optimizer the trainer's way (`build_optimizer`) on a random-weight model
 of the architecture on the device, and, with beta > 0, the streamed reference's block
@@ -50,7 +52,7 @@ def _cached_bytes(device: str) -> int:
 def _per_tensor(buffers: list[torch.Tensor], device: str) -> int:
     """Bytes that pinning each buffer on its own takes from the caching host allocator."""
     if device != "cuda":
-        return sum(1 << max(b.numel() * b.element_size() - 1, 0).bit_length() for b in buffers)
+        return sum(_pow2(b.numel() * b.element_size()) for b in buffers)
     before = _cached_bytes(device)
     pinned = [torch.empty(b.shape, dtype=b.dtype, pin_memory=True) for b in buffers]
     grown = _cached_bytes(device) - before
@@ -58,6 +60,33 @@ def _per_tensor(buffers: list[torch.Tensor], device: str) -> int:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # (the host allocator's cache is freed with the device's in torch >= 2.5)
     return grown
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def from_shapes(args) -> dict:
+    """--shapes-only: the planner's pinned bytes and the power-of-two blocks per-tensor pin_memory would
+    take for the same buffers (offload.py's: weight copies unless fp32 masters, gradient buffers, one
+    fp32 norm slot per tensor, the tied head's buffer; the streamed reference's weights), from the
+    architecture's shapes alone: no model is built."""
+    conf = preset(args.arch)
+    cfg = load_config(args.recipe, args.overrides, check=False)
+    arch = Arch.from_config(conf)
+    planned = plan(cfg, arch)
+    host, wb = planned["host_categories"], 2 if cfg.model.precision == "bf16_sr" else 4
+    sizes = [wb * n for n in arch.tensor_sizes]
+    rows = {}
+    if cfg.optim.offload_optimizer:
+        copies = [] if (cfg.optim.optimizer == "adamw" and wb == 2) else sizes
+        buffers = copies + sizes + [4 * len(sizes)] + ([wb * arch.vocab * arch.hidden] if arch.tied else [])
+        rows["offloaded optimizer"] = {"exact": sum(buffers), "planned": sum(
+            host[c] for c in planned["host_pinned"] if c != "reference model"), "per_tensor": sum(map(_pow2, buffers))}
+    if "reference model" in planned["host_pinned"]:
+        rows["streamed reference"] = {"exact": sum(sizes), "planned": host["reference model"],
+                                      "per_tensor": sum(map(_pow2, sizes))}
+    return rows
 
 
 def measure(args) -> dict:
@@ -75,7 +104,7 @@ def measure(args) -> dict:
     dtype = torch.bfloat16 if cfg.model.precision == "bf16_sr" else torch.float32
     hf_conf = AutoConfig.for_model(conf.pop("model_type"), **conf)
     with torch.device(device):  # random weights: only shapes and dtypes matter here
-        model = AutoModelForCausalLM.from_config(hf_conf, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_conf, dtype=dtype)
     if device == "cuda":
         torch.cuda.init()
     rows = {}
@@ -93,7 +122,7 @@ def measure(args) -> dict:
     del opt, blocks, buffers
     gc.collect()
     if cfg.train.beta > 0 and cfg.train.reference_compute != "cpu":
-        reference = AutoModelForCausalLM.from_config(hf_conf, torch_dtype=dtype)  # on the CPU, as the trainer's
+        reference = AutoModelForCausalLM.from_config(hf_conf, dtype=dtype)  # on the CPU, as the trainer's
         params = list(reference.parameters())
         rss, cached = process_ram() or 0, _cached_bytes(device)
         arena = pinned_copies(params) if device == "cuda" else None
@@ -117,7 +146,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
     ap.add_argument("--json", default=None)
     ap.add_argument("overrides", nargs="*", help="key=value settings on top of the recipe")
+    ap.add_argument("--shapes-only", action="store_true", help="no model, no allocation: the planner's pinned "
+                                                               "bytes against per-tensor pin_memory's, from shapes")
     args = ap.parse_args(argv)
+    if args.shapes_only:
+        rows = from_shapes(args)
+        print(f"{args.arch}, {args.recipe}: GiB (from the shapes)")
+        print(f"{'':<22}{'exact':>10}{'planned':>10}{'per-tensor pin_memory':>24}")
+        for name, r in rows.items():
+            print(f"{name:<22}{r['exact'] / 2**30:>10.3f}{r['planned'] / 2**30:>10.3f}{r['per_tensor'] / 2**30:>12.3f}"
+                  f" (+{100 * (r['per_tensor'] / r['exact'] - 1):.1f}%)")
+        if args.json:
+            write_json(args.json, {"arch": args.arch, "recipe": args.recipe, "shapes_only": True, "rows": rows})
+        return 0
     rows = measure(args)
     print(f"{args.arch}{' (tiny)' if args.tiny else ''}, {args.recipe}, {args.device}: MiB")
     print(f"{'':<22}{'planned':>12}{'pinned':>12}{'RSS +':>12}{'cache +':>10}{'per-tensor':>12}  registered")
