@@ -52,10 +52,10 @@ import torch
 
 from ..config import Config, ConfigError, batch_plan
 from ..kernels.linear import DEFAULT_WORKSPACE_BYTES, default_chunk_size
+from ..memory_modes.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from .layer_probe import layer_costs
 
 GiB = 2**30
-BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
 
 
@@ -102,18 +102,6 @@ class Arch:
     def layer_params(self) -> int:
         attn = self.hidden * (self.heads * self.head_dim) * 2 + self.hidden * (self.kv_heads * self.head_dim) * 2
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
-
-
-def optimizer_state_bytes(sizes: list[int], optimizer: str, weight_bytes: int) -> int:
-    if optimizer == "adamw":
-        return 2 * weight_bytes * sum(sizes)
-    total = 0
-    for n in sizes:
-        if n >= BNB_MIN_8BIT:
-            total += 2 * n + 2 * 4 * -(-n // BNB_BLOCK)  # two uint8 states + two fp32 absmax per block
-        else:
-            total += 8 * n  # bitsandbytes keeps fp32 states for small tensors
-    return total
 
 
 def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:

@@ -58,6 +58,13 @@ def _storages(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
     return out
 
 
+def _views(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """(device, data pointer) -> bytes of each tensor itself: for views that share one storage with others
+    (a HostArena's buffers), where `_storages` would count the whole block for each category."""
+    return {(_device_kind(t.device), t.data_ptr()): t.numel() * t.element_size() for t in tensors
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+
+
 def _cuda_device(device, params: list[torch.Tensor]) -> Optional[torch.device]:
     """The CUDA device a profile reads: `device` (with its index made explicit, so no API call falls
     back to the current device), else the first CUDA parameter's; None for a CPU run."""
@@ -210,14 +217,15 @@ class MemoryProfile:
                 states += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         known = {"weights": _storages(self.params), "optimizer states": _storages(states),
                  "reference model": _storages(self.reference), "rollout batch": _storages(self.batch)}
-        # optim.offload_optimizer (memory_modes/offload.py): the host weight copies and gradient buffers
+        # optim.offload_optimizer (memory_modes/offload.py): the host weight copies and gradient buffers,
+        # views of one block (host_arena.py), so counted view by view, not by storage
         for category, attr in (("weights copy", "host"), ("gradient buffer", "host_grad")):
             held = getattr(self.optimizer, attr, None)
             if isinstance(held, dict):
-                known[category] = _storages(held.values())
+                known[category] = _views(held.values())
         head_host = getattr(self.optimizer, "head_host", None)  # the tied head's contribution (offload.py)
         if isinstance(head_host, torch.Tensor):
-            known["gradient buffer"] = {**known.get("gradient buffer", {}), **_storages([head_host])}
+            known["gradient buffer"] = {**known.get("gradient buffer", {}), **_views([head_host])}
         return known
 
     # ----- attribution ---------------------------------------------------------------------------

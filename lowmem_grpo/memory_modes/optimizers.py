@@ -11,6 +11,23 @@ from torch import nn
 
 from ..config import OptimConfig
 
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096  # bitsandbytes' 8-bit states: 256-element blocks, tensors >= 4096 elements
+
+
+def optimizer_state_bytes(sizes: list[int], optimizer: str, weight_bytes: int) -> int:
+    """Bytes of the optimizer's states for tensors of these element counts: torch AdamW two moments in the
+    weight dtype (`weight_bytes`), the 8-bit AdamWs as bitsandbytes keeps them. The planner's figure
+    (memory/plan.py) and the offloaded optimizer's start-up check (offload.py) both read it."""
+    if optimizer == "adamw":
+        return 2 * weight_bytes * sum(sizes)
+    total = 0
+    for n in sizes:
+        if n >= BNB_MIN_8BIT:
+            total += 2 * n + 2 * 4 * -(-n // BNB_BLOCK)  # two uint8 states + two fp32 absmax per block
+        else:
+            total += 8 * n  # bitsandbytes keeps fp32 states for small tensors
+    return total
+
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only (not norm gains or biases), the usual rule; tied weights appear once."""
@@ -33,7 +50,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if in_backward and cfg.offload_optimizer:
-        from ..memory.plan import optimizer_state_bytes
         from .offload import OffloadedOptimizerInBackward
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
         states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
