@@ -71,8 +71,8 @@ def _register(base: torch.Tensor) -> None:
     if int(err) != 0:
         raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed (cudaError "
                           f"{int(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's pinned-memory "
-                          "limit); `lowmem-grpo plan` shows the pinned total, turn off optim.offload_optimizer "
-                          "to pin none")
+                          "limit); `lowmem-grpo plan` shows the pinned total, and optim.offload_optimizer=false "
+                          "with train.reference_compute=cpu pins none")
 
 
 def _unregister(base: torch.Tensor) -> None:

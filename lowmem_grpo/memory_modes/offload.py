@@ -228,6 +228,13 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         super().begin_step()
         self._head_arrived, self._head_ready = False, None
 
+    def release_host_memory(self) -> None:
+        """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
+        as ordinary memory). Deleting the optimizer is not enough: the hooks on the weights keep it alive."""
+        for arena in (self.arena, self.head_arena):
+            if arena is not None:
+                arena.release()
+
     def refresh_host_weights(self) -> None:
         """Copy the device weights into the host copies (at start and after weights are loaded)."""
         with torch.no_grad():

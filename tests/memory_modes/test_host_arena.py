@@ -154,3 +154,31 @@ def test_build_optimizer_passes_the_states_to_the_check(monkeypatch, tmp_path):
     _fake_proc(monkeypatch, tmp_path, (pinned + states + head) // 1024 + 1)
     opt = build_optimizer(model, cfg, in_backward=True)
     assert opt.arena.nbytes == pinned and opt.head_arena.nbytes == head
+
+
+def test_the_offloaded_optimizer_releases_both_blocks(monkeypatch):
+    # Its hooks keep it alive after `del`, so the pinned blocks are released explicitly (CUDA faked: the
+    # blocks are registered as on a GPU, the rest runs on the CPU).
+    calls = []
+    monkeypatch.setattr(host_arena, "_register", lambda base: calls.append(("register", base.data_ptr())))
+    monkeypatch.setattr(host_arena, "_unregister", lambda base: calls.append(("unregister", base.data_ptr())))
+    monkeypatch.setattr(host_arena.HostArena, "__init__", _pinned_init(host_arena.HostArena.__init__))
+    model = _tiny()
+    opt = _build(model, 0)
+    assert opt.split_tied_head(model)
+    blocks = [opt.arena, opt.head_arena]
+    assert all(b.pinned for b in blocks)
+    registered = [ptr for what, ptr in calls if what == "register"]
+    assert len(registered) == 2
+    opt.release_host_memory()
+    assert not any(b.pinned for b in blocks)
+    assert sorted(ptr for what, ptr in calls if what == "unregister") == sorted(registered)
+    opt.release_host_memory()  # once only
+    assert len(calls) == 4
+
+
+def _pinned_init(init):
+    """HostArena.__init__ that pins as on a GPU, whatever it is asked."""
+    def pinned_init(self, specs, pinned=False):
+        init(self, specs, pinned=True)
+    return pinned_init

@@ -1,6 +1,6 @@
 """Pinned host memory of exact size on a GPU machine (memory_modes/host_arena.py): registered pages that
 report is_pinned(), nothing from torch's caching host allocator (no power-of-two growth), asynchronous
-copies that land, and pages unlocked when the owner goes."""
+copies that land, and pages unlocked when released or collected."""
 
 import gc
 
@@ -67,7 +67,7 @@ def test_non_blocking_copies_to_and_from_arena_views_land():
         assert torch.equal(b, src * 2)
 
 
-def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_deleted():
+def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_released():
     pytest.importorskip("bitsandbytes")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,8 +95,15 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_del
     torch.cuda.synchronize()
     for p in model.parameters():
         assert torch.equal(p.detach().cpu(), opt.host[p])
-    kept = opt.host_grad[next(iter(opt.host_grad))]  # a view that outlives the optimizer
+    # The hooks on the weights keep the optimizer alive after `del` (and so its blocks): released
+    # explicitly, every block is unregistered; the buffers stay readable as ordinary memory.
+    opt.release_host_memory()
+    assert not any(b.is_pinned() for b in buffers)
+    assert torch.equal(opt.host[p], p.detach().cpu())
+    # An arena that is garbage-collected unregisters too.
+    arena = HostArena(SPECS, pinned=True)
+    kept = arena.take(*SPECS[0])
     assert kept.is_pinned()
-    del opt, buffers, model, p  # the hooks on the weights hold the optimizer: the model goes too
+    del arena
     gc.collect()
-    assert not kept.is_pinned()  # unregistered when the optimizer (and its arenas) went
+    assert not kept.is_pinned()
