@@ -4,8 +4,9 @@
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
 it fits the card after the documented margin, and if not, which changes make it fit. Also the host
-RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), checked
-against --host-memory (default: this machine's RAM); exit status 1 when that does not fit. With
+RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), the pinned
+part of it (page-locked on a GPU: it cannot swap) apart from the rest, checked against --host-memory
+(default: this machine's RAM); exit status 1 when that does not fit. With
 --nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the host RAM of one node (of the
 --nnodes M the N ranks are spread over).
 """
