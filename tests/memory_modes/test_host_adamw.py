@@ -1,0 +1,351 @@
+"""The fused host kernel for bitsandbytes' 8-bit AdamW (memory_modes/host_adamw.py): bitsandbytes' states
+and update, its quantizer, unbiased stochastic rounding, the gradient scale, the fallback, and threads."""
+
+import logging
+import math
+import threading
+
+import pytest
+import torch
+
+from lowmem_grpo.memory_modes import host_adamw
+from lowmem_grpo.memory_modes.host_adamw import host_adamw8bit_class
+from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+from tests.memory_modes.ulp import assert_within_one_bf16_ulp, bf16_ulp
+
+bnb = pytest.importorskip("bitsandbytes")
+F = bnb.functional
+
+STATE_KEYS = ("state1", "state2", "absmax1", "absmax2")
+
+
+@pytest.fixture
+def kernel():
+    lib = host_adamw.library()
+    if lib is None:
+        pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
+    return lib
+
+
+@pytest.fixture
+def correctly_rounded_sqrt(monkeypatch):
+    """torch's CPU sqrt is not correctly rounded (1 ulp off on ~17% of fp32 inputs); the kernel's is. With
+    this, bitsandbytes' own CPU step computes the kernel's arithmetic exactly: weights compare bitwise."""
+    torch_sqrt = torch.Tensor.sqrt
+    monkeypatch.setattr(torch.Tensor, "sqrt", lambda self: torch_sqrt(self.double()).to(self.dtype))
+
+
+def _fresh_state(n: int) -> dict:
+    blocks = (n + 255) // 256
+    return {"state1": torch.zeros(n, dtype=torch.uint8), "state2": torch.zeros(n, dtype=torch.uint8),
+            "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks),
+            "qmap1": F.create_dynamic_map(signed=True), "qmap2": F.create_dynamic_map(signed=False)}
+
+
+def _bnb_step(p, g, st, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01):
+    F.optimizer_update_8bit_blockwise("adam", g, p, st["state1"], st["state2"], betas[0], betas[1], 0.0, 0.0, eps,
+                                      step, lr, st["qmap1"], st["qmap2"], st["absmax1"], st["absmax2"], wd,
+                                      gnorm_scale=1.0)
+
+
+def _ours_step(p, g, st, step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, wd=0.01, **kw):
+    assert host_adamw.adamw8bit_step(p, g, st, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd,
+                                     step=step, **kw)
+
+
+def _crafted(qmap: torch.Tensor) -> torch.Tensor:
+    """Blocks of 256 with absmax 1 (one element 1.0): every code, the midpoint between each pair of
+    neighbouring codes (a tie), the floats just either side of it; then a zero block, a block of negatives
+    scaled by 3, and a tail of 77."""
+    code = qmap.float()
+    mid = 0.5 * (code[:-1] + code[1:])
+    values = torch.cat([code, mid, torch.nextafter(mid, torch.full_like(mid, 2.0)),
+                        torch.nextafter(mid, torch.full_like(mid, -2.0)), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    values = values[(values >= -1) & (values <= 1)]
+    blocks = []
+    for i in range(0, values.numel(), 255):
+        chunk = values[i:i + 255]
+        blocks.append(torch.cat([torch.ones(1), chunk, torch.zeros(255 - chunk.numel())]))
+    blocks.append(torch.zeros(256))  # absmax 0
+    blocks.append(-3.0 * torch.rand(256, generator=torch.Generator().manual_seed(0)))
+    blocks.append(torch.randn(77, generator=torch.Generator().manual_seed(1)))  # a tail block
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["qmap1_signed", "qmap2_unsigned"])
+def test_quantizer_equals_bitsandbytes_on_crafted_values(kernel, signed):
+    qmap = F.create_dynamic_map(signed=signed)
+    x = _crafted(qmap)
+    if not signed:
+        x = x.abs()  # the second moment is never negative
+    for values in (x, x[:5], x[:256 + 77]):  # also one tensor smaller than a block, and a tail
+        ours, ours_absmax = host_adamw.quantize_blockwise(values, qmap)
+        theirs, theirs_absmax = torch.ops.bitsandbytes.quantize_blockwise(values, qmap, 256)
+        assert torch.equal(ours_absmax, theirs_absmax)
+        assert torch.equal(ours, theirs), f"{int((ours != theirs).sum())} codes differ"
+
+
+@pytest.mark.parametrize("n", [256 * 9 + 77, 256 * 16, 4096 + 3], ids=["tail", "whole_blocks", "just_8bit"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_weights_step_exactly_as_bitsandbytes(kernel, correctly_rounded_sqrt, n, grad_dtype):
+    torch.manual_seed(0)
+    ours, theirs = torch.randn(n), None
+    theirs = ours.clone()
+    st_ours, st_theirs = _fresh_state(n), _fresh_state(n)
+    for step in range(1, 5):
+        g = (0.01 * torch.randn(n)).to(grad_dtype)
+        if step == 1:
+            g[: 2 * 256] = 0  # all-zero blocks: absmax 0 after the step
+        _ours_step(ours, g, st_ours, step)
+        _bnb_step(theirs, g, st_theirs, step)
+        for key in STATE_KEYS:
+            assert torch.equal(st_ours[key], st_theirs[key]), (step, key)
+        assert torch.equal(ours, theirs), (step, int((ours != theirs).sum()))
+
+
+def test_without_the_sqrt_fix_only_the_weights_move_and_by_an_ulp(kernel):
+    # The documented tolerance: torch's sqrt is the one op the kernel does not reproduce; it enters only the
+    # weight update, so the states stay bitwise equal and the weights within 2 fp32 ulps of the weight plus
+    # of the update's size (|update| <= ~lr; a 1-ulp denominator moves it by an ulp of itself).
+    torch.manual_seed(0)
+    n = 256 * 40 + 5
+    ours = torch.randn(n)
+    theirs = ours.clone()
+    st_ours, st_theirs = _fresh_state(n), _fresh_state(n)
+    for step in range(1, 4):
+        g = 0.01 * torch.randn(n)
+        _ours_step(ours, g, st_ours, step)
+        _bnb_step(theirs, g, st_theirs, step)
+    for key in STATE_KEYS:
+        assert torch.equal(st_ours[key], st_theirs[key]), key
+    lr = 1e-3
+    bound = 2 * torch.finfo(torch.float32).eps * (theirs.abs() + 3 * lr)
+    assert ((ours - theirs).abs() <= bound).all()
+    assert not torch.equal(ours, theirs)  # else this test would not show the tolerance it states
+
+
+def test_bf16_weights_land_within_one_ulp_of_bitsandbytes_fp32_step(kernel):
+    # One update from the same bf16 start: bitsandbytes' fp32 step on the widened weights, ours on the bf16
+    # weights with stochastic rounding: same states, weights within one bf16 ulp.
+    torch.manual_seed(0)
+    n = 256 * 12 + 31
+    ours = torch.randn(n).to(torch.bfloat16)
+    st_ours, st_theirs = _fresh_state(n), _fresh_state(n)
+    for step in range(1, 4):
+        theirs = ours.float()
+        g = (0.01 * torch.randn(n)).to(torch.bfloat16)
+        _ours_step(ours, g, st_ours, step, lr=1e-2)
+        _bnb_step(theirs, g, st_theirs, step, lr=1e-2)
+        assert_within_one_bf16_ulp(theirs, ours, f"step {step}")
+        for key in STATE_KEYS:
+            assert torch.equal(st_ours[key], st_theirs[key]), (step, key)
+
+
+def test_stochastic_rounding_is_unbiased(kernel):
+    # Every element takes the same fp32 update (same weight, gradient, zero states), which falls between
+    # two bf16 neighbours a < x < b: each result is a or b, and over N elements x R rounds the mean is x
+    # within 5 standard deviations, sd = sqrt((x - a)(b - x) / (N R)).
+    n, rounds = 4096, 50
+    start = torch.full((n,), 1.5, dtype=torch.bfloat16)
+    g = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    exact = start.float()
+    _bnb_step(exact, g, _fresh_state(n), 1, lr=1e-3, wd=0.0)
+    x = float(exact[0])  # 1.5 - 1e-3: between 1.4921875 and 1.5, bf16's spacing in [1, 2) being 2**-7
+    a = float((exact[:1].view(torch.int32) & -65536).view(torch.float32))  # truncated to bf16
+    b = a + float(bf16_ulp(torch.tensor(a)))
+    assert a < x < b  # the update is not a bf16 value: it has to be rounded
+    torch.manual_seed(0)
+    results = []
+    for _ in range(rounds):
+        p = start.clone()
+        _ours_step(p, g, _fresh_state(n), 1, lr=1e-3, wd=0.0)
+        results.append(p.float())
+    r = torch.stack(results)
+    assert set(r.unique().tolist()) == {a, b}
+    sd = math.sqrt((x - a) * (b - x) / r.numel())
+    assert abs(float(r.double().mean()) - x) < 5 * sd, (float(r.double().mean()), x, sd)
+    assert 0.05 < float((r == b).double().mean()) < 0.95  # both neighbours are taken, not one always
+
+
+def test_rounding_noise_follows_the_seed_not_the_thread_count(kernel):
+    n = 256 * 300 + 9  # over 64 blocks: the kernel splits it across threads
+    g = (0.01 * torch.randn(n, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    start = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    out = {}
+    try:
+        for t, seed in ((threads, 0), (1, 0), (threads, 1)):
+            torch.set_num_threads(t)
+            torch.manual_seed(seed)
+            p, st = start.clone(), _fresh_state(n)
+            for step in (1, 2):
+                _ours_step(p, g, st, step)
+            out[(t, seed)] = (p, st)
+    finally:
+        torch.set_num_threads(threads)
+    (p0, st0), (p1, st1), (p2, _) = out[(threads, 0)], out[(1, 0)], out[(threads, 1)]
+    assert torch.equal(p0, p1)
+    for key in STATE_KEYS:
+        assert torch.equal(st0[key], st1[key]), key
+    assert not torch.equal(p0, p2)  # another seed, other noise
+
+
+def _params(dtype, seed=0, shapes=((64, 96), (300,))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _step_all(opt, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+
+
+def test_optimizer_state_dict_loads_either_way(kernel, correctly_rounded_sqrt):
+    # Our class and bitsandbytes' AdamW8bit share the state format: a state saved by one continues in the
+    # other exactly (fp32 weights; the 300-element tensor keeps fp32 states, as in bitsandbytes).
+    torch.manual_seed(0)
+    grads = [[0.01 * torch.randn(64, 96), 0.01 * torch.randn(300)] for _ in range(4)]
+    classes = {"ours": host_adamw8bit_class(), "bnb": bnb.optim.AdamW8bit}
+    for first, second in (("ours", "bnb"), ("bnb", "ours")):
+        a_params, b_params = _params(torch.float32), _params(torch.float32)
+        a = classes[first](a_params, lr=1e-3, min_8bit_size=4096)
+        for g in grads[:2]:
+            _step_all(a, a_params, g)
+        b = classes[second](b_params, lr=1e-3, min_8bit_size=4096)
+        with torch.no_grad():
+            for pa, pb in zip(a_params, b_params):
+                pb.copy_(pa)
+        b.load_state_dict(a.state_dict())
+        assert b.state[b_params[0]]["state1"].dtype == torch.uint8
+        assert b.state[b_params[1]]["state1"].dtype == torch.float32
+        for g in grads[2:]:
+            _step_all(a, a_params, g)
+            _step_all(b, b_params, g)
+        for pa, pb in zip(a_params, b_params):
+            assert torch.equal(pa, pb), (first, second)
+            for key in a.state[pa]:
+                va, vb = a.state[pa][key], b.state[pb][key]
+                assert torch.equal(va, vb) if torch.is_tensor(va) else va == vb, (first, second, key)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "fallback"])
+def test_grad_scale_equals_a_premultiplied_gradient(monkeypatch, fused):
+    if fused and host_adamw.library() is None:
+        pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
+    if not fused:
+        monkeypatch.setattr(host_adamw, "_library", None)
+        monkeypatch.setattr(host_adamw, "_load_error", "off in this test")
+    cls = host_adamw8bit_class()
+    scaled_params, premultiplied_params = _params(torch.float32), _params(torch.float32)
+    scaled = cls(scaled_params, lr=1e-3, min_8bit_size=4096)
+    premultiplied = cls(premultiplied_params, lr=1e-3, min_8bit_size=4096)
+    torch.manual_seed(0)
+    for step in range(3):
+        grads = [0.01 * torch.randn(64, 96), 0.01 * torch.randn(300)]
+        coef = 0.3 if step != 1 else 1.0
+        scaled.param_groups[0]["grad_scale"] = coef
+        _step_all(scaled, scaled_params, grads)
+        assert scaled.param_groups[0]["grad_scale"] == 1.0  # used up by the step
+        _step_all(premultiplied, premultiplied_params, [g * coef for g in grads])
+    for a, b in zip(scaled_params, premultiplied_params):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_build_warns_once_and_steps_as_sr_adamw(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(host_adamw, "_build", no_compiler)
+    monkeypatch.setattr(host_adamw, "_library", None)
+    monkeypatch.setattr(host_adamw, "_load_error", None)
+    ours_params, sr_params = _params(torch.bfloat16), _params(torch.bfloat16)
+    ours = host_adamw8bit_class()(ours_params, lr=1e-3, min_8bit_size=4096)
+    sr = sr_adamw8bit_class()(sr_params, lr=1e-3, min_8bit_size=4096)
+    grads = [(0.01 * torch.randn(64, 96)).to(torch.bfloat16), (0.01 * torch.randn(300)).to(torch.bfloat16)]
+    with caplog.at_level(logging.WARNING, logger=host_adamw.__name__):
+        for opt, params in ((ours, ours_params), (sr, sr_params)):
+            torch.manual_seed(3)
+            for _ in range(2):
+                _step_all(opt, params, grads)
+    warnings = [r for r in caplog.records if r.name == host_adamw.__name__]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "Ninja is required" in warnings[0].getMessage() and "pip install ninja" in warnings[0].getMessage()
+    for a, b in zip(ours_params, sr_params):
+        assert torch.equal(a, b)
+
+
+def test_grad_sum_squares_in_fp32_chunks_whatever_the_threads(kernel):
+    g = torch.randn(3 * (1 << 16) + 5, generator=torch.Generator().manual_seed(0))
+    exact = float(g.double().pow(2).sum())
+    threads = torch.get_num_threads()
+    try:
+        totals = set()
+        for t in (1, threads):
+            torch.set_num_threads(t)
+            for x in (g, g.to(torch.bfloat16)):
+                totals.add((x.dtype, host_adamw.grad_sum_squares(x)))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(totals) == 2  # one value per dtype: the thread count changes nothing
+    assert host_adamw.grad_sum_squares(g) == pytest.approx(exact, rel=1e-5)
+    assert host_adamw.host_grad_norm(g.to(torch.bfloat16)) == pytest.approx(
+        float(g.to(torch.bfloat16).double().norm()), rel=1e-5)
+
+
+def test_the_kernel_releases_the_gil(kernel):
+    # The offloaded update may run on a worker thread beside autograd: while the kernel computes, other
+    # Python threads must run. Count the main thread's loop turns during the worker's kernel calls.
+    n = 4 << 20
+    p, g, st = torch.randn(n), 0.01 * torch.randn(n), _fresh_state(n)
+    done = threading.Event()
+
+    def worker():
+        for step in range(1, 4):
+            _ours_step(p, g, st, step)
+        done.set()
+
+    turns = 0
+    t = threading.Thread(target=worker)
+    t.start()
+    while not done.is_set():
+        turns += 1
+    t.join()
+    assert turns > 1000, turns  # with the GIL held through each call: a handful of turns between calls
+
+
+@pytest.mark.slow
+def test_large_tensor_steps_exactly_as_bitsandbytes(kernel, correctly_rounded_sqrt):
+    n = (1 << 24) + 1000  # 16.8M elements (an embedding's size), split across threads
+    torch.manual_seed(0)
+    ours = torch.randn(n)
+    theirs = ours.clone()
+    st_ours, st_theirs = _fresh_state(n), _fresh_state(n)
+    for step in (1, 2):
+        g = 0.01 * torch.randn(n)
+        _ours_step(ours, g, st_ours, step)
+        _bnb_step(theirs, g, st_theirs, step)
+    for key in STATE_KEYS:
+        assert torch.equal(st_ours[key], st_theirs[key]), key
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.cuda
+def test_cuda_parameters_take_bitsandbytes_own_path():
+    # The kernel is for host tensors; on CUDA the class steps exactly as sr_adamw's (bitsandbytes' kernel +
+    # the chunked stochastic rounding), with the same generator state.
+    torch.manual_seed(0)
+    base = torch.randn(5, 4 * 256 + 3, device="cuda").to(torch.bfloat16)
+    ours, theirs = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    opt_ours = host_adamw8bit_class()([ours], lr=1e-3, min_8bit_size=1)
+    opt_theirs = sr_adamw8bit_class()([theirs], lr=1e-3, min_8bit_size=1)
+    for _ in range(3):
+        g = (0.01 * torch.randn_like(base, dtype=torch.float32)).to(torch.bfloat16)
+        for opt, p in ((opt_ours, ours), (opt_theirs, theirs)):
+            p.grad = g.clone()
+            torch.manual_seed(1)
+            opt.step()
+    torch.cuda.synchronize()
+    assert torch.equal(ours, theirs)
+    for key in STATE_KEYS:
+        assert torch.equal(opt_ours.state[ours][key], opt_theirs.state[theirs][key]), key
