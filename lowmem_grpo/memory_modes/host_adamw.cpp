@@ -79,6 +79,7 @@ struct Adam {
   float correction2, eps, step_size, decay, grad_scale;  // sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t), 1 - lr*wd
   int decay_on;
   int stochastic;       // bf16 weights: stochastic rounding (1) or round to nearest even (0)
+  int simd;             // 0: the scalar loops only (the tests check both paths give the same bits)
   uint32_t key0, key1;  // stochastic-rounding seed
 };
 
@@ -213,13 +214,14 @@ inline int64_t quantize_vector(int64_t, const float*, float, const uint8_t*, uin
 
 // bitsandbytes' quantize_blockwise for one block of `len` fp32 values whose largest |x| (NaN ignored) has the
 // bits `max_bits`: returns the new absmax; an all-zero block gets code 0 throughout.
-inline float quantize_block(int64_t len, const float* x, uint32_t max_bits, const uint8_t* lut, uint8_t* out) {
+inline float quantize_block(int64_t len, const float* x, uint32_t max_bits, const uint8_t* lut, uint8_t* out,
+                            int simd) {
   const float absmax = bits_to_float(max_bits);
   if (absmax == 0.0f) {
     std::memset(out, 0, len);
   } else {
     const float inv = 1.0f / absmax;
-    quantize_scalar(quantize_vector(len, x, inv, lut, out), len, x, inv, lut, out);
+    quantize_scalar(simd ? quantize_vector(len, x, inv, lut, out) : 0, len, x, inv, lut, out);
   }
   return absmax;
 }
@@ -237,10 +239,11 @@ void adam8bit_block(int64_t block, int64_t n, P* p, const G* g, uint8_t* s1, uin
   uint8_t* c1 = s1 + start;
   uint8_t* c2 = s2 + start;
   uint32_t max1 = 0, max2 = 0;
-  const int64_t done = adam_vector(start, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2);
+  const int64_t done =
+      k.simd ? adam_vector(start, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2) : 0;
   adam_scalar(start, done, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2);
-  absmax1[block] = quantize_block(len, m, max1, lut1, c1);
-  absmax2[block] = quantize_block(len, v, max2, lut2, c2);
+  absmax1[block] = quantize_block(len, m, max1, lut1, c1, k.simd);
+  absmax2[block] = quantize_block(len, v, max2, lut2, c2, k.simd);
 }
 
 template <typename P, typename G>
@@ -295,12 +298,12 @@ void build_quantize_lut(const float* code, uint8_t* lut) {
 
 // bitsandbytes' quantize_blockwise (fp32 input, 256-element blocks) with this file's quantizer: what the
 // optimizer step does to its states, exposed for the tests to compare with bitsandbytes' own.
-void quantize_blockwise(int64_t n, const float* x, const uint8_t* lut, uint8_t* out, float* absmax) {
+void quantize_blockwise(int64_t n, const float* x, const uint8_t* lut, uint8_t* out, float* absmax, int simd) {
   for (int64_t b = 0; b * kBlock < n; ++b) {
     const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
     uint32_t max_bits = 0;
     for (int64_t i = 0; i < len; ++i) max_bits = std::max(max_bits, abs_bits(x[start + i]));
-    absmax[b] = quantize_block(len, x + start, max_bits, lut, out + start);
+    absmax[b] = quantize_block(len, x + start, max_bits, lut, out + start, simd);
   }
 }
 
@@ -309,9 +312,9 @@ int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, ui
                    float* absmax1, float* absmax2, const float* qmap1, const float* qmap2, const uint8_t* lut1,
                    const uint8_t* lut2, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
                    float correction2, float eps, float step_size, float decay, int decay_on, float grad_scale,
-                   int stochastic, uint32_t key0, uint32_t key1, int threads) {
+                   int stochastic, uint32_t key0, uint32_t key1, int simd, int threads) {
   const Adam k{beta1, one_minus_beta1, beta2, one_minus_beta2, correction2, eps, step_size, decay, grad_scale,
-               decay_on, stochastic, key0, key1};
+               decay_on, stochastic, simd, key0, key1};
   const auto gf = static_cast<const float*>(g);
   const auto gh = static_cast<const uint16_t*>(g);
   const auto pf = static_cast<float*>(p);

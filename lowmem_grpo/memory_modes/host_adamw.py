@@ -58,6 +58,7 @@ _KIND = {torch.float32: _FP32, torch.bfloat16: _BF16}
 _library: ctypes.CDLL | None = None
 _load_error: str | None = None  # why the kernel is unavailable (logged once), None while untried or loaded
 _luts: dict[bytes, torch.Tensor] = {}
+SIMD = True  # False: the kernel's scalar loops only (what a CPU without AVX-512 runs; the tests compare both)
 
 
 def _cpu_tag() -> str:
@@ -88,9 +89,9 @@ def _build() -> ctypes.CDLL:
     lib.build_quantize_lut.restype = None
     lib.adamw8bit_step.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p,  # sizes and data pointers
                                    f32, f32, f32, f32, f32, f32, f32, f32, i32, f32,  # Adam constants
-                                   i32, u32, u32, i32]  # rounding, seed, threads
+                                   i32, u32, u32, i32, i32]  # rounding, seed, SIMD, threads
     lib.adamw8bit_step.restype = i32
-    lib.quantize_blockwise.argtypes = [i64, p, p, p, p]
+    lib.quantize_blockwise.argtypes = [i64, p, p, p, p, i32]
     lib.quantize_blockwise.restype = None
     lib.grad_sum_squares.argtypes = [i64, p, i32, i32]
     lib.grad_sum_squares.restype = ctypes.c_double
@@ -138,7 +139,8 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tenso
     x = x.detach().float().contiguous()
     codes = torch.empty(x.shape, dtype=torch.uint8)
     absmax = torch.empty((x.numel() + 255) // 256, dtype=torch.float32)
-    library().quantize_blockwise(x.numel(), x.data_ptr(), _lut(qmap).data_ptr(), codes.data_ptr(), absmax.data_ptr())
+    library().quantize_blockwise(x.numel(), x.data_ptr(), _lut(qmap).data_ptr(), codes.data_ptr(), absmax.data_ptr(),
+                                 int(SIMD))
     return codes, absmax
 
 
@@ -191,7 +193,7 @@ def adamw8bit_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
         state["state1"].data_ptr(), state["state2"].data_ptr(), state["absmax1"].data_ptr(),
         state["absmax2"].data_ptr(), qmap1.data_ptr(), qmap2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(),
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, correction2, eps, -lr / correction1, 1.0 - lr * weight_decay,
-        int(weight_decay > 0.0), grad_scale, int(stochastic_rounding), key0, key1, _threads())
+        int(weight_decay > 0.0), grad_scale, int(stochastic_rounding), key0, key1, int(SIMD), _threads())
     return rc == 0
 
 
