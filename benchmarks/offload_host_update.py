@@ -66,22 +66,21 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def host_tensors(arch: Arch, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One host weight per parameter tensor of the architecture, with a bf16 gradient."""
-    out = []
-    for n in arch.tensor_sizes:
-        w = torch.empty(n, dtype=dtype).normal_(0, 0.02)
-        w.grad = torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3)
-        out.append(w)
-    return out
+def host_tensors(arch: Arch, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One host weight per parameter tensor of the architecture, and its bf16 gradient buffer."""
+    weights = [torch.empty(n, dtype=dtype).normal_(0, 0.02) for n in arch.tensor_sizes]
+    grads = [torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3) for n in arch.tensor_sizes]
+    return weights, grads
 
 
 class EightBitStep:
     """The 8-bit AdamW with stochastic rounding, per tensor: norm, clip, update (module docstring)."""
 
-    def __init__(self, params, fused: bool):
+    def __init__(self, params, grads, fused: bool):
         from lowmem_grpo.memory_modes import host_adamw
         from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        for p, g in zip(params, grads):
+            p.grad = g
         if fused and host_adamw.library() is None:
             raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
         cls = host_adamw.host_adamw8bit_class() if fused else sr_adamw8bit_class()
@@ -102,23 +101,22 @@ class EightBitStep:
 class AdamWStep:
     """torch's fused AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path."""
 
-    def __init__(self, params, fused: bool):
+    def __init__(self, params, grads, fused: bool):
         from lowmem_grpo.memory_modes import host_adamw
         if fused and host_adamw.library() is None:
             raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
-        self.fused, self.params, self.host_adamw = fused, params, host_adamw
+        self.fused, self.params, self.grads, self.host_adamw = fused, params, grads, host_adamw
         self.upload = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
         self.optimizers = [torch.optim.AdamW([p], lr=1e-6, fused=True) for p in params]
 
     def __call__(self, caps) -> None:
-        for p, opt, cap, up in zip(self.params, self.optimizers, caps, self.upload):
-            g16 = p.grad
+        for p, g16, opt, cap, up in zip(self.params, self.grads, self.optimizers, caps, self.upload):
             norm = self.host_adamw.host_grad_norm(g16) if self.fused else float(fp32_norm_tensor(g16))
             if norm > cap:
                 g16.mul_(cap / (norm + 1e-6))
             p.grad = g16.float()  # offload.py's _apply: exact widening for the fp32 master
             opt.step()
-            p.grad = g16
+            p.grad = None
             up.copy_(p.detach())  # the master rounded to nearest into the upload buffer
 
 
@@ -126,14 +124,14 @@ def measure(name: str, optimizer: str, path: str, repeats: int) -> dict:
     arch = Arch.from_config(preset(name))
     dtype = torch.float32 if optimizer == "adamw" else torch.bfloat16
     wb = 4 if dtype == torch.float32 else 2
-    params = host_tensors(arch, dtype)
+    params, grads = host_tensors(arch, dtype)
     total = sum(p.numel() for p in params)
     caps = [1.0 * (p.numel() / total) ** 0.5 for p in params]
-    step = (AdamWStep if optimizer == "adamw" else EightBitStep)(params, fused=path == "fused")
+    step = (AdamWStep if optimizer == "adamw" else EightBitStep)(params, grads, fused=path == "fused")
     step(caps)  # warm-up: the states are allocated (and the kernel built)
     times = [_timed(lambda: step(caps)) for _ in range(repeats)]
     seconds = statistics.median(times)
-    del step, params
+    del step, params, grads
     gc.collect()
     return {"model": name, "params": arch.params, "optimizer": optimizer, "path": path, "dtype": str(dtype),
             "host_update_s": seconds, "host_update_ns_per_param": seconds / arch.params * 1e9,
