@@ -182,6 +182,22 @@ def test_bf16_weights_land_within_one_ulp_of_bitsandbytes_fp32_step(kernel, simd
             assert torch.equal(st_ours[key], st_theirs[key]), (step, key)
 
 
+def test_bf16_weights_without_stochastic_rounding_step_as_bitsandbytes(kernel, simd, correctly_rounded_sqrt):
+    # stochastic_rounding=False: round to nearest even, as bitsandbytes' own step on bf16 weights does
+    torch.manual_seed(0)
+    n = 256 * 6 + 100
+    ours = torch.randn(n).to(torch.bfloat16)
+    theirs = ours.clone()
+    st_ours, st_theirs = _fresh_state(n), _fresh_state(n)
+    for step in range(1, 4):
+        g = (0.01 * torch.randn(n)).to(torch.bfloat16)
+        _ours_step(ours, g, st_ours, step, lr=1e-2, stochastic_rounding=False)
+        _bnb_step(theirs, g, st_theirs, step, lr=1e-2)
+        assert torch.equal(ours, theirs), step
+    for key in STATE_KEYS:
+        assert torch.equal(st_ours[key], st_theirs[key]), key
+
+
 def test_stochastic_rounding_is_unbiased(kernel, simd):
     # Every element takes the same fp32 update (same weight, gradient, zero states), which falls between
     # two bf16 neighbours a < x < b: each result is a or b, and over N elements x R rounds the mean is x
