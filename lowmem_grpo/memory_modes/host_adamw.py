@@ -73,15 +73,18 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
-def _build() -> ctypes.CDLL:
+def _build(march: str = "native") -> ctypes.CDLL:
+    """Compile (or find in torch's extension cache) and load the kernels for `-march=<march>`."""
     from torch.utils import cpp_extension
     try:  # the pip package `ninja` puts its binary beside its module; a venv's bin/ is not always on PATH
         import ninja
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{_cpu_tag()}", sources=[str(SOURCE)],
-                              extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False,
+    tag = _cpu_tag() if march == "native" else march.replace("-", "_")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
+    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}", sources=[str(SOURCE)],
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
                               verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float

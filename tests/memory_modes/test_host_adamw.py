@@ -3,6 +3,7 @@ and update, its quantizer, unbiased stochastic rounding, the gradient scale, the
 
 import logging
 import math
+import os
 import threading
 import time
 
@@ -28,10 +29,21 @@ def kernel():
     return lib
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
-def simd(request, monkeypatch):
-    """The AVX-512 loops (where compiled in) and the scalar loops, which a CPU without AVX-512 runs."""
-    monkeypatch.setattr(host_adamw, "SIMD", request.param)
+_AVX2_BUILD = {}
+
+
+@pytest.fixture(params=["native", "avx2", "scalar"])
+def simd(request, monkeypatch, kernel):
+    """The kernel's three code paths: this CPU's (AVX-512 where it has it), the AVX2 loops (built for
+    -march=x86-64-v3: what most desktop CPUs run), the scalar loops (any other CPU)."""
+    if request.param == "avx2":
+        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+        if " avx2" not in flags or " fma" not in flags:
+            pytest.skip("this CPU cannot run AVX2 code")
+        if "lib" not in _AVX2_BUILD:
+            _AVX2_BUILD["lib"] = host_adamw._build("x86-64-v3")
+        monkeypatch.setattr(host_adamw, "_library", _AVX2_BUILD["lib"])
+    monkeypatch.setattr(host_adamw, "SIMD", request.param != "scalar")
     return request.param
 
 
