@@ -32,8 +32,14 @@ gradient is multiplied in place first), and the key goes back to 1.0 after the g
 
 Build: the .cpp is compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, OpenMP,
 ninja) into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per
-CPU type. Where it cannot build (no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes
-today's path (sr_adamw.py / bitsandbytes) after one logged warning that says why and how to fix it.
+CPU type; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another target, e.g. the
+oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; most
+desktop CPUs), else scalar loops; all three give the same bits (the tests run each). Where it cannot build
+(no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
+bitsandbytes) after one logged warning that says why and how to fix it.
+
+Only this class reads `grad_scale`: torch.optim.AdamW ignores a param-group key of that name (the `adamw`
+path of the offloaded optimizer must still clip the gradient itself).
 """
 
 from __future__ import annotations
@@ -112,7 +118,7 @@ def library() -> ctypes.CDLL | None:
                        "bitsandbytes' CPU path, several times slower; unset it to use the kernel")
         return None
     try:
-        _library = _build()
+        _library = _build(os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native"))
     except Exception as e:  # noqa: BLE001  (a failed build of any kind means: fall back)
         lines = str(e).strip().splitlines()
         _load_error = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
@@ -139,6 +145,8 @@ def _lut(qmap: torch.Tensor) -> torch.Tensor:
 def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8, absmax fp32 per 256-block) of fp32 CPU tensor `x` by the kernel's quantizer, which
     the optimizer step applies to its states; for comparing with bitsandbytes' quantize_blockwise."""
+    if library() is None:
+        raise RuntimeError(f"host_adamw.quantize_blockwise needs the compiled kernel ({_load_error})")
     x = x.detach().float().contiguous()
     codes = torch.empty(x.shape, dtype=torch.uint8)
     absmax = torch.empty((x.numel() + 255) // 256, dtype=torch.float32)
