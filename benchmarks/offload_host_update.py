@@ -1,6 +1,6 @@
 """The host side of optim.offload_optimizer: CPU time of one optimizer step against the memory bandwidth.
 
-    python benchmarks/offload_host_update.py --models Qwen2.5-0.5B Qwen2.5-1.5B --optimizer adamw_8bit --json runs/offload.json
+    python benchmarks/offload_host_update.py --models Qwen2.5-0.5B Qwen2.5-1.5B --json runs/offload.json
 
 For each architecture (random weights of its exact tensor shapes; the time does not depend on the
 values), the whole host step of one offloaded optimizer step, tensor by tensor, once every gradient is on

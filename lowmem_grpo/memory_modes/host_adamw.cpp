@@ -142,7 +142,8 @@ inline void store16(uint16_t* p, int64_t j, __m512 x, const Adam& k) {
     h = _mm512_add_epi32(h, _mm512_xor_si512(hi, _mm512_set1_epi32(static_cast<int>(k.key1))));
     add = _mm512_srli_epi32(mix32x16(h), 16);
   } else {
-    add = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    add = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd);  // round to nearest even
   }
   const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
@@ -236,7 +237,8 @@ inline void store8(uint16_t* p, int64_t j, __m256 x, const Adam& k) {
     h = _mm256_add_epi32(h, _mm256_xor_si256(hi, _mm256_set1_epi32(static_cast<int>(k.key1))));
     add = _mm256_srli_epi32(mix32x8(h), 16);
   } else {
-    add = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1)));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    add = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd);  // round to nearest even
   }
   const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
@@ -426,10 +428,11 @@ int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, ui
   const auto gh = static_cast<const uint16_t*>(g);
   const auto pf = static_cast<float*>(p);
   const auto ph = static_cast<uint16_t*>(p);
-  if (p_kind == 0 && g_kind == 0) adam8bit(n, pf, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
-  else if (p_kind == 0 && g_kind == 1) adam8bit(n, pf, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
-  else if (p_kind == 1 && g_kind == 0) adam8bit(n, ph, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
-  else if (p_kind == 1 && g_kind == 1) adam8bit(n, ph, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  const int pair = p_kind * 2 + g_kind;  // weight dtype, gradient dtype
+  if (pair == 0) adam8bit(n, pf, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 1) adam8bit(n, pf, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 2) adam8bit(n, ph, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 3) adam8bit(n, ph, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
   else return -1;
   return 0;
 }
