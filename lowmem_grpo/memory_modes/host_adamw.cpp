@@ -7,7 +7,9 @@
 // re-quantize both states with bitsandbytes' CPU quantizer (new absmax per block, then its 65536-entry
 // lookup table on ((x / absmax + 1) / 2) * 65535 + 0.5, truncated).
 //   memory traffic per element: read grad (2 or 4 B), weight (2 or 4 B), two 8-bit codes;
-//   write weight, two codes; absmax 8 B per 256 elements. Nothing else leaves the cache.
+//   write weight, two codes; per 256 elements two fp32 absmax read and written. Nothing else leaves the cache.
+//   Loops: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes) where compiled for, the scalar loop for the rest of a
+//   block (and for every element elsewhere); all give the same bits.
 // grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk, added in chunk
 //   order in fp64, so the result does not depend on the thread count.
 //
