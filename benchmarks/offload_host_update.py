@@ -1,23 +1,35 @@
-"""The host side of optim.offload_optimizer: CPU time of one optimizer step, and bytes across PCIe.
+"""The host side of optim.offload_optimizer: CPU time of one optimizer step against the memory bandwidth.
 
-    python benchmarks/offload_host_update.py --models Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-3B --json runs/offload.json
+    python benchmarks/offload_host_update.py --models Qwen2.5-0.5B Qwen2.5-1.5B --json runs/offload.json
 
 For each architecture (random weights of its exact tensor shapes; the time does not depend on the
-values), the host work of one offloaded step, tensor by tensor, exactly as
-memory_modes/offload.py does it once a gradient has arrived: the fp32 norm, the per-tensor clip,
-and the inner optimizer's step on the host copy (bitsandbytes 8-bit AdamW with stochastic rounding
-on bf16 weights, the 8 GB recipes' setting; `--optimizer adamw` for torch AdamW on fp32). One
-warm-up step (states are created), then the median of `--repeats` steps. The copies across PCIe
-are not timed here (they run on the GPU's copy engines, beside the host update); their bytes are
-computed: every gradient down and every weight up per step. A user's step time on their card is
-about max(GPU backward, host update) + the last tensors' update, with the host update below.
+values), the whole host step of one offloaded optimizer step, tensor by tensor, once every gradient is on
+the host: the gradient's fp32 norm, the clip to the tensor's share of max_grad_norm, and the update of
+the host copy. Two paths (`--paths`):
 
-Host RAM needed for the run: weight copy + gradient buffer + states (offload.host_bytes_per_param).
+  today   what memory_modes/offload.py did before host_adamw.py: fp32_norm_tensor, grad.mul_(coef),
+          then sr_adamw.py's AdamW8bitSR (bitsandbytes' CPU 8-bit path, chunked, stochastic rounding);
+          for `--optimizer adamw`: the bf16 gradient widened to fp32, torch.optim.AdamW(fused=True) on
+          the fp32 master, the master rounded into the bf16 upload buffer.
+  fused   host_adamw.py: the norm in one pass (grad_sum_squares), the clip coefficient handed to the
+          kernel as grad_scale, the 8-bit AdamW with stochastic rounding in one pass per 256-block;
+          for `adamw` only the norm changes (torch's fused AdamW stays: see RESULTS.md).
+
+The 8-bit optimizer runs on bf16 weights and gradients (the 8 GB recipes' setting), `adamw` on fp32
+masters with bf16 gradients (offload.py's master_fp32). One warm-up step (states are created), then the
+median of `--repeats` steps. The same run measures the machine's memory bandwidth with the same thread
+count (a 256 MiB fp32 copy_, read + write bytes) and prints, per path, ns per parameter, the bytes the
+step must touch per parameter, and time / (bytes / bandwidth): how far the step is from the memory bound.
+
+The copies across PCIe are not timed here (they run on the GPU's copy engines, beside the host update);
+their bytes are computed: every gradient down and every weight up per step. Host RAM needed for the run:
+weight copy + gradient buffer + states (offload.host_bytes_per_param).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -31,60 +43,109 @@ from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.memory_modes.offload import host_bytes_per_param, pcie_bytes_per_step
 from lowmem_grpo.memory_modes.optimizer_in_backward import fp32_norm_tensor
 
-
-def host_tensors(arch: Arch, dtype: torch.dtype) -> list[torch.Tensor]:
-    """One host weight per parameter tensor of the architecture, with a gradient."""
-    out = []
-    for n in arch.tensor_sizes:
-        w = torch.empty(n, dtype=dtype).normal_(0, 0.02)
-        w.grad = torch.empty(n, dtype=dtype).normal_(0, 1e-3)
-        out.append(w)
-    return out
+# Bytes one host step must read and write per parameter (the memory-bound floor):
+#   adamw_8bit  norm: read grad (2); update: read grad, weight (2 + 2), two codes (2), write weight (2),
+#               two codes (2); absmax 2 x 2 x 4 B per 256-block
+#   adamw       norm: read grad (2); update: read grad (2), master, m, v (12), write them (12), write the
+#               bf16 upload copy (2)
+BYTES_PER_PARAM = {"adamw_8bit": 2 + 10 + 16 / 256, "adamw": 2 + 28}
 
 
-def make_optimizers(params: list[torch.Tensor], optimizer: str) -> list[torch.optim.Optimizer]:
-    if optimizer == "adamw":
-        return [torch.optim.AdamW([p], lr=1e-6) for p in params]
-    from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
-    cls = sr_adamw8bit_class()
-    return [cls([p], lr=1e-6, betas=(0.9, 0.99)) for p in params]
+def memory_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second of a 256 MiB fp32 copy_ (read + write), the best of `repeats`, torch's threads."""
+    n = 64 << 20
+    src, dst = torch.ones(n), torch.empty(n)
+    dst.copy_(src)  # touch the pages
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * 4 * n / best
 
 
-def host_step(params, optimizers, caps) -> None:
-    """What OffloadedOptimizerInBackward does on the host per tensor (norm, clip, update)."""
-    for p, opt, cap in zip(params, optimizers, caps):
-        norm = float(fp32_norm_tensor(p.grad))
-        if norm > cap:
-            p.grad.mul_(cap / (norm + 1e-6))
-        opt.step()
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def measure(name: str, optimizer: str, repeats: int) -> dict:
+def host_tensors(arch: Arch, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One host weight per parameter tensor of the architecture, and its bf16 gradient buffer."""
+    weights = [torch.empty(n, dtype=dtype).normal_(0, 0.02) for n in arch.tensor_sizes]
+    grads = [torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3) for n in arch.tensor_sizes]
+    return weights, grads
+
+
+class EightBitStep:
+    """The 8-bit AdamW with stochastic rounding, per tensor: norm, clip, update (module docstring)."""
+
+    def __init__(self, params, grads, fused: bool):
+        from lowmem_grpo.memory_modes import host_adamw
+        from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        for p, g in zip(params, grads):
+            p.grad = g
+        if fused and host_adamw.library() is None:
+            raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
+        cls = host_adamw.host_adamw8bit_class() if fused else sr_adamw8bit_class()
+        self.fused, self.params, self.host_adamw = fused, params, host_adamw
+        self.optimizers = [cls([p], lr=1e-6, betas=(0.9, 0.99)) for p in params]
+
+    def __call__(self, caps) -> None:
+        for p, opt, cap in zip(self.params, self.optimizers, caps):
+            norm = self.host_adamw.host_grad_norm(p.grad) if self.fused else float(fp32_norm_tensor(p.grad))
+            coef = cap / (norm + 1e-6) if norm > cap else 1.0
+            if self.fused:
+                opt.param_groups[0]["grad_scale"] = coef
+            elif coef != 1.0:
+                p.grad.mul_(coef)
+            opt.step()
+
+
+class AdamWStep:
+    """torch's fused AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path."""
+
+    def __init__(self, params, grads, fused: bool):
+        from lowmem_grpo.memory_modes import host_adamw
+        if fused and host_adamw.library() is None:
+            raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
+        self.fused, self.params, self.grads, self.host_adamw = fused, params, grads, host_adamw
+        self.upload = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
+        self.optimizers = [torch.optim.AdamW([p], lr=1e-6, fused=True) for p in params]
+
+    def __call__(self, caps) -> None:
+        for p, g16, opt, cap, up in zip(self.params, self.grads, self.optimizers, caps, self.upload):
+            norm = self.host_adamw.host_grad_norm(g16) if self.fused else float(fp32_norm_tensor(g16))
+            if norm > cap:
+                g16.mul_(cap / (norm + 1e-6))
+            p.grad = g16.float()  # offload.py's _apply: exact widening for the fp32 master
+            opt.step()
+            p.grad = None
+            up.copy_(p.detach())  # the master rounded to nearest into the upload buffer
+
+
+def measure(name: str, optimizer: str, path: str, repeats: int) -> dict:
     arch = Arch.from_config(preset(name))
     dtype = torch.float32 if optimizer == "adamw" else torch.bfloat16
     wb = 4 if dtype == torch.float32 else 2
-    params = host_tensors(arch, dtype)
+    params, grads = host_tensors(arch, dtype)
     total = sum(p.numel() for p in params)
     caps = [1.0 * (p.numel() / total) ** 0.5 for p in params]
-    optimizers = make_optimizers(params, optimizer)
-    host_step(params, optimizers, caps)  # warm-up: the states are allocated
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        host_step(params, optimizers, caps)
-        times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    return {"model": name, "params": arch.params, "optimizer": optimizer, "dtype": str(dtype),
-            "host_update_s": step, "host_update_ns_per_param": step / arch.params * 1e9,
-            "host_ram_gib": host_bytes_per_param(wb, optimizer) * arch.params / 2**30,
-            "pcie_gib_per_step": pcie_bytes_per_step(arch.params, wb) / 2**30, "times_s": times}
+    step = (AdamWStep if optimizer == "adamw" else EightBitStep)(params, grads, fused=path == "fused")
+    step(caps)  # warm-up: the states are allocated (and the kernel built)
+    times = [_timed(lambda: step(caps)) for _ in range(repeats)]
+    seconds = statistics.median(times)
+    del step, params, grads
+    gc.collect()
+    return {"model": name, "params": arch.params, "optimizer": optimizer, "path": path, "dtype": str(dtype),
+            "host_update_s": seconds, "host_update_ns_per_param": seconds / arch.params * 1e9,
+            "bytes_per_param": BYTES_PER_PARAM[optimizer],
+            "host_ram_gib": host_bytes_per_param(2, optimizer) * arch.params / 2**30,
+            "pcie_gib_per_step": pcie_bytes_per_step(arch.params, 2) / 2**30, "times_s": times}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-3B"])
+    ap.add_argument("--models", nargs="+", default=["Qwen2.5-0.5B", "Qwen2.5-1.5B"])
     ap.add_argument("--optimizer", choices=["adamw_8bit", "adamw"], default="adamw_8bit")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--paths", nargs="+", choices=["today", "fused"], default=["today", "fused"])
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -92,17 +153,25 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_utils import machine_info
+    bandwidth = memory_bandwidth()
     rows = []
     print(f"machine: {machine_info('cpu')}")
-    print("| model | parameters | host update per step (s) | ns / parameter | host RAM (GiB) | PCIe per step (GiB) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"memory bandwidth (fp32 copy_, read + write, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s")
+    print("| model | optimizer | path | host step (s) | ns / parameter | bytes / parameter | memory-bound ns | "
+          "x memory bound | host RAM (GiB) | PCIe per step (GiB) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
-        r = measure(name, args.optimizer, args.repeats)
-        rows.append(r)
-        print(f"| {name} | {r['params'] / 1e9:.3f} B | {r['host_update_s']:.2f} | {r['host_update_ns_per_param']:.2f} | "
-              f"{r['host_ram_gib']:.1f} | {r['pcie_gib_per_step']:.2f} |", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
+        for path in args.paths:
+            r = measure(name, args.optimizer, path, args.repeats)
+            bound_ns = r["bytes_per_param"] / bandwidth * 1e9
+            r.update(bandwidth_gb_s=bandwidth / 1e9, memory_bound_ns_per_param=bound_ns,
+                     x_memory_bound=r["host_update_ns_per_param"] / bound_ns)
+            rows.append(r)
+            print(f"| {name} | {args.optimizer} | {path} | {r['host_update_s']:.2f} | "
+                  f"{r['host_update_ns_per_param']:.2f} | {r['bytes_per_param']:.1f} | {bound_ns:.2f} | "
+                  f"{r['x_memory_bound']:.1f} | {r['host_ram_gib']:.1f} | {r['pcie_gib_per_step']:.2f} |", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
     return 0
 
 

@@ -45,7 +45,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
                     in_backward: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer. `stochastic_rounding` selects the bf16-weight variant (sr_adamw.py);
     `in_backward` steps each parameter inside backward (optimizer_in_backward.py), on host copies with
-    `cfg.offload_optimizer` (offload.py)."""
+    `cfg.offload_optimizer` (offload.py; the 8-bit optimizers there step in host_adamw.py's fused CPU kernel)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
@@ -56,8 +56,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
         if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
             opt = OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
                                                cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
-        else:
-            opt = OffloadedOptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw,
+        else:  # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
+            from .host_adamw import host_adamw8bit_class
+            host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
+            opt = OffloadedOptimizerInBackward(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
                                                state_bytes=states)
         opt.split_tied_head(model)  # a tied embedding's two (V, H) gradients never meet on the device
         return opt

@@ -1,0 +1,447 @@
+// Fused CPU kernels for the offloaded optimizer's host step (loader, semantics and tests: host_adamw.py).
+//
+// adamw8bit_step: bitsandbytes' 8-bit blockwise AdamW on the CPU, one pass over each 256-element
+// block while it is in cache: dequantize both states (qmap[code] * absmax), scale the gradient (the clip
+// coefficient), Adam in fp32 with the operation order of bitsandbytes' CPU path (torch ops:
+// _optimizer_update_8bit_blockwise_cpu), write the weight (fp32, or bf16 with stochastic rounding),
+// re-quantize both states with bitsandbytes' CPU quantizer (new absmax per block, then its 65536-entry
+// lookup table on ((x / absmax + 1) / 2) * 65535 + 0.5, truncated).
+//   memory traffic per element: read grad (2 or 4 B), weight (2 or 4 B), two 8-bit codes;
+//   write weight, two codes; per 256 elements two fp32 absmax read and written. Nothing else leaves the cache.
+//   Loops: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes) where compiled for, the scalar loop for the rest of a
+//   block (and for every element elsewhere); all give the same bits.
+// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk, added in chunk
+//   order in fp64, so the result does not depend on the thread count.
+//
+// Plain C ABI (called through ctypes, which releases the GIL for the call); OpenMP threads.
+// Built with -ffp-contract=off: every multiply and add rounds on its own, as torch's separate ops do;
+// fused multiply-adds are spelled out (std::fma) where torch's CPU kernels fuse: `add_(x, alpha=)` and
+// `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be matched:
+// torch's CPU `sqrt` is not correctly rounded (1 ulp off on ~17% of fp32 inputs, measured); std::sqrt is.
+// It only enters the weight update (not the states), so the weights may differ from bitsandbytes' by an
+// ulp or two where that ulp of the denominator survives the update's rounding.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (elements)
+constexpr int64_t kNormChunk = 1 << 16;  // elements per fp32 partial sum of the norm
+
+inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float load(const float* x, int64_t i) { return x[i]; }
+inline float load(const uint16_t* x, int64_t i) { return bits_to_float(static_cast<uint32_t>(x[i]) << 16); }  // bf16
+
+// 32-bit integer hash (Chris Wellons' lowbias32): the stochastic-rounding noise of element i is a function
+// of (seed, i) only, so it is the same whatever the thread count or block order.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7feb352dU; x ^= x >> 15; x *= 0x846ca68bU; x ^= x >> 16;
+  return x;
+}
+inline uint32_t noise16(int64_t i, uint32_t key0, uint32_t key1) {
+  const uint32_t lo = static_cast<uint32_t>(i), hi = static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32);
+  return mix32(mix32(lo ^ key0) + (hi ^ key1)) >> 16;  // 16 uniform bits
+}
+
+inline void store(float* p, int64_t i, float x, int, uint32_t, uint32_t) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x, int stochastic, uint32_t key0, uint32_t key1) {
+  const uint32_t bits = float_to_bits(x);
+  // stochastic rounding to bf16: add 16 random bits below the kept half, truncate (sr_adamw.py);
+  // else round to nearest even, as torch's fp32 -> bf16 copy does (NaN stays NaN: its payload bit 22 is set)
+  const uint32_t add = stochastic ? noise16(i, key0, key1) : 0x7fffU + ((bits >> 16) & 1U);
+  const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
+  p[i] = static_cast<uint16_t>(nan ? (bits | 0x00400000U) >> 16 : (bits + add) >> 16);
+}
+
+// |x| as bits, NaN as 0: integer order of non-negative floats is their float order. (bitsandbytes'
+// quantizer ignores NaN lanes in a block's absmax.)
+inline uint32_t abs_bits(float x) {
+  const uint32_t a = float_to_bits(x) & 0x7fffffffU;
+  return a > 0x7f800000U ? 0U : a;
+}
+
+// bitsandbytes' CPU quantizer for one value already divided by the block's absmax.
+inline uint8_t lut_code(float v, const uint8_t* lut) {
+  v = v > -1.0f ? v : -1.0f;  // NaN -> -1, as _mm256_max_ps(v, -1) does
+  v = v < 1.0f ? v : 1.0f;
+  const float t = ((v + 1.0f) * 0.5f) * 65535.0f + 0.5f;
+  return lut[static_cast<int32_t>(t)];
+}
+
+struct Adam {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;  // as torch turns the Python floats into fp32
+  float correction2, eps, step_size, decay, grad_scale;  // sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t), 1 - lr*wd
+  int decay_on;
+  int stochastic;       // bf16 weights: stochastic rounding (1) or round to nearest even (0)
+  int simd;             // 0: the scalar loops only (the tests check both paths give the same bits)
+  uint32_t key0, key1;  // stochastic-rounding seed
+};
+
+// Elements [from, to) of a block: dequantize, Adam, write the weight; m and v (block-local) for quantization.
+template <typename P, typename G>
+inline void adam_scalar(int64_t start, int64_t from, int64_t to, P* p, const G* g, const uint8_t* c1,
+                        const uint8_t* c2, float scale1, float scale2, const float* qmap1, const float* qmap2,
+                        const Adam& k, float* m, float* v, uint32_t& max1, uint32_t& max2) {
+  for (int64_t i = from; i < to; ++i) {
+    const int64_t j = start + i;
+    const float gi = load(g, j) * k.grad_scale;
+    float mi = qmap1[c1[i]] * scale1;  // dequantize (bitsandbytes: code[A[i]] * absmax)
+    float vi = qmap2[c2[i]] * scale2;
+    mi = std::fma(gi, k.one_minus_beta1, mi * k.beta1);       // mul_(beta1).add_(grad, alpha=1 - beta1)
+    vi = std::fma(k.one_minus_beta2 * gi, gi, vi * k.beta2);  // mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    const float denom = std::sqrt(vi) / k.correction2 + k.eps;  // (sqrt(v) / c2).add_(eps)
+    float pi = load(p, j);
+    if (k.decay_on) pi = pi * k.decay;                         // mul_(1 - lr * wd)
+    pi = pi + k.step_size * mi / denom;                        // addcdiv_(m, denom, value=-lr / c1)
+    store(p, j, pi, k.stochastic, k.key0, k.key1);             // noise indexed by the element's place in the tensor
+    m[i] = mi;
+    v[i] = vi;
+    max1 = std::max(max1, abs_bits(mi));
+    max2 = std::max(max2, abs_bits(vi));
+  }
+}
+
+inline void quantize_scalar(int64_t from, int64_t to, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
+  for (int64_t i = from; i < to; ++i) out[i] = lut_code(x[i] * inv, lut);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The same arithmetic, 16 lanes at a time (gcc does not vectorise the table look-ups well by itself).
+constexpr int64_t kLanes = 16;
+
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const uint16_t* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512i mix32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+inline void store16(float* p, int64_t j, __m512 x, const Adam&) { _mm512_storeu_ps(p + j, x); }
+inline void store16(uint16_t* p, int64_t j, __m512 x, const Adam& k) {
+  const __m512i bits = _mm512_castps_si512(x);
+  __m512i add;
+  if (k.stochastic) {  // noise16(j + lane) for the 16 lanes
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i base_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(j)));
+    const __m512i lo = _mm512_add_epi32(base_lo, lane);
+    const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, base_lo);  // j + lane crossed a multiple of 2^32
+    __m512i hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(static_cast<uint64_t>(j) >> 32)));
+    hi = _mm512_mask_add_epi32(hi, carry, hi, _mm512_set1_epi32(1));
+    __m512i h = mix32x16(_mm512_xor_si512(lo, _mm512_set1_epi32(static_cast<int>(k.key0))));
+    h = _mm512_add_epi32(h, _mm512_xor_si512(hi, _mm512_set1_epi32(static_cast<int>(k.key1))));
+    add = _mm512_srli_epi32(mix32x16(h), 16);
+  } else {
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    add = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd);  // round to nearest even
+  }
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  __m512i out = _mm512_add_epi32(bits, add);
+  out = _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+}
+inline __m512i abs_bits16(__m512 x) {
+  const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+  return _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), a);  // NaN -> 0
+}
+
+template <typename P, typename G>
+inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const uint8_t* c1, const uint8_t* c2,
+                           float scale1, float scale2, const float* qmap1, const float* qmap2, const Adam& k,
+                           float* m, float* v, uint32_t& max1, uint32_t& max2) {
+  const __m512 s1 = _mm512_set1_ps(scale1), s2 = _mm512_set1_ps(scale2), gs = _mm512_set1_ps(k.grad_scale);
+  const __m512 b1 = _mm512_set1_ps(k.beta1), ob1 = _mm512_set1_ps(k.one_minus_beta1);
+  const __m512 b2 = _mm512_set1_ps(k.beta2), ob2 = _mm512_set1_ps(k.one_minus_beta2);
+  const __m512 c2v = _mm512_set1_ps(k.correction2), eps = _mm512_set1_ps(k.eps);
+  const __m512 step = _mm512_set1_ps(k.step_size), decay = _mm512_set1_ps(k.decay);
+  __m512i mx1 = _mm512_setzero_si512(), mx2 = _mm512_setzero_si512();
+  const int64_t end = len - len % kLanes;
+  for (int64_t i = 0; i < end; i += kLanes) {
+    const int64_t j = start + i;
+    const __m512 gi = _mm512_mul_ps(load16(g + j), gs);
+    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + i)));
+    const __m512i i2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c2 + i)));
+    __m512 mi = _mm512_mul_ps(_mm512_i32gather_ps(i1, qmap1, 4), s1);
+    __m512 vi = _mm512_mul_ps(_mm512_i32gather_ps(i2, qmap2, 4), s2);
+    mi = _mm512_fmadd_ps(gi, ob1, _mm512_mul_ps(mi, b1));
+    vi = _mm512_fmadd_ps(_mm512_mul_ps(ob2, gi), gi, _mm512_mul_ps(vi, b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c2v), eps);
+    __m512 pi = load16(p + j);
+    if (k.decay_on) pi = _mm512_mul_ps(pi, decay);
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
+    store16(p, j, pi, k);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    mx1 = _mm512_max_epu32(mx1, abs_bits16(mi));
+    mx2 = _mm512_max_epu32(mx2, abs_bits16(vi));
+  }
+  max1 = std::max(max1, static_cast<uint32_t>(_mm512_reduce_max_epu32(mx1)));
+  max2 = std::max(max2, static_cast<uint32_t>(_mm512_reduce_max_epu32(mx2)));
+  return end;
+}
+
+inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
+  const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
+  const __m512 half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(65535.0f);
+  const int64_t end = len - len % kLanes;
+  for (int64_t i = 0; i < end; i += kLanes) {
+    __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
+    t = _mm512_min_ps(_mm512_max_ps(t, minus_one), one);  // max_ps(NaN, -1) = -1, as in the scalar path
+    t = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(t, one), half), top), half);
+    const __m512i q = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 1);  // 4 bytes from each entry
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(q));  // keep the low byte
+  }
+  return end;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same arithmetic, 8 lanes at a time, for CPUs without AVX-512 (most desktop CPUs before Zen 4).
+constexpr int64_t kLanes = 8;
+
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i mix32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bU)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+inline void store8(float* p, int64_t j, __m256 x, const Adam&) { _mm256_storeu_ps(p + j, x); }
+inline void store8(uint16_t* p, int64_t j, __m256 x, const Adam& k) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i add;
+  if (k.stochastic) {  // noise16(j + lane) for the 8 lanes
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000U));
+    const __m256i base_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(j)));
+    const __m256i lo = _mm256_add_epi32(base_lo, lane);
+    // j + lane crossed a multiple of 2^32 where lo < base_lo (unsigned): -1 there, so subtracting adds 1
+    const __m256i carry = _mm256_cmpgt_epi32(_mm256_xor_si256(base_lo, sign), _mm256_xor_si256(lo, sign));
+    const __m256i hi = _mm256_sub_epi32(
+        _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(static_cast<uint64_t>(j) >> 32))), carry);
+    __m256i h = mix32x8(_mm256_xor_si256(lo, _mm256_set1_epi32(static_cast<int>(k.key0))));
+    h = _mm256_add_epi32(h, _mm256_xor_si256(hi, _mm256_set1_epi32(static_cast<int>(k.key1))));
+    add = _mm256_srli_epi32(mix32x8(h), 16);
+  } else {
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    add = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd);  // round to nearest even
+  }
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+  __m256i out = _mm256_add_epi32(bits, add);
+  out = _mm256_blendv_epi8(out, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+  out = _mm256_srli_epi32(out, 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);  // 8 x u16, low half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + j), _mm256_castsi256_si128(packed));
+}
+inline __m256i abs_bits8(__m256 x) {
+  const __m256i a = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff));
+  return _mm256_andnot_si256(_mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000)), a);  // NaN -> 0
+}
+inline uint32_t reduce_max8(__m256i x) {
+  __m128i m = _mm_max_epu32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4e));
+  m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xb1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
+}
+
+template <typename P, typename G>
+inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const uint8_t* c1, const uint8_t* c2,
+                           float scale1, float scale2, const float* qmap1, const float* qmap2, const Adam& k,
+                           float* m, float* v, uint32_t& max1, uint32_t& max2) {
+  const __m256 s1 = _mm256_set1_ps(scale1), s2 = _mm256_set1_ps(scale2), gs = _mm256_set1_ps(k.grad_scale);
+  const __m256 b1 = _mm256_set1_ps(k.beta1), ob1 = _mm256_set1_ps(k.one_minus_beta1);
+  const __m256 b2 = _mm256_set1_ps(k.beta2), ob2 = _mm256_set1_ps(k.one_minus_beta2);
+  const __m256 c2v = _mm256_set1_ps(k.correction2), eps = _mm256_set1_ps(k.eps);
+  const __m256 step = _mm256_set1_ps(k.step_size), decay = _mm256_set1_ps(k.decay);
+  __m256i mx1 = _mm256_setzero_si256(), mx2 = _mm256_setzero_si256();
+  const int64_t end = len - len % kLanes;
+  for (int64_t i = 0; i < end; i += kLanes) {
+    const int64_t j = start + i;
+    const __m256 gi = _mm256_mul_ps(load8(g + j), gs);
+    const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c1 + i)));
+    const __m256i i2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c2 + i)));
+    __m256 mi = _mm256_mul_ps(_mm256_i32gather_ps(qmap1, i1, 4), s1);
+    __m256 vi = _mm256_mul_ps(_mm256_i32gather_ps(qmap2, i2, 4), s2);
+    mi = _mm256_fmadd_ps(gi, ob1, _mm256_mul_ps(mi, b1));
+    vi = _mm256_fmadd_ps(_mm256_mul_ps(ob2, gi), gi, _mm256_mul_ps(vi, b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c2v), eps);
+    __m256 pi = load8(p + j);
+    if (k.decay_on) pi = _mm256_mul_ps(pi, decay);
+    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(step, mi), denom));
+    store8(p, j, pi, k);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    mx1 = _mm256_max_epu32(mx1, abs_bits8(mi));
+    mx2 = _mm256_max_epu32(mx2, abs_bits8(vi));
+  }
+  max1 = std::max(max1, reduce_max8(mx1));
+  max2 = std::max(max2, reduce_max8(mx2));
+  return end;
+}
+
+inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
+  const __m256 iv = _mm256_set1_ps(inv), one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+  const __m256 half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(65535.0f);
+  const int64_t end = len - len % kLanes;
+  for (int64_t i = 0; i < end; i += kLanes) {
+    __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x + i), iv);
+    t = _mm256_min_ps(_mm256_max_ps(t, minus_one), one);  // max_ps(NaN, -1) = -1, as in the scalar path
+    t = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(t, one), half), top), half);
+    __m256i q = _mm256_i32gather_epi32(reinterpret_cast<const int*>(lut), _mm256_cvttps_epi32(t), 1);
+    q = _mm256_and_si256(q, _mm256_set1_epi32(0xff));  // 4 bytes read at each entry: keep its own
+    q = _mm256_packus_epi16(_mm256_packus_epi32(q, q), _mm256_setzero_si256());  // bytes 0-3 | 16-19
+    const uint32_t low = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_castsi256_si128(q)));
+    const uint32_t high = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm256_extracti128_si256(q, 1)));
+    std::memcpy(out + i, &low, 4);
+    std::memcpy(out + i + 4, &high, 4);
+  }
+  return end;
+}
+#else
+template <typename P, typename G>
+inline int64_t adam_vector(int64_t, int64_t, P*, const G*, const uint8_t*, const uint8_t*, float, float,
+                           const float*, const float*, const Adam&, float*, float*, uint32_t&, uint32_t&) {
+  return 0;  // neither AVX-512 nor AVX2: the scalar loop (vectorised by the compiler as it can) does it all
+}
+inline int64_t quantize_vector(int64_t, const float*, float, const uint8_t*, uint8_t*) { return 0; }
+#endif
+
+// bitsandbytes' quantize_blockwise for one block of `len` fp32 values whose largest |x| (NaN ignored) has the
+// bits `max_bits`: returns the new absmax; an all-zero block gets code 0 throughout.
+inline float quantize_block(int64_t len, const float* x, uint32_t max_bits, const uint8_t* lut, uint8_t* out,
+                            int simd) {
+  const float absmax = bits_to_float(max_bits);
+  if (absmax == 0.0f) {
+    std::memset(out, 0, len);
+  } else {
+    const float inv = 1.0f / absmax;
+    quantize_scalar(simd ? quantize_vector(len, x, inv, lut, out) : 0, len, x, inv, lut, out);
+  }
+  return absmax;
+}
+
+// One block: [start, start + len), len <= 256.
+template <typename P, typename G>
+void adam8bit_block(int64_t block, int64_t n, P* p, const G* g, uint8_t* s1, uint8_t* s2, float* absmax1,
+                    float* absmax2, const float* qmap1, const float* qmap2, const uint8_t* lut1,
+                    const uint8_t* lut2, const Adam& k) {
+  const int64_t start = block * kBlock;
+  const int64_t len = std::min(kBlock, n - start);
+  alignas(64) float m[kBlock];
+  alignas(64) float v[kBlock];
+  const float scale1 = absmax1[block], scale2 = absmax2[block];
+  uint8_t* c1 = s1 + start;
+  uint8_t* c2 = s2 + start;
+  uint32_t max1 = 0, max2 = 0;
+  const int64_t done =
+      k.simd ? adam_vector(start, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2) : 0;
+  adam_scalar(start, done, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2);
+  absmax1[block] = quantize_block(len, m, max1, lut1, c1, k.simd);
+  absmax2[block] = quantize_block(len, v, max2, lut2, c2, k.simd);
+}
+
+template <typename P, typename G>
+void adam8bit(int64_t n, P* p, const G* g, uint8_t* s1, uint8_t* s2, float* absmax1, float* absmax2,
+              const float* qmap1, const float* qmap2, const uint8_t* lut1, const uint8_t* lut2, const Adam& k,
+              int threads) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > 64)
+  for (int64_t b = 0; b < blocks; ++b)
+    adam8bit_block(b, n, p, g, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k);
+}
+
+template <typename G>
+double sum_squares(int64_t n, const G* g, int threads) {
+  const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
+  double total = 0.0;
+  double* partial = new double[chunks > 0 ? chunks : 1];
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t start = c * kNormChunk, end = std::min(n, start + kNormChunk);
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = start; i < end; ++i) {
+      const float x = load(g, i);
+      acc += x * x;
+    }
+    partial[c] = acc;
+  }
+  for (int64_t c = 0; c < chunks; ++c) total += partial[c];
+  delete[] partial;
+  return total;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Builds bitsandbytes' CPU quantisation table for a sorted 256-entry code (its build_quantize_lut):
+// entry i is the code nearest to -1 + 2i / 65535, the lower one on a tie.
+// `lut` holds 65536 + 4 bytes: the vector path reads 4 bytes at an entry (a 32-bit gather) and keeps one.
+void build_quantize_lut(const float* code, uint8_t* lut) {
+  float midpoints[255];
+  for (int i = 0; i < 255; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
+  int idx = 0;
+  for (int i = 0; i < 65536; ++i) {
+    const float val = -1.0f + (2.0f * static_cast<float>(i)) / 65535.0f;
+    while (idx < 255 && midpoints[idx] < val) ++idx;
+    lut[i] = static_cast<uint8_t>(idx);
+  }
+  std::memset(lut + 65536, 0, 4);
+}
+
+// bitsandbytes' quantize_blockwise (fp32 input, 256-element blocks) with this file's quantizer: what the
+// optimizer step does to its states, exposed for the tests to compare with bitsandbytes' own.
+void quantize_blockwise(int64_t n, const float* x, const uint8_t* lut, uint8_t* out, float* absmax, int simd) {
+  for (int64_t b = 0; b * kBlock < n; ++b) {
+    const int64_t start = b * kBlock, len = std::min(kBlock, n - start);
+    uint32_t max_bits = 0;
+    for (int64_t i = 0; i < len; ++i) max_bits = std::max(max_bits, abs_bits(x[start + i]));
+    absmax[b] = quantize_block(len, x + start, max_bits, lut, out + start, simd);
+  }
+}
+
+// p_kind / g_kind: 0 = fp32, 1 = bf16. Returns 0, or -1 for a dtype pair it does not handle.
+int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, uint8_t* s1, uint8_t* s2,
+                   float* absmax1, float* absmax2, const float* qmap1, const float* qmap2, const uint8_t* lut1,
+                   const uint8_t* lut2, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
+                   float correction2, float eps, float step_size, float decay, int decay_on, float grad_scale,
+                   int stochastic, uint32_t key0, uint32_t key1, int simd, int threads) {
+  const Adam k{beta1, one_minus_beta1, beta2, one_minus_beta2, correction2, eps, step_size, decay, grad_scale,
+               decay_on, stochastic, simd, key0, key1};
+  const auto gf = static_cast<const float*>(g);
+  const auto gh = static_cast<const uint16_t*>(g);
+  const auto pf = static_cast<float*>(p);
+  const auto ph = static_cast<uint16_t*>(p);
+  const int pair = p_kind * 2 + g_kind;  // weight dtype, gradient dtype
+  if (pair == 0) adam8bit(n, pf, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 1) adam8bit(n, pf, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 2) adam8bit(n, ph, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else if (pair == 3) adam8bit(n, ph, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else return -1;
+  return 0;
+}
+
+double grad_sum_squares(int64_t n, const void* g, int g_kind, int threads) {
+  if (g_kind == 0) return sum_squares(n, static_cast<const float*>(g), threads);
+  return sum_squares(n, static_cast<const uint16_t*>(g), threads);
+}
+
+}  // extern "C"

@@ -1,0 +1,261 @@
+"""The offloaded optimizer's host step near memory bandwidth: a fused CPU kernel for bitsandbytes' 8-bit AdamW.
+
+Why: bitsandbytes' CPU path for its 8-bit AdamW is a chain of torch ops (dequantize both states, about ten
+elementwise passes of fp32 Adam, quantize both states), each pass reading and writing whole fp32 tensors;
+with the bf16 widening and stochastic rounding of sr_adamw.py the host step cost 13.6 ns per parameter on
+this project's 2-core CPU, where the ~10-12 bytes it must touch take ~0.3 ns at memory bandwidth
+(benchmarks/offload_host_update.py prints both).
+
+How: host_adamw.cpp does the whole update of a 256-element block while it is in cache: dequantize both
+states (qmap[code] * absmax), multiply the gradient by `grad_scale` (the clip coefficient, so clipping costs
+no pass of its own), Adam in fp32 in the operation order of bitsandbytes' CPU path, write the weight (fp32,
+or bf16 with stochastic rounding), re-quantize both states exactly as bitsandbytes' CPU quantizer does (new
+absmax per block, then its 65536-entry lookup table: the code nearest to x / absmax rounded to a grid of
+65536 points, the lower code on a tie). OpenMP threads over blocks; the GIL is released during the call
+(ctypes), so the update can run on a worker thread beside autograd.
+
+Same results as bitsandbytes: for fp32 weights the states (codes, absmax) and the weights equal
+bitsandbytes' own step bitwise (tests/memory_modes/test_host_adamw.py; torch's CPU kernels round each op
+separately except `add_(x, alpha=)`, which fuses a multiply-add in its vectorised loop, and so does this
+kernel). For bf16 weights the fp32 result is rounded stochastically: noise from a counter-based hash of
+(seed, element index), the seed drawn from torch's CPU generator once per call, so `torch.manual_seed`
+makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
+
+State format: the class from `host_adamw8bit_class` is bitsandbytes' AdamW8bit (via sr_adamw.py's
+subclass), so qmap1/qmap2, state1/state2 (uint8), absmax1/absmax2 (fp32 per 256-block), `step`, and fp32
+states for tensors under `min_8bit_size` are bitsandbytes' own: state_dicts load either way. Only CPU
+tensors with 8-bit states take the kernel; CUDA tensors and small fp32-state tensors take sr_adamw's path.
+
+Gradient scale: set `group["grad_scale"] = coef` before a step; every parameter of the group is updated
+as if its gradient had been multiplied by `coef` (in fp32, inside the kernel; on the fallback path the
+gradient is multiplied in place first), and the key goes back to 1.0 after the group's step.
+
+Build: the .cpp is compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, OpenMP,
+ninja) into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per
+CPU type; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another target, e.g. the
+oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; most
+desktop CPUs), else scalar loops; all three give the same bits (the tests run each). Where it cannot build
+(no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
+bitsandbytes) after one logged warning that says why and how to fix it.
+
+Only this class reads `grad_scale`: torch.optim.AdamW ignores a param-group key of that name (the `adamw`
+path of the offloaded optimizer must still clip the gradient itself).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_adamw.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
+_FP32, _BF16 = 0, 1  # dtype codes of the C ABI
+_KIND = {torch.float32: _FP32, torch.bfloat16: _BF16}
+
+_library: ctypes.CDLL | None = None
+_load_error: str | None = None  # why the kernel is unavailable (logged once), None while untried or loaded
+_luts: dict[bytes, torch.Tensor] = {}
+SIMD = True  # False: the kernel's scalar loops only (what a CPU without AVX-512 runs; the tests compare both)
+
+
+def _cpu_tag() -> str:
+    """Names the build after the CPU's instruction sets: -march=native code must not run on another CPU
+    type that shares the extension cache (a home directory on several machines)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def _build(march: str = "native") -> ctypes.CDLL:
+    """Compile (or find in torch's extension cache) and load the kernels for `-march=<march>`."""
+    from torch.utils import cpp_extension
+    try:  # the pip package `ninja` puts its binary beside its module; a venv's bin/ is not always on PATH
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    tag = _cpu_tag() if march == "native" else march.replace("-", "_")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
+    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}", sources=[str(SOURCE)],
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                              verbose=False)
+    lib = ctypes.CDLL(path)
+    p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
+    lib.build_quantize_lut.argtypes = [p, p]
+    lib.build_quantize_lut.restype = None
+    lib.adamw8bit_step.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p,  # sizes and data pointers
+                                   f32, f32, f32, f32, f32, f32, f32, f32, i32, f32,  # Adam constants
+                                   i32, u32, u32, i32, i32]  # rounding, seed, SIMD, threads
+    lib.adamw8bit_step.restype = i32
+    lib.quantize_blockwise.argtypes = [i64, p, p, p, p, i32]
+    lib.quantize_blockwise.restype = None
+    lib.grad_sum_squares.argtypes = [i64, p, i32, i32]
+    lib.grad_sum_squares.restype = ctypes.c_double
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None (after one warning) where they cannot be had."""
+    global _library, _load_error
+    if _library is not None or _load_error is not None:
+        return _library
+    if os.environ.get("LOWMEM_GRPO_HOST_KERNEL", "1") == "0":
+        _load_error = "LOWMEM_GRPO_HOST_KERNEL=0"
+        logger.warning("host optimizer kernel off (LOWMEM_GRPO_HOST_KERNEL=0): the offloaded optimizer takes "
+                       "bitsandbytes' CPU path, several times slower; unset it to use the kernel")
+        return None
+    try:
+        _library = _build(os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native"))
+    except Exception as e:  # noqa: BLE001  (a failed build of any kind means: fall back)
+        lines = str(e).strip().splitlines()
+        _load_error = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
+        logger.warning("the fused host optimizer kernel (memory_modes/host_adamw.cpp) did not build (%s); the "
+                       "offloaded optimizer takes bitsandbytes' CPU path, several times slower. Fix: install a "
+                       "C++ compiler with OpenMP (g++) and ninja (pip install ninja), then restart",
+                       _load_error)
+    return _library
+
+
+def _lut(qmap: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' CPU quantisation table for a 256-entry code (65536 codes + 4 bytes of padding for the
+    kernel's 32-bit gathers), built once per code."""
+    key = qmap.detach().float().cpu().contiguous().numpy().tobytes()
+    table = _luts.get(key)
+    if table is None:
+        code = torch.frombuffer(bytearray(key), dtype=torch.float32)
+        table = torch.empty(65536 + 4, dtype=torch.uint8)
+        library().build_quantize_lut(code.data_ptr(), table.data_ptr())
+        _luts[key] = table
+    return table
+
+
+def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8, absmax fp32 per 256-block) of fp32 CPU tensor `x` by the kernel's quantizer, which
+    the optimizer step applies to its states; for comparing with bitsandbytes' quantize_blockwise."""
+    if library() is None:
+        raise RuntimeError(f"host_adamw.quantize_blockwise needs the compiled kernel ({_load_error})")
+    x = x.detach().float().contiguous()
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    absmax = torch.empty((x.numel() + 255) // 256, dtype=torch.float32)
+    library().quantize_blockwise(x.numel(), x.data_ptr(), _lut(qmap).data_ptr(), codes.data_ptr(), absmax.data_ptr(),
+                                 int(SIMD))
+    return codes, absmax
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def grad_sum_squares(grad: torch.Tensor) -> float | None:
+    """Sum of squares of a contiguous fp32 or bf16 CPU tensor (fp32 partial sums per 64Ki elements, added in
+    fp64: independent of the thread count), or None where the kernel is unavailable."""
+    lib = library()
+    if lib is None or grad.device.type != "cpu" or grad.dtype not in _KIND or not grad.is_contiguous():
+        return None
+    return lib.grad_sum_squares(grad.numel(), grad.data_ptr(), _KIND[grad.dtype], _threads())
+
+
+def host_grad_norm(grad: torch.Tensor) -> float:
+    """The L2 norm of a CPU gradient: the kernel's one pass where it can, else fp32_norm_tensor."""
+    total = grad_sum_squares(grad)
+    if total is None:
+        from .optimizer_in_backward import fp32_norm_tensor
+        return float(fp32_norm_tensor(grad))
+    return math.sqrt(total)
+
+
+def _seed_keys() -> tuple[int, int]:
+    """64 random bits from torch's default CPU generator, as the two 32-bit keys of the rounding noise."""
+    seed = int(torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64)) & (2 ** 64 - 1)
+    return seed & 0xFFFFFFFF, seed >> 32
+
+
+def adamw8bit_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
+                   stochastic_rounding: bool = True) -> bool:
+    """One bitsandbytes 8-bit AdamW update of CPU tensor `p` in place, with its 8-bit `state` (bitsandbytes'
+    keys; `step` already counted). Returns False, touching nothing, where the kernel cannot take it."""
+    lib = library()
+    tensors = (p, grad, state["state1"], state["state2"], state["absmax1"], state["absmax2"])
+    if (lib is None or p.dtype not in _KIND or grad.dtype not in _KIND or grad.numel() != p.numel()
+            or state["state1"].dtype != torch.uint8 or state["state2"].dtype != torch.uint8
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)):
+        return False
+    lut1, lut2 = _lut(state["qmap1"]), _lut(state["qmap2"])
+    qmap1, qmap2 = (state[k].detach().float().cpu().contiguous() for k in ("qmap1", "qmap2"))
+    key0, key1 = _seed_keys() if p.dtype == torch.bfloat16 and stochastic_rounding else (0, 0)
+    correction1 = 1.0 - beta1 ** step  # bitsandbytes' CPU path, in Python floats as there
+    correction2 = math.sqrt(1.0 - beta2 ** step)
+    rc = lib.adamw8bit_step(
+        p.numel(), p.data_ptr(), _KIND[p.dtype], grad.data_ptr(), _KIND[grad.dtype],
+        state["state1"].data_ptr(), state["state2"].data_ptr(), state["absmax1"].data_ptr(),
+        state["absmax2"].data_ptr(), qmap1.data_ptr(), qmap2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(),
+        beta1, 1.0 - beta1, beta2, 1.0 - beta2, correction2, eps, -lr / correction1, 1.0 - lr * weight_decay,
+        int(weight_decay > 0.0), grad_scale, int(stochastic_rounding), key0, key1, int(SIMD), _threads())
+    return rc == 0
+
+
+def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
+    """bitsandbytes' AdamW8bit (PagedAdamW8bit) whose CPU 8-bit updates run in the fused kernel (module
+    docstring); bf16 weights get stochastic rounding unless `stochastic_rounding=False` (then round to
+    nearest, as bitsandbytes' own step). Takes `group["grad_scale"]` (module docstring)."""
+    from .sr_adamw import _bnb, sr_adamw8bit_class
+    bnb = _bnb()
+    if stochastic_rounding:
+        base = sr_adamw8bit_class(paged)
+    else:
+        base = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+
+    class HostAdamW8bit(base):
+        """8-bit AdamW; CPU tensors with 8-bit states take host_adamw's fused kernel."""
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            scale = float(group.get("grad_scale", 1.0))
+            try:
+                if not self._fused_step(group, p, gindex, pindex, scale):
+                    if scale != 1.0:  # the fallback path: clip the gradient itself, as before
+                        p.grad.mul_(scale)
+                    super().update_step(group, p, gindex, pindex)
+            finally:
+                if p is group["params"][-1]:  # the group's last parameter: the scale was for this step
+                    group["grad_scale"] = 1.0
+
+        def _fused_step(self, group, p, gindex, pindex, scale) -> bool:
+            state = self.state[p]
+            config = self.get_config(gindex, pindex, group)
+            betas = config["betas"]
+            if (p.device.type != "cpu" or state["state1"].dtype != torch.uint8 or self.optimizer_name != "adam"
+                    or config["max_unorm"] > 0.0 or config["skip_zeros"] or (len(betas) > 2 and betas[2] != 0)
+                    or config.get("alpha", 0.0) != 0.0 or not p.is_contiguous() or library() is None):
+                return False
+            grad = p.grad.contiguous()
+            ok = adamw8bit_step(p.data, grad, state, lr=config["lr"], beta1=betas[0], beta2=betas[1],
+                                eps=config["eps"], weight_decay=config["weight_decay"], step=state["step"] + 1,
+                                grad_scale=scale, stochastic_rounding=stochastic_rounding)
+            if ok:
+                state["step"] += 1
+            return ok
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            try:
+                return super().step(closure)
+            finally:
+                for group in self.param_groups:
+                    group["grad_scale"] = 1.0
+
+    return HostAdamW8bit
