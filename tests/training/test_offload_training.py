@@ -1,5 +1,6 @@
-"""optim.offload_optimizer in the trainer: the same run as the optimizer in backward on the device, an
-exact resume, and the settings it refuses."""
+"""optim.offload_optimizer in the trainer: the same run as the plain path (with gradient accumulation) and
+as the optimizer in backward on the device (one micro-batch per step, no clipping difference), an exact
+resume, and the settings it refuses."""
 
 import pytest
 import torch
@@ -21,11 +22,14 @@ def _params(trainer):
 
 @needs_bitsandbytes
 @pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
-def test_offloaded_run_equals_the_on_device_run(toy_config, tmp_path, precision):
+def test_offloaded_run_equals_the_plain_run(toy_config, tmp_path, precision):
+    # One micro-batch per optimizer step (several per generation batch, with stored old log-probs) and
+    # the global clip active: offloaded (optimizer_in_backward=true: accepted, the same) equals the plain
+    # path bit for bit. (The on-device optimizer in backward would clip per tensor: a different run.)
     runs = {}
     for offload in (False, True):
         trainer = Trainer(toy_config(*COMMON, f"precision={precision}", f"offload_optimizer={offload}",
-                                     output_dir=tmp_path / str(offload)))
+                                     f"optimizer_in_backward={offload}", output_dir=tmp_path / str(offload)))
         assert isinstance(trainer.optimizer, OffloadedOptimizerInBackward) == offload
         # offloaded: the tied embedding's head gradient comes on a leaf of its own (offload.py); equal all the same
         assert (trainer.head.weight is not trainer.policy.lm_head.weight) == offload
@@ -62,8 +66,53 @@ def test_offloaded_resume_is_exact(toy_config, tmp_path, optimizer):
         assert torch.equal(a[k], b[k]), k
 
 
+def _run_recording_grad_norms(trainer):
+    """trainer.train(), returning each optimizer step's logged metrics."""
+    steps, real_step = [], trainer.optimizer_step
+
+    def step():
+        out = real_step()
+        steps.append(out)
+        return out
+    trainer.optimizer_step = step
+    trainer.train()
+    return steps
+
+
+@needs_bitsandbytes
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "adamw"), ("fp32", "adamw_8bit"), ("bf16_sr", "adamw_8bit")])
+def test_accumulated_offloaded_run_equals_the_plain_run(toy_config, tmp_path, precision, optimizer):
+    # gradient_accumulation_steps=4 with offload_optimizer (no optimizer_in_backward setting needed): the
+    # same run as without offload -- the global clip (small max_grad_norm: it fires, asserted), one update
+    # per 4 micro-batches, the tied embedding's head on its own leaf, the same logged grad_norm. fp32 +
+    # adamw: torch's fused CPU AdamW on the host against its for-loop AdamW, within 1e-6 relative; the
+    # 8-bit optimizers share their code: bit for bit.
+    common = ["max_steps=3", "per_device_train_batch_size=2", "gradient_accumulation_steps=4",
+              "steps_per_generation=4", "max_grad_norm=0.05", f"optimizer={optimizer}", f"precision={precision}",
+              "lr_scheduler_type=cosine"]
+    runs, logged = {}, {}
+    for offload in (False, True):
+        trainer = Trainer(toy_config(*common, f"offload_optimizer={offload}", output_dir=tmp_path / str(offload)))
+        assert isinstance(trainer.optimizer, OffloadedOptimizerInBackward) == offload
+        assert (trainer.head.weight is not trainer.policy.lm_head.weight) == offload
+        logged[offload] = _run_recording_grad_norms(trainer)
+        runs[offload] = _params(trainer)
+    assert len(logged[True]) == 3 and not any(m["skipped"] for m in logged[True])
+    for plain, offloaded in zip(logged[False], logged[True]):
+        assert plain["grad_norm"] > 0.05  # the clip fired
+        assert offloaded["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+        assert offloaded["loss"] == plain["loss"]
+    start = _params(Trainer(toy_config(*common, output_dir=tmp_path / "start")))
+    for k in runs[False]:
+        assert not torch.equal(runs[True][k], start[k]), f"{k} never moved"
+        if optimizer == "adamw":  # relative to the tensor: fused and for-loop AdamW round differently
+            assert (runs[True][k] - runs[False][k]).norm() <= 1e-6 * runs[False][k].norm(), k
+        else:
+            assert torch.equal(runs[False][k], runs[True][k]), k
+
+
 @pytest.mark.parametrize("overrides, message", [
-    (["offload_optimizer=true"], "set train.optimizer_in_backward=true"),
+    (["optimizer_in_backward=true", "gradient_accumulation_steps=2"], "optim.offload_optimizer=true"),
     (["offload_optimizer=true", "optimizer_in_backward=true", "optimizer=paged_adamw_8bit"],
      "set optim.optimizer=adamw_8bit"),
 ])
