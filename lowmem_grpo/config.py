@@ -230,7 +230,8 @@ class TrainConfig:
                                             "(saves 2 or 4 bytes/parameter). Each micro-batch is then one optimizer "
                                             "step (PPO-style mini-batches over the generation batch, with stored old "
                                             "log-probs), so gradient_accumulation_steps must be 1; clipping is per "
-                                            "tensor, each to max_grad_norm * sqrt(its share of the parameters).")
+                                            "tensor, each to max_grad_norm * sqrt(its share of the parameters). "
+                                            "With optim.offload_optimizer none of this applies (its own help).")
     beta: float = _f(0.0, "KL coefficient. > 0 loads a reference copy of the model, kept in CPU RAM.", check=BETA)
     epsilon: float = _f(0.2, "Lower clip range of the ratio.",
                         check=EPSILON_LOW, why="the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
@@ -288,12 +289,17 @@ class OptimConfig:
     adam_beta1: float = _f(0.9, "Adam beta1.", check=Interval(0, 1, high_open=True))
     adam_beta2: float = _f(0.99, "Adam beta2.", check=Interval(0, 1, high_open=True))
     adam_epsilon: float = _f(1e-8, "Adam epsilon.", check=NON_NEGATIVE)
-    max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off).",
+    max_grad_norm: Optional[float] = _f(1.0, "Clip the global gradient norm to this (None or 0 = off), as TRL "
+                                              "(torch clip_grad_norm_), also with offload_optimizer. Only "
+                                              "train.optimizer_in_backward on the device clips per tensor.",
                                         check=NON_NEGATIVE)
     offload_optimizer: bool = _f(False, "Keep the optimizer states, a copy of the weights and a gradient buffer in "
                                         "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
-                                        "holds no optimizer state. Needs train.optimizer_in_backward (its hooks send "
-                                        "each gradient to the host as soon as it is complete). Host RAM per "
+                                        "holds no optimizer state and no full gradient: backward hooks send each "
+                                        "gradient to the host as soon as it is complete, where micro-batches are "
+                                        "summed (in the weight dtype, as autograd sums .grad; gradient accumulation "
+                                        "costs a 64 MiB staging ring), then one update per optimizer step, clipped "
+                                        "by the global norm. train.optimizer_in_backward is implied. Host RAM per "
                                         "parameter: 6 bytes with bf16_sr + adamw_8bit (bitsandbytes' CPU 8-bit "
                                         "update), 14 with bf16_sr + adamw (fp32 master and states, torch's fused "
                                         "CPU AdamW, ~2.6x faster), 16 with fp32 + adamw. Update time per step: "
@@ -662,13 +668,13 @@ def validate(cfg: Config) -> None:
     if m.precision == "bf16_sr" and o.optimizer == "adamw" and not o.offload_optimizer:  # (offloaded: fp32 master)
         raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
                           "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")
-    if t.optimizer_in_backward and t.gradient_accumulation_steps != 1:
+    # Offloaded, the gradients are summed on the host and the update waits for the last micro-batch:
+    # accumulation works there (with optimizer_in_backward=true or not: offload sends them down from the hooks).
+    if t.optimizer_in_backward and not o.offload_optimizer and t.gradient_accumulation_steps != 1:
         raise ConfigError("optimizer_in_backward updates the weights during each backward, so gradients cannot be "
                           f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
-                          "use steps_per_generation for the number of micro-batches per generation batch")
-    if o.offload_optimizer and not t.optimizer_in_backward:
-        raise ConfigError("optim.offload_optimizer sends each gradient to the host from the optimizer-in-backward "
-                          "hooks: set train.optimizer_in_backward=true (and gradient_accumulation_steps=1)")
+                          "use steps_per_generation for the number of micro-batches per generation batch, or set "
+                          "optim.offload_optimizer=true (gradients summed in host RAM)")
     if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
         raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
                           "there: set optim.optimizer=adamw_8bit")

@@ -31,10 +31,12 @@ fragmentation come on top (`margin_bytes`).
 
 With optim.offload_optimizer the device holds no optimizer state and no update temporaries (the
 update runs on the CPU); the gradients alive at once are those of the optimizer in backward, less the
-tied embedding's second (V, H) gradient at the lookup (the host holds one more (V, H) buffer instead).
+tied embedding's second (V, H) gradient at the lookup (the host holds one more (V, H) buffer instead),
+whatever gradient_accumulation_steps is (the micro-batches are summed on the host).
 
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
-the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py), and the
+the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py; with
+gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the
 layer inputs of activation offload (one micro-batch's). Not counted: the Python process itself
 (torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a GPU
 some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
@@ -180,7 +182,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     base = {"weights": weights, "optimizer states": 0 if offload else states}
     grads_all = wb * arch.params
     head_grad = wb * arch.vocab * H  # the output head's gradient: the first one backward makes
-    if t.optimizer_in_backward:  # only the tensors alive at once: the tied embedding + the largest other
+    if t.optimizer_in_backward or offload:  # only the tensors alive at once: the tied embedding + the largest other
+        # (offloaded: every micro-batch's gradients go to the host from the hooks, accumulated or not)
         embedding = arch.vocab * H
         others = sorted((s for s in arch.tensor_sizes if s != embedding), reverse=True)
         grads_before = 0
@@ -224,7 +227,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     # embedding lookup when the head and the embedding are tied -- unless the offloaded optimizer
     # split them (the head's contribution is on the host by then; the sum is made there).
     new_grad = wb * max(arch.tensor_sizes)
-    tied_sum_on_device = arch.tied and not (t.optimizer_in_backward and offload)
+    tied_sum_on_device = arch.tied and not offload
     backward = max([{"gradients": grads_head + (new_grad if grads_before else 0), "activations": bwd_head,
                      "loss head": head_bwd},
                     {"gradients": grads_head, "activations": bwd_first},
@@ -289,8 +292,11 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
         block = arena_bytes(copies + [wb * n for n in arch.tensor_sizes] + [4 * len(arch.tensor_sizes)])
         host["weights copy"] = sum(aligned(c) for c in copies) if copies else master * arch.params
         host["gradient buffer"] = block - (host["weights copy"] if copies else 0)  # + norm slots, page tail
-        if arch.tied and cfg.train.optimizer_in_backward:  # the tied head's contribution, its own block
+        if arch.tied:  # the tied head's contribution, its own block
             host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
+        if cfg.train.gradient_accumulation_steps > 1:  # later micro-batches' gradients arrive there
+            from ..memory_modes.offload import staging_bytes
+            host["gradient buffer"] += staging_bytes()
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations
     return {k: int(v) for k, v in host.items()}
@@ -374,11 +380,11 @@ def _checkpointing_or_offload(c: Config):
 
 
 def _offload_optimizer(c: Config):
-    """Optimizer states to host RAM (with the optimizer in backward, whose hooks send the gradients)."""
+    """Optimizer states to host RAM (gradients sent down from backward hooks and summed there, so gradient
+    accumulation stays as it is)."""
     if c.optim.offload_optimizer:
         return None
-    edits = _optimizer_in_backward(c) or {}
-    edits[("optim", "offload_optimizer")] = True
+    edits = {("optim", "offload_optimizer"): True}
     if c.optim.optimizer == "paged_adamw_8bit":
         edits[("optim", "optimizer")] = "adamw_8bit"
     return edits

@@ -223,9 +223,10 @@ class MemoryProfile:
             held = getattr(self.optimizer, attr, None)
             if isinstance(held, dict):
                 known[category] = _views(held.values())
-        head_host = getattr(self.optimizer, "head_host", None)  # the tied head's contribution (offload.py)
-        if isinstance(head_host, torch.Tensor):
-            known["gradient buffer"] = {**known.get("gradient buffer", {}), **_views([head_host])}
+        for attr in ("head_host", "_staging"):  # the tied head's contribution, the accumulation's staging ring
+            held = getattr(self.optimizer, attr, None)
+            if isinstance(held, torch.Tensor):
+                known["gradient buffer"] = {**known.get("gradient buffer", {}), **_views([held])}
         return known
 
     # ----- attribution ---------------------------------------------------------------------------

@@ -1,24 +1,44 @@
-"""Optimizer states in host RAM: the optimizer step inside backward, computed on the CPU.
+"""Optimizer states in host RAM: gradients sent down from the backward hooks, summed on the host, and
+one optimizer step per optimizer step computed on the CPU.
 
-The optimizer in backward (optimizer_in_backward.py) already knows the moment each gradient is
-complete. With `optim.offload_optimizer`, that moment starts the gradient's trip to the host instead
-of a device update:
+With `optim.offload_optimizer`, a post-accumulate-grad hook on every parameter (the hooks of
+optimizer_in_backward.py) starts each gradient's trip to the host as soon as autograd has made it:
 
-    hook (gradient complete)  ->  norm and gradient copied to pinned host memory on a side stream;
-                                  the device gradient is freed once the copy is done
-    later hooks / end_step    ->  once the copy has arrived: the per-tensor rule (skip if non-finite,
-                                  clip to the tensor's share), the inner optimizer steps the host
-                                  copy of the weight, and the new weight is queued back to the device
-    end_step                  ->  the compute stream waits for the last upload: the next forward
-                                  sees every updated weight
+    hook, first micro-batch   ->  the gradient is copied into the parameter's pinned host gradient buffer
+                                  (on the side stream; the device copy is freed once the copy is done)
+    hook, later micro-batches ->  the gradient is copied chunk by chunk into a small staging ring in
+                                  host RAM (`STAGING_SLOTS` x `STAGING_CHUNK_BYTES`) and added into the
+                                  buffer there
+    end_step (after the last  ->  every gradient of the optimizer step is on the host: the global norm
+    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s), the clip, then the inner optimizer
+                                  steps each host copy in forward order and the new weight goes back;
+                                  the compute stream waits for the last upload
 
-So the device holds the weights and, briefly, the gradients in flight; the optimizer states, a copy
-of the weights and a gradient buffer live in host RAM. The host update of one tensor runs while the
-device works through the backward kernels already queued, in the hooks of later tensors (on the
-autograd thread; a separate update thread would overlap more and is not done). The buffers that
-cross PCIe are views of one block of exactly the planned size, page-locked on CUDA (host_arena.py:
-per-tensor `pin_memory` would round each up to a power of two); the start-up check
-(`check_host_ram`) counts them and the states before any is allocated.
+So the device holds the weights and, briefly, the gradients in flight (at most `lag_bytes` of first
+copies, or the staging ring's chunks); the optimizer states, a copy of the weights and the gradient
+buffers live in host RAM. `gradient_accumulation_steps` > 1 costs only the staging ring
+(`staging_bytes()`, 64 MiB) in host RAM, and the number of optimizer steps -- the dominant cost, a full
+host pass over the states -- is one per `gradient_accumulation_steps` micro-batches, as in TRL. The
+buffers that cross PCIe are views of one block of exactly the planned size, page-locked on CUDA
+(host_arena.py: per-tensor `pin_memory` would round each up to a power of two; the staging ring is one
+power-of-two allocation already); the start-up check (`check_host_ram`) counts them and the states
+before any is allocated.
+
+Clipping is TRL's: the global norm over every gradient of the step, coef = max_grad_norm / (norm +
+1e-6) clamped to 1, every gradient multiplied by it; a non-finite global norm skips the whole step
+(weights and states untouched), as the plain path does. (The on-device optimizer in backward has no
+whole gradient to take a norm of, so it keeps its per-tensor rule: optimizer_in_backward.py.) Per-tensor
+norms are computed on the host in fp32 chunks (`fp32_norm_tensor`) and rounded to the gradient dtype, the
+total is taken in that dtype, as torch's clip_grad_norm_ does, so the clip factor is the plain path's.
+
+The accumulation dtype. The gradient buffer is in the weight dtype, and a later micro-batch's gradient is
+added into it with one rounding per add: exactly what autograd does when it accumulates into `.grad` on
+the device in the plain path, so offloaded and plain runs get the same summed gradient bit for bit (the
+tests check it). Measured (benchmarks/offload_accumulation_dtype.py, RESULTS.md, "accumulation dtype"):
+against the exact sum, a bf16 buffer's error grows from 1.8e-3 (ga 2) to 5.0e-3 (ga 16) relative, 3x
+that of a single rounding of the exact sum to bf16 and ~300x below the gradient's own sampling noise;
+an fp32 buffer would be near-exact but cost 2 more bytes per parameter of (pinned) host RAM, 5.8 GiB
+for 3B. So the weight dtype: the plain path's arithmetic, at no host RAM beyond the staging ring.
 
 The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
 updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
@@ -32,28 +52,34 @@ updates land in bf16 device weights, with their host RAM per parameter (`host_by
 With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets it rounded to
 nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With
 `adamw_8bit` on bf16 weights the stochastic-rounding optimizer (sr_adamw.py) updates the bf16 copy
-itself. fp32 weights: the copy is fp32 and the device weight is exactly it. Measured costs:
-benchmarks/offload_host_update.py and RESULTS.md.
+itself. fp32 weights: the copy is fp32 and the device weight is exactly it. The updates run in the
+order of `params` (the optimizer's groups, i.e. the model's parameters, embedding first), the order in
+which the plain path's optimizer steps them, so stochastic rounding draws the same numbers. Measured
+costs: benchmarks/offload_host_update.py and RESULTS.md.
 
-Per step, across PCIe: every gradient down and every weight up, 2 x bytes(dtype) x parameters (1.5B
-bf16: 6.2 GB); see `pcie_bytes_per_step`.
+Per step, across PCIe: every gradient of every micro-batch down and every weight up once,
+(gradient_accumulation_steps + 1) x bytes(dtype) x parameters (1.5B bf16, ga 1: 6.2 GB); see
+`pcie_bytes_per_step`.
 
 The tied embedding (`split_tied_head`). A tied weight W (V x H) has two uses: the fused loss head at the
 end of the forward and the embedding lookup at its start. Autograd sums a leaf's contributions before
 its hook fires, so the head's (V, H) gradient would wait on the device through the whole backward and
 meet the lookup's (V, H) gradient at the end: two of them alive at once (Qwen2.5-3B bf16: 2 x 0.58
-GiB). Instead the head multiplies by a leaf of its own that shares W's storage (policy/model.py,
-`use_head_leaf`); its hook sends the head's contribution to a host buffer as soon as the head's
+GiB). Instead the head multiplies by a leaf of its own that shares W's storage: the optimizer sets the
+loss head's `weight_source` (policy/model.py, `Head`) to `head_leaf`, an explicit handle the offload mode
+owns. The leaf's hook sends the head's contribution to a host buffer (`head_host`) as soon as the head's
 backward is done, and the device copy is freed. When W's own hook fires (the lookup), its gradient
-goes down as any other, the two are added on the host (the same single rounding as autograd's sum on
-the device), and the per-tensor rule applies to the sum: its norm is computed on the host, it is
-skipped if non-finite, clipped to W's share, and W gets one update. The device never holds more than
-one (V, H) gradient; the host holds one more (V, H) buffer. (The on-device optimizer in backward has no
-such split: there the sum needs both contributions on the device at the lookup either way.)
+goes down as any other and the two are added on the host (the same single rounding as autograd's sum on
+the device) before the micro-batch's sum joins the accumulated gradient (again one rounding, as on the
+device). The device never holds more than one (V, H) gradient; the host holds one more (V, H) buffer.
+(The on-device optimizer in backward has no such split: there the sum needs both contributions on the
+device at the lookup either way.)
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -61,7 +87,7 @@ from torch import nn
 
 from ..phases import mark_gradient, scope
 from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
-from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, _Finished, fp32_norm_tensor
+from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor
 
 
 def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
@@ -72,9 +98,9 @@ def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
     return 2 * weight_bytes + 2.0 + 8.0 / 256
 
 
-def pcie_bytes_per_step(num_params: int, weight_bytes: int) -> int:
-    """Bytes crossing PCIe per optimizer step: each gradient to the host, each weight back."""
-    return 2 * weight_bytes * num_params
+def pcie_bytes_per_step(num_params: int, weight_bytes: int, micro_batches: int = 1) -> int:
+    """Bytes crossing PCIe per optimizer step: each micro-batch's gradients to the host, each weight back."""
+    return (micro_batches + 1) * weight_bytes * num_params
 
 
 MEMINFO, STATM = "/proc/meminfo", "/proc/self/statm"  # Linux's view of the machine's and this process's RAM
@@ -122,11 +148,23 @@ def check_host_ram(pinned: int, unpinned: int = 0) -> None:
         "model, or close other programs; `lowmem-grpo plan` shows the breakdown")
 
 
-class OffloadedOptimizerInBackward(OptimizerInBackward):
-    """OptimizerInBackward whose inner optimizers step host copies of the weights (module docstring).
+STAGING_SLOTS = 4  # chunks of a later micro-batch's gradient in flight to the host at once
+STAGING_CHUNK_BYTES = 16 << 20
 
-    Same interface, same per-tensor rules and the same update as the on-device optimizer in backward:
-    on a CPU-only machine the two give identical parameters and states (the tests check it)."""
+
+def staging_bytes() -> int:
+    """Host RAM (pinned on CUDA) of the staging ring that later micro-batches' gradients arrive in:
+    what gradient accumulation costs on top of the offloaded optimizer (the planner counts it)."""
+    return STAGING_SLOTS * STAGING_CHUNK_BYTES
+
+
+class OffloadedOptimizerInBackward(OptimizerInBackward):
+    """The optimizer-in-backward hooks send each gradient to a host buffer; `end_step` clips by the global
+    norm and steps host copies of the weights (module docstring).
+
+    One optimizer step: `begin_step()`, then for each micro-batch its backward followed by
+    `end_backward()`, then `end_step()` (which ends the last backward itself). The state_dict has the
+    on-device optimizer in backward's format."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
@@ -153,30 +191,41 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._host_norm_slots = self.arena.take((len(params),), torch.float32)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
         self.refresh_host_weights()
-        super().__init__(groups, make_inner, max_grad_norm, defaults, lag_bytes)
+        super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
+        self.max_grad_norm = max_grad_norm
         self._index_of = {p: i for i, p in enumerate(self.params)}
+        self._staging: Optional[torch.Tensor] = None  # (STAGING_SLOTS, STAGING_CHUNK_BYTES) bytes, made on first use
+        self._staged: deque = deque()  # chunks in the ring, oldest first: (buffer, copied event, target, extra)
+        self._staged_total = 0  # chunks staged so far (the next one goes to slot _staged_total % STAGING_SLOTS)
+        self._first_copies: dict[int, Optional[torch.cuda.Event]] = {}  # first copies still landing, by index
+        self._in_flight: deque = deque()  # (event, bytes) of first copies, to bound the device gradients held
+        self._in_flight_bytes = 0
+        self._summed: set[int] = set()  # indices whose host buffer holds a gradient in this optimizer step
+        self._this_backward: set[int] = set()  # indices whose hook ran in the current backward
         self.tied: Optional[torch.Tensor] = None  # the tied embedding whose head use has its own leaf
         self._head_leaf: Optional[torch.Tensor] = None
-        self.head_host: Optional[torch.Tensor] = None  # the head's contribution, on the host (V x H)
+        self.head_host: Optional[torch.Tensor] = None  # the head's contribution of one micro-batch (V x H)
         self.head_arena: Optional[HostArena] = None  # its block of host memory
-        self._head_arrived = False  # in this step (its copy may still be on the way: _head_ready)
+        self._head_arrived = False  # in this backward (its copy may still be on the way: _head_ready)
         self._head_ready: Optional[torch.cuda.Event] = None
 
     # ----- the tied embedding (module docstring) ---------------------------------------------------
-    def split_tied_head(self, model: nn.Module) -> bool:
-        """If `model`'s output embedding is tied to its input embedding, give the fused head a leaf of its
-        own for the weight (module docstring, "The tied embedding"); returns whether it did."""
-        from ..policy.model import use_head_leaf
+    def split_tied_head(self, model: nn.Module, heads=()) -> bool:
+        """If `model`'s output embedding is tied to its input embedding, make each of `heads` (policy/model.py
+        `Head`s: the loss's) multiply by a leaf of its own for the weight (module docstring, "The tied
+        embedding"); returns whether it did."""
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
             return False
         self.tied = out.weight
-        head = [(self.tied.shape, self.tied.dtype)]  # its own block: the split is decided after __init__
-        check_host_ram(arena_bytes([buffer_bytes(*head[0])]))
-        self.head_arena = HostArena(head, pinned=self.on_cuda)
-        self.head_host = self.head_arena.take(*head[0])
-        self._host_grad_ptrs.add(self.head_host.data_ptr())
-        use_head_leaf(out, self.head_leaf)
+        if self.head_host is None:
+            head = [(self.tied.shape, self.tied.dtype)]  # its own block: the split is decided after __init__
+            check_host_ram(arena_bytes([buffer_bytes(*head[0])]))
+            self.head_arena = HostArena(head, pinned=self.on_cuda)
+            self.head_host = self.head_arena.take(*head[0])
+            self._host_grad_ptrs.add(self.head_host.data_ptr())
+        for head in heads:
+            head.weight_source = self.head_leaf
         return True
 
     def head_leaf(self) -> torch.Tensor:
@@ -195,9 +244,9 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             with torch.no_grad():
                 w.grad = grad if w.grad is None else w.grad.add_(grad)
             return
-        if self._index_of[w] in self._fired:
+        if self._index_of[w] in self._this_backward:
             raise RuntimeError("the output head's gradient of the tied embedding arrived after the embedding "
-                               "lookup's; its single update has already been applied")
+                               "lookup's; it can no longer be summed with it")
         self._count_live([q.grad for q in self.params if q.grad is not None] + [grad])
         mark_gradient(grad)
         with scope("optimizer"):
@@ -205,28 +254,210 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
                 self._wait_head()
                 self.head_host.add_(grad.to(self.head_host.device))
                 return
-            self._head_ready = self._to_host(grad, self.head_host)
+            self._head_ready = self._copy_to_host(grad, self.head_host)
             self._head_arrived = True
 
     def _wait_head(self) -> None:
-        if self._head_ready is not None and not self._head_ready.query():
-            self._head_ready.synchronize()
-            self.host_waits += 1
+        self._wait_event(self._head_ready)
         self._head_ready = None
 
-    def _arrived(self, f: _Finished) -> tuple[torch.Tensor, float]:
-        if f.norm is not None:
-            return super()._arrived(f)
-        # The tied weight: the lookup's gradient is on the host; the sum and its norm are made there.
-        if self._head_arrived:
-            self._wait_head()
-            f.grad.add_(self.head_host)
-            self._head_arrived = False
-        return f.grad, float(fp32_norm_tensor(f.grad))
+    # ----- gradients to the host -------------------------------------------------------------------
+    def _hook(self, index: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
+                return
+            self._count_live([q.grad for q in self.params if q.grad is not None])
+            mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
+            grad, p.grad = p.grad, None  # the device lets go of it once it is on its way
+            with scope("optimizer"):
+                self._receive(index, grad)
+        return hook
 
+    def _receive(self, index: int, grad: torch.Tensor) -> None:
+        """Send a finished gradient to parameter `index`'s host buffer: copied there if it is the step's
+        first, else added into it through the staging ring (with the head's contribution of this
+        micro-batch, for the tied weight)."""
+        p = self.params[index]
+        host_grad = self.host_grad[p]
+        with_head = p is self.tied and self._head_arrived
+        if with_head:
+            self._wait_head()
+            self._head_arrived = False
+        if index not in self._summed:
+            self._first_copies[index] = self._copy_to_host(grad, host_grad)
+            self._bound_in_flight(self._first_copies[index], grad.numel() * grad.element_size())
+            if with_head:  # head + lookup, one rounding (autograd's sum on the device)
+                self._wait_first_copy(index)
+                host_grad.add_(self.head_host)
+        else:
+            self._wait_first_copy(index)
+            self._stage_and_add(grad, host_grad, self.head_host if with_head else None)
+        self._summed.add(index)
+        self._this_backward.add(index)
+        self._fired.append(index)
+
+    def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor) -> Optional[torch.cuda.Event]:
+        """Copy a gradient into a host buffer: at once on the CPU (None), else queued on the side stream,
+        with an event that completes when it is there."""
+        if not self.on_cuda:
+            host.copy_(grad)
+            return None
+        self.side.wait_stream(torch.cuda.current_stream(grad.device))  # the gradient is complete there
+        with torch.cuda.stream(self.side):
+            host.copy_(grad, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.side)
+        # The caching allocator must not hand this memory out before the side stream has read it.
+        grad.record_stream(self.side)
+        return ready
+
+    def _bound_in_flight(self, ready: Optional[torch.cuda.Event], nbytes: int) -> None:
+        """Keep at most `lag_bytes` of device gradients waiting for their first copy (oldest waited for)."""
+        if ready is None:
+            return
+        self._in_flight.append((ready, nbytes))
+        self._in_flight_bytes += nbytes
+        while self._in_flight_bytes > self.lag_bytes and len(self._in_flight) > 1:
+            event, n = self._in_flight.popleft()
+            self._wait_event(event)
+            self._in_flight_bytes -= n
+
+    def _wait_event(self, event: Optional[torch.cuda.Event]) -> None:
+        if event is not None and not event.query():
+            event.synchronize()
+            self.host_waits += 1
+
+    def _wait_first_copy(self, index: int) -> None:
+        self._wait_event(self._first_copies.pop(index, None))
+
+    def _stage_and_add(self, grad: torch.Tensor, host_grad: torch.Tensor, extra: Optional[torch.Tensor]) -> None:
+        """host_grad += grad (+ extra, summed first), chunk by chunk through the staging ring: at most
+        STAGING_SLOTS chunks on their way; a chunk is added in once its copy has landed."""
+        if self._staging is None:
+            # one pinned allocation of a power of two (64 MiB): torch's host allocator rounds nothing off it
+            self._staging = torch.empty(STAGING_SLOTS, STAGING_CHUNK_BYTES, dtype=torch.uint8, pin_memory=self.on_cuda)
+        source, target = grad.reshape(-1), host_grad.view(-1)
+        extra = None if extra is None else extra.view(-1)
+        chunk = STAGING_CHUNK_BYTES // grad.element_size()
+        for start in range(0, source.numel(), chunk):
+            end = min(start + chunk, source.numel())
+            if len(self._staged) == STAGING_SLOTS:
+                self._land_oldest_chunk()
+            buffer = self._staging[self._staged_total % STAGING_SLOTS].view(grad.dtype)[:end - start]
+            self._staged_total += 1
+            ready = self._copy_to_host(source[start:end], buffer)
+            self._staged.append((buffer, ready, target[start:end], None if extra is None else extra[start:end]))
+
+    def _land_oldest_chunk(self) -> None:
+        buffer, ready, target, extra = self._staged.popleft()
+        self._wait_event(ready)
+        if extra is not None:
+            buffer.add_(extra)
+        target.add_(buffer)
+
+    def end_backward(self) -> None:
+        """After each micro-batch's backward: its gradients are all in their host buffers."""
+        if self._head_arrived:
+            # The head used the tied weight and the lookup did not (hidden states given directly): the
+            # head's contribution is the tied weight's whole gradient in this micro-batch.
+            index = self._index_of[self.tied]
+            self._wait_head()
+            self._head_arrived = False
+            host_grad = self.host_grad[self.tied]
+            self._wait_first_copy(index)
+            if index in self._summed:
+                host_grad.add_(self.head_host)
+            else:
+                host_grad.copy_(self.head_host)
+            self._summed.add(index)
+            self._fired.append(index)
+        while self._staged:
+            self._land_oldest_chunk()
+        self._this_backward = set()
+
+    # ----- the step --------------------------------------------------------------------------------
     def begin_step(self) -> None:
-        super().begin_step()
+        if self.on_cuda:  # the last step's uploads read host buffers that this step's gradients overwrite
+            self.side.synchronize()
+        self.active, self.nonfinite_tensors, self.host_waits = True, 0, 0
+        self.max_live_grads = self.max_live_grad_bytes = 0
+        self._fired, self._summed, self._this_backward = [], set(), set()
+        self._staged.clear()  # left by a backward that raised: its step is broken anyway
+        self._first_copies, self._in_flight, self._in_flight_bytes = {}, deque(), 0
         self._head_arrived, self._head_ready = False, None
+
+    def end_step(self, apply: bool = True) -> float:
+        """Finish the optimizer step: the global norm of the summed gradients (returned), then, if `apply`
+        and the norm is finite, the clip and one update of every parameter that got a gradient. With
+        apply=False (the trainer's non-finite loss) nothing changes."""
+        self.end_backward()
+        for index in list(self._first_copies):
+            self._wait_first_copy(index)
+        self._in_flight, self._in_flight_bytes = deque(), 0
+        order = sorted(self._summed)  # forward order: the plain optimizer's, and its RNG draws
+        norm = self._global_norm(order)
+        if apply and math.isfinite(float(norm)):
+            coef = None
+            if self.max_grad_norm:  # torch.nn.utils.clip_grad_norm_: one factor for all, at most 1
+                coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            with scope("optimizer"):
+                for index in order:
+                    self._update(index, coef)
+            if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
+                torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+        if self._fired:
+            self._update_order = list(dict.fromkeys(self._fired))
+        self.active = False
+        return float(norm)
+
+    def _global_norm(self, order: list[int]) -> torch.Tensor:
+        """torch clip_grad_norm_'s total norm of the host gradients: each tensor's norm in its dtype (made
+        in fp32 chunks: no fp32 copy of a bf16 embedding), then the norm of those."""
+        if not order:
+            return torch.zeros(())
+        norms = []
+        for index in order:
+            grad = self.host_grad[self.params[index]]
+            self._host_norm_slots[index] = fp32_norm_tensor(grad)
+            norms.append(self._host_norm_slots[index].to(grad.dtype))
+        self.nonfinite_tensors = int(sum(not math.isfinite(float(n)) for n in norms))
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def clip_gradient(self, grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
+        """Multiply a host gradient by the clip factor, in place, as clip_grad_norm_ does (a factor of 1 is
+        left out: exact either way)."""
+        if coef is not None and float(coef) < 1.0:
+            grad.mul_(coef)
+
+    def _update(self, index: int, coef: Optional[torch.Tensor]) -> None:
+        """Clip one host gradient, step its inner optimizer on the host copy, send the new weight up."""
+        p = self.params[index]
+        grad, host = self.host_grad[p], self.host[p]
+        self.clip_gradient(grad, coef)
+        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad)  # bf16 grad, fp32 master
+        upload = host
+        if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
+            upload = grad  # its gradient is used up; the next one arrives after this upload
+            upload.copy_(host)
+        if self.on_cuda:
+            # Kernels that read the old weight (the backward) were queued on the compute stream.
+            self.side.wait_stream(torch.cuda.current_stream(p.device))
+            with torch.cuda.stream(self.side):  # the new weight goes back while the host updates the next
+                p.data.copy_(upload, non_blocking=True)
+        else:
+            with torch.no_grad():
+                p.copy_(upload)
+
+    def step_zero_gradients(self) -> float:
+        """One optimizer step in which every gradient is exactly zero, without a backward (every completion
+        of the step skipped): Adam still moves on its momentum; returns the global norm, 0."""
+        if self.active:
+            raise RuntimeError("step_zero_gradients() inside a step: call end_step() first")
+        self.begin_step()
+        for index, p in enumerate(self.params):
+            self.host_grad[p].zero_()
+            self._summed.add(index)
+        return self.end_step()
 
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
@@ -247,74 +478,6 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def _count_live(self, grads: list[torch.Tensor]) -> None:
         """Counts device gradients only: pending ones are already in the host buffers."""
         super()._count_live([g for g in grads if g.data_ptr() not in self._host_grad_ptrs])
-
-    def _finished(self, index: int, grad: torch.Tensor) -> _Finished:
-        """Start the gradient's trip to the host; the device copy is freed when the trip is done. The tied
-        weight's norm waits for the head's contribution: it is computed on the host (`_arrived`)."""
-        p = self.params[index]
-        host_grad, host_norm = self.host_grad[p], self._host_norm_slots[index]
-        nbytes = grad.numel() * grad.element_size()
-        if p is self.tied and self._head_arrived:
-            return _Finished(index, host_grad, None, self._to_host(grad, host_grad), None, nbytes)
-        ready = self._to_host(grad, host_grad, fp32_norm_tensor(grad), host_norm)
-        return _Finished(index, host_grad, host_norm, ready, None, nbytes)
-
-    def _to_host(self, grad: torch.Tensor, host_grad: torch.Tensor, norm: Optional[torch.Tensor] = None,
-                 host_norm: Optional[torch.Tensor] = None) -> Optional[torch.cuda.Event]:
-        """Copy a gradient (and its norm) into host buffers: at once on the CPU (None), else queued on the
-        side stream, with an event that completes when they are there."""
-        if not self.on_cuda:
-            host_grad.copy_(grad)
-            if norm is not None:
-                host_norm.copy_(norm)
-            return None
-        self.side.wait_stream(torch.cuda.current_stream(grad.device))  # grad and norm are complete there
-        with torch.cuda.stream(self.side):
-            host_grad.copy_(grad, non_blocking=True)
-            if norm is not None:
-                host_norm.copy_(norm, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.side)
-        # The caching allocator must not hand this memory out before the side stream has read it.
-        grad.record_stream(self.side)
-        if norm is not None:
-            norm.record_stream(self.side)
-        return ready
-
-    def _apply(self, index, grad, norm, stream) -> None:
-        p = self.params[index]
-        host = self.host[p]
-        if grad.dtype != host.dtype:  # a bf16 gradient for an fp32 master (exact widening)
-            grad = grad.float()
-        super()._apply(index, grad, norm, None)  # the update runs on the host, in host memory
-        upload = host
-        if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
-            upload = self.host_grad[p]  # its gradient is used up; the next one arrives after this upload
-            upload.copy_(host)
-        if self.on_cuda:
-            # Kernels that read the old weight (this tensor's backward) were queued before its hook ran.
-            self.side.wait_stream(torch.cuda.current_stream(p.device))
-            with torch.cuda.stream(self.side):  # the new weight goes back while backward goes on
-                p.data.copy_(upload, non_blocking=True)
-        else:
-            with torch.no_grad():
-                p.copy_(upload)
-
-    def end_step(self) -> float:
-        if self._head_arrived and self._index_of[self.tied] not in self._fired:
-            # The head used the tied weight and the lookup did not (hidden states given directly): the
-            # head's contribution is the whole gradient.
-            index = self._index_of[self.tied]
-            self._wait_head()
-            self._head_arrived = False
-            host_grad = self.host_grad[self.tied]
-            host_grad.copy_(self.head_host)
-            self._fired.append(index)
-            self._pending.append(_Finished(index, host_grad, None, None, None, 0))
-        norm = super().end_step()
-        if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
-            torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
-        return norm
 
     def state_dict(self) -> dict:
         state = super().state_dict()

@@ -249,20 +249,25 @@ class OptimizerInBackward(torch.optim.Optimizer):
             cap = self.caps[p]
             if cap is not None and norm > cap:
                 grad.mul_(cap / (norm + 1e-6))
-            inner = self.inner[p]
-            inner.param_groups[0]["lr"] = self.param_groups[self._group_of[index]]["lr"]
-            # A later gradient of p may be accumulating (a hook firing twice in one backward, as with
-            # reentrant checkpointing): keep it for its own hook.
-            target = self._updated(p)
-            later, target.grad = target.grad, grad
-            try:
-                if self._bnb_unpaged[p] and _on_default_stream(target):
-                    with torch.no_grad():
-                        _step_bnb_without_sync(inner)
-                else:
-                    inner.step()
-            finally:
-                target.grad = later
+            self._step_inner(index, grad)
+
+    def _step_inner(self, index: int, grad: torch.Tensor) -> None:
+        """Step parameter `index`'s inner optimizer on `grad` (already clipped) at the current learning rate."""
+        p = self.params[index]
+        inner = self.inner[p]
+        inner.param_groups[0]["lr"] = self.param_groups[self._group_of[index]]["lr"]
+        # A later gradient of p may be accumulating (a hook firing twice in one backward, as with
+        # reentrant checkpointing): keep it for its own hook.
+        target = self._updated(p)
+        later, target.grad = target.grad, grad
+        try:
+            if self._bnb_unpaged[p] and _on_default_stream(target):
+                with torch.no_grad():
+                    _step_bnb_without_sync(inner)
+            else:
+                inner.step()
+        finally:
+            target.grad = later
 
     def begin_step(self) -> None:
         self.active, self._sq_norm, self.nonfinite_tensors, self.host_waits = True, 0.0, 0, 0

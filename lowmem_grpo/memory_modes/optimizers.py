@@ -44,30 +44,29 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: bool = False,
                     in_backward: bool = False) -> torch.optim.Optimizer:
     """The configured optimizer. `stochastic_rounding` selects the bf16-weight variant (sr_adamw.py);
-    `in_backward` steps each parameter inside backward (optimizer_in_backward.py), on host copies with
-    `cfg.offload_optimizer` (offload.py; the 8-bit optimizers there step in host_adamw.py's fused CPU kernel)."""
+    `cfg.offload_optimizer` keeps states and the update in host RAM (offload.py: gradients sent down from
+    backward hooks, summed there over the micro-batches, the global norm, one update per optimizer step;
+    the 8-bit optimizers step in host_adamw.py's fused CPU kernel; a tied embedding's head then needs
+    `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
+    inside backward on the device (optimizer_in_backward.py)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
-    if in_backward and cfg.offload_optimizer:
+    if cfg.offload_optimizer:  # (in_backward or not: offload always sends gradients down from the hooks)
         from .offload import OffloadedOptimizerInBackward
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
         states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
         if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
-            opt = OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
-                                               cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
-        else:  # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
-            from .host_adamw import host_adamw8bit_class
-            host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
-            opt = OffloadedOptimizerInBackward(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
-                                               state_bytes=states)
-        opt.split_tied_head(model)  # a tied embedding's two (V, H) gradients never meet on the device
-        return opt
+            return OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
+                                                cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
+        # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
+        from .host_adamw import host_adamw8bit_class
+        host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
+        return OffloadedOptimizerInBackward(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
+                                            state_bytes=states)
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward
         return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)
-    if cfg.offload_optimizer:
-        raise ValueError("optim.offload_optimizer needs in_backward=True (config validation says so)")
     return cls(groups, **kw)
 
 

@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -244,37 +243,22 @@ def check_logits_are_linear(config) -> None:
                     "exactly and would train on a different distribution. This model is not supported.")
 
 
-# Output embeddings whose weight the fused head reads through a stand-in leaf (`use_head_leaf`). Weak keys:
-# a copy of the model (the reference) or a model that is gone holds no entry.
-_HEAD_LEAVES: "weakref.WeakKeyDictionary[nn.Module, Callable[[], torch.Tensor]]" = weakref.WeakKeyDictionary()
-
-
-def use_head_leaf(output_embedding: nn.Module, leaf: Optional[Callable[[], torch.Tensor]]) -> None:
-    """Make `Head.weight` of this output embedding return `leaf()` instead of its weight (None: undo).
-
-    For a tied embedding, the offloaded optimizer (memory_modes/offload.py, "The tied embedding") gives
-    the head a leaf tensor that shares the weight's storage, so autograd hands over the head's gradient
-    contribution as soon as the head's backward is done, instead of holding it until the embedding
-    lookup at the very end of backward. The optimizer sums the two contributions itself."""
-    if leaf is None:
-        _HEAD_LEAVES.pop(output_embedding, None)
-    else:
-        _HEAD_LEAVES[output_embedding] = leaf
-
-
 @dataclass
 class Head:
     """What linear_grpo_loss needs from a causal LM."""
 
     decoder: nn.Module  # input_ids -> last_hidden_state (after the final norm)
     output: nn.Linear  # the output embedding (tied: its weight is the input embedding's)
+    # Set by the offloaded optimizer for a tied embedding (memory_modes/offload.py, "The tied embedding"):
+    # returns a leaf with the weight's storage and values but a gradient of its own, so the head's
+    # contribution reaches the optimizer as soon as the head's backward is done. None: the weight itself.
+    weight_source: Optional[Callable[[], torch.Tensor]] = None
 
     @property
     def weight(self) -> torch.Tensor:
         """(V, H) the matrix the fused head multiplies by: the output embedding's weight, or the leaf
-        standing in for it (`use_head_leaf`: same storage, same values, its own gradient)."""
-        leaf = _HEAD_LEAVES.get(self.output)
-        return self.output.weight if leaf is None else leaf()
+        standing in for it (`weight_source`)."""
+        return self.output.weight if self.weight_source is None else self.weight_source()
 
     @property
     def bias(self) -> Optional[nn.Parameter]:

@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan
+from ..memory_modes.offload import OffloadedOptimizerInBackward
 from ..memory_modes.optimizer_in_backward import OptimizerInBackward
 from ..memory_modes.optimizers import build_optimizer, build_scheduler
 from ..memory_modes.reference import Reference
@@ -155,6 +156,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim,
                                          stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
+        if isinstance(self.optimizer, OffloadedOptimizerInBackward):  # the loss head's handle on the tied weight
+            self.optimizer.split_tied_head(self.policy, heads=[self.head, self.loss_module.head])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
@@ -343,7 +346,10 @@ class Trainer:
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
         num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
         self.policy.train()
-        in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        offload = isinstance(self.optimizer, OffloadedOptimizerInBackward)  # gradients summed on the host
+        in_backward = isinstance(self.optimizer, OptimizerInBackward) and not offload
+        if offload:
+            self.optimizer.begin_step()
         step_sums = StepSums()  # loss and metrics stay on the device until the step is over: no sync per micro-batch
         tokens, computed, grad_norm, backwards = 0, 0, 0.0, 0
         for i, mb in enumerate(rows):
@@ -372,6 +378,8 @@ class Trainer:
                 with phase("backward"):
                     if not in_backward:
                         loss.backward()
+                        if offload:
+                            self.optimizer.end_backward()
                     # The weights change during this backward: check the loss first. (One micro-batch per
                     # step here, so this read is also the step's metrics read.)
                     elif np.isfinite(step_sums.read()[0]):
@@ -391,6 +399,15 @@ class Trainer:
             sums = {k: v for k, v in zip(keys, total[4:])}
         if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
             finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
+        elif offload:  # the global norm and one update of the summed gradients, as the plain path below
+            with phase("optimizer"):
+                if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
+                    self.optimizer.end_step(apply=False)
+                    grad_norm = self.optimizer.step_zero_gradients()
+                else:
+                    grad_norm = self.optimizer.end_step(apply=bool(num_items and np.isfinite(loss_sum)))
+                    grad_norm = grad_norm if num_items else 0.0
+                finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
         else:
             with phase("optimizer"):
                 params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -33,6 +33,7 @@ def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer):
                                        "offload_optimizer=true", "beta=0"])
     model = _model(config, torch.bfloat16 if precision == "bf16_sr" else torch.float32)
     opt = build_optimizer(model, cfg.optim, stochastic_rounding=precision == "bf16_sr", in_backward=True)
+    opt.split_tied_head(model)  # the trainer's call
     blocks = [opt.arena] + ([opt.head_arena] if opt.head_arena is not None else [])
     assert (opt.head_arena is not None) == config["tie_word_embeddings"]
     pinned = sum(b.nbytes for b in blocks)  # what a GPU run page-locks (here: plain memory, the same layout)

@@ -182,6 +182,24 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
     assert on_cpu["host_pinned"] == ["weights copy", "gradient buffer"]
 
 
+def test_offloaded_accumulation_keeps_the_gradients_on_the_host():
+    # gradient_accumulation_steps=4 offloaded (no optimizer_in_backward setting): the device holds the
+    # gradients of the hooks in flight only (as with one micro-batch per step), never a whole gradient;
+    # the host holds the staging ring on top of the buffers of one micro-batch per step.
+    from lowmem_grpo.memory_modes.offload import staging_bytes
+    arch = Arch.from_config(TINY)
+    common = MINIMAL + ["precision=bf16_sr", "steps_per_generation=4", "offload_optimizer=true"]
+    one = plan(load_config(None, common + ["gradient_accumulation_steps=1"]), arch)
+    four = plan(load_config(None, common + ["gradient_accumulation_steps=4"]), arch)
+    plain = plan(load_config(None, MINIMAL + ["precision=bf16_sr", "steps_per_generation=4",
+                                              "gradient_accumulation_steps=4"]), arch)
+    for phase in four["phase_categories"]:
+        assert four["phase_categories"][phase].get("gradients", 0) == one["phase_categories"][phase].get("gradients", 0)
+    assert four["phase_categories"]["forward"].get("gradients", 0) == 0  # plain: every gradient, from micro-batch 2
+    assert plain["phase_categories"]["forward"]["gradients"] == 2 * arch.params
+    assert four["host_categories"]["gradient buffer"] == one["host_categories"]["gradient buffer"] + staging_bytes()
+
+
 def test_offload_splits_the_tied_embedding_gradients_at_the_lookup(monkeypatch):
     # Qwen2.5-3B, bf16, batch 1 x 128-token completions, no reference: at the end of backward (the
     # embedding lookup) the device holds, besides the weights: on the device optimizer, the head's (V, H)

@@ -82,6 +82,7 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_rel
                              "optimizer_in_backward=true", "offload_optimizer=true", "beta=0"])
     before = _cached_host_bytes()
     opt = build_optimizer(model, cfg.optim, stochastic_rounding=True, in_backward=True)
+    opt.split_tied_head(model)  # the trainer's call
     buffers = list(opt.host.values()) + list(opt.host_grad.values()) + [opt._host_norm_slots, opt.head_host]
     assert all(b.is_pinned() for b in buffers)
     assert _cached_host_bytes() == before
