@@ -19,7 +19,6 @@ Simplifications, stated plainly:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -36,8 +35,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan
-from ..memory_modes.offload import OffloadedOptimizerInBackward
-from ..memory_modes.optimizer_in_backward import OptimizerInBackward
 from ..memory_modes.optimizers import build_optimizer, build_scheduler
 from ..memory_modes.reference import Reference
 from ..phases import phase
@@ -57,6 +54,7 @@ from .generation import (GenerationBatch, computed_tokens, make_generation_batch
 from .loss import PolicyLoss
 from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
+from .step_modes import make_step_mode
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 logger = logging.getLogger(__name__)
@@ -156,8 +154,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim,
                                          stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
-        if isinstance(self.optimizer, OffloadedOptimizerInBackward):  # the loss head's handle on the tied weight
-            self.optimizer.split_tied_head(self.policy, heads=[self.head, self.loss_module.head])
+        # How backwards become an update in this memory mode (step_modes.py)
+        self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
+                                        cfg.optim.max_grad_norm, heads=[self.head, self.loss_module.head])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
@@ -335,32 +334,23 @@ class Trainer:
         micro-batch's completion tokens counted on the host, spares the head a device sync."""
         return self.loss_module(mb, num_items, scale, tokens=tokens)
 
-    def _gradient_sync(self, last: bool):
-        """DDP all-reduces on the last micro-batch of an optimizer step only (no_sync before it)."""
-        if last or not isinstance(self.loss_module, torch.nn.parallel.DistributedDataParallel):
-            return contextlib.nullcontext()
-        return self.loss_module.no_sync()
-
     def optimizer_step(self) -> dict:
         t, gb, world = self.cfg.train, self.generation, self.world
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
         num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
         self.policy.train()
-        offload = isinstance(self.optimizer, OffloadedOptimizerInBackward)  # gradients summed on the host
-        in_backward = isinstance(self.optimizer, OptimizerInBackward) and not offload
-        if offload:
-            self.optimizer.begin_step()
+        mode = self.step_mode
+        mode.begin()
         step_sums = StepSums()  # loss and metrics stay on the device until the step is over: no sync per micro-batch
-        tokens, computed, grad_norm, backwards = 0, 0, 0.0, 0
+        tokens, computed, backwards = 0, 0, 0
         for i, mb in enumerate(rows):
             keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
             empty = int(mb.completion_mask.sum()) == 0  # all masked (mask_truncated_completions): nothing to learn
             only_collectives = empty or not keep.any()
             if only_collectives:
                 if not world.distributed:
-                    if in_backward and not empty:  # this micro-batch is a whole optimizer step, with a zero gradient
-                        with phase("optimizer"):
-                            self.optimizer.step_zero_gradients()
+                    if not empty:
+                        mode.skipped_micro_batch()
                     continue
                 # Under torchrun every rank runs the same forwards and backwards (their collectives must
                 # match): one row, with its loss weighted 0.
@@ -369,23 +359,14 @@ class Trainer:
                 scale = skipped_rows_scale(mb, keep, t.loss_type)
             part = mb if keep.all() else mb.select(keep)
             n = int(part.completion_mask.sum())  # counted on the host, before the micro-batch moves
-            with self._gradient_sync(last=i == len(rows) - 1):
+            with mode.micro_batch(last=i == len(rows) - 1):
                 with phase("forward"):
                     loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale, tokens=n)
                     step_sums.add_loss(loss)
                     if not only_collectives:
                         step_sums.add_metrics(metrics, n)
                 with phase("backward"):
-                    if not in_backward:
-                        loss.backward()
-                        if offload:
-                            self.optimizer.end_backward()
-                    # The weights change during this backward: check the loss first. (One micro-batch per
-                    # step here, so this read is also the step's metrics read.)
-                    elif np.isfinite(step_sums.read()[0]):
-                        self.optimizer.begin_step()
-                        loss.backward()
-                        grad_norm = self.optimizer.end_step()
+                    mode.backward(loss, lambda: bool(np.isfinite(step_sums.read()[0])))
             if only_collectives:
                 continue
             backwards += 1
@@ -397,33 +378,7 @@ class Trainer:
             total = world.sum([loss_sum, tokens, computed, backwards] + [sums.get(k, 0.0) for k in keys])
             loss_sum, tokens, computed, backwards = total[0] / world.size, int(total[1]), int(total[2]), int(total[3])
             sums = {k: v for k, v in zip(keys, total[4:])}
-        if in_backward:  # ga == 1: the step already happened (or was skipped) inside backward
-            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm) and not self.optimizer.nonfinite_tensors)
-        elif offload:  # the global norm and one update of the summed gradients, as the plain path below
-            with phase("optimizer"):
-                if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
-                    self.optimizer.end_step(apply=False)
-                    grad_norm = self.optimizer.step_zero_gradients()
-                else:
-                    grad_norm = self.optimizer.end_step(apply=bool(num_items and np.isfinite(loss_sum)))
-                    grad_norm = grad_norm if num_items else 0.0
-                finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
-        else:
-            with phase("optimizer"):
-                params = [p for p in self.policy.parameters() if p.requires_grad]
-                if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        else:
-                            p.grad.zero_()
-                max_norm = self.cfg.optim.max_grad_norm or float("inf")
-                grad_norm = distributed.as_float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if num_items else 0.0
-                finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
-                if finite and num_items:
-                    if self.shards:  # FSDP2: the optimizer steps the local shards
-                        self.shards.link_grads()
-                    self.optimizer.step()
+        grad_norm, finite = mode.finish(loss_sum, num_items, backwards)
         self.optimizer.zero_grad(set_to_none=True)
         if self.shards:
             self.policy.zero_grad(set_to_none=True)

@@ -1,0 +1,158 @@
+"""How the backwards of one optimizer step become an update: one small object per memory mode, behind
+the interface `Trainer.optimizer_step` drives the same way in every mode:
+
+    mode.begin()                                  once per optimizer step
+    for each micro-batch:
+        mode.skipped_micro_batch()                every completion skipped (single process): no backward
+        with mode.micro_batch(last):              forward + backward
+            mode.backward(loss, loss_is_finite)
+    grad_norm, finite = mode.finish(loss_sum, num_items, backwards)
+
+    PlainStep      autograd sums .grad over the micro-batches (DDP all-reduces on the last only: no_sync
+                   before it); then torch's clip_grad_norm_ (the global norm), FSDP2's shard linking and
+                   one optimizer step, skipped when the loss or the norm is not finite
+    InBackwardStep train.optimizer_in_backward on the device: each micro-batch is a whole optimizer step
+                   (gradient_accumulation_steps == 1), updated inside its backward with the per-tensor
+                   clip (memory_modes/optimizer_in_backward.py); the loss is checked before the backward,
+                   which changes the weights
+    OffloadStep    optim.offload_optimizer: the hooks send every micro-batch's gradients to the host,
+                   where they are summed; after the last, the global norm and one update on the CPU
+                   (memory_modes/offload.py). It owns the loss head's handle on a tied weight.
+
+A step in which every completion was skipped (zero advantages) still steps Adam on a zero gradient, in
+every mode, as TRL's optimizer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..memory_modes.offload import OffloadedOptimizerInBackward
+from ..memory_modes.optimizer_in_backward import OptimizerInBackward
+from ..phases import phase
+from . import distributed
+
+
+class StepMode:
+    """The shared interface (module docstring). The defaults are the plain path's."""
+
+    def begin(self) -> None:
+        """Before the first micro-batch of an optimizer step."""
+
+    def micro_batch(self, last: bool):
+        """A context around one micro-batch's forward and backward; `last`: the step's last micro-batch."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
+        loss.backward()
+
+    def skipped_micro_batch(self) -> None:
+        """A micro-batch with completions, all of them skipped (their gradient is exactly zero)."""
+
+    def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
+        """After the last micro-batch: the update. Returns (the global gradient norm, whether the step was
+        finite). `num_items`: the step's completion tokens (0: nothing to learn, no update); `backwards`:
+        the backwards run (0 with num_items > 0: every completion skipped, a zero-gradient step)."""
+        raise NotImplementedError
+
+
+class PlainStep(StepMode):
+    """Gradients accumulate in .grad; clip_grad_norm_, then one optimizer step (module docstring)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor], loss_module: torch.nn.Module,
+                 shards, max_grad_norm: float | None):
+        self.optimizer, self.params, self.loss_module, self.shards = optimizer, params, loss_module, shards
+        self.max_grad_norm = max_grad_norm
+
+    def micro_batch(self, last: bool):
+        """DDP all-reduces on the last micro-batch of an optimizer step only (no_sync before it)."""
+        if last or not isinstance(self.loss_module, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.loss_module.no_sync()
+
+    def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
+        with phase("optimizer"):
+            if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
+                for p in self.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    else:
+                        p.grad.zero_()
+            max_norm = self.max_grad_norm or float("inf")
+            grad_norm = distributed.as_float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) if num_items else 0.0
+            finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+            if finite and num_items:
+                if self.shards:  # FSDP2: the optimizer steps the local shards
+                    self.shards.link_grads()
+                self.optimizer.step()
+        return grad_norm, finite
+
+
+class InBackwardStep(StepMode):
+    """The optimizer in backward on the device: one micro-batch per optimizer step (module docstring)."""
+
+    def __init__(self, optimizer: OptimizerInBackward):
+        self.optimizer = optimizer
+        self.grad_norm = 0.0
+
+    def begin(self) -> None:
+        self.grad_norm = 0.0
+
+    def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
+        # The weights change during this backward: check the loss first. (One micro-batch per step here,
+        # so this read is also the step's metrics read.)
+        if loss_is_finite():
+            self.optimizer.begin_step()
+            loss.backward()
+            self.grad_norm = self.optimizer.end_step()
+
+    def skipped_micro_batch(self) -> None:  # this micro-batch is a whole optimizer step, with a zero gradient
+        with phase("optimizer"):
+            self.optimizer.step_zero_gradients()
+
+    def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
+        # the step already happened (or was skipped) inside backward
+        finite = bool(np.isfinite(loss_sum) and np.isfinite(self.grad_norm) and not self.optimizer.nonfinite_tensors)
+        return self.grad_norm, finite
+
+
+class OffloadStep(StepMode):
+    """Gradients summed on the host, the global norm, one update on the CPU (module docstring). Gives the
+    loss heads their handle on a tied embedding (`split_tied_head`)."""
+
+    def __init__(self, optimizer: OffloadedOptimizerInBackward, model: torch.nn.Module, heads: list):
+        self.optimizer = optimizer
+        optimizer.split_tied_head(model, heads)  # a tied embedding's two (V, H) gradients never meet on the device
+
+    def begin(self) -> None:
+        self.optimizer.begin_step()
+
+    def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
+        loss.backward()
+        self.optimizer.end_backward()
+
+    def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
+        with phase("optimizer"):
+            if num_items and not backwards:  # every completion skipped: Adam still steps, on a zero gradient
+                self.optimizer.end_step(apply=False)
+                grad_norm = self.optimizer.step_zero_gradients()
+            else:  # as the plain path: no update without tokens or with a non-finite loss or norm
+                grad_norm = self.optimizer.end_step(apply=bool(num_items and np.isfinite(loss_sum)))
+                grad_norm = grad_norm if num_items else 0.0
+        return grad_norm, bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
+
+
+def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss_module: torch.nn.Module,
+                   shards, max_grad_norm: float | None, heads: list) -> StepMode:
+    """The mode of the optimizer `build_optimizer` made. `heads`: every loss head that reads the output
+    embedding's weight for the loss (the offload mode may give them a handle of their own)."""
+    if isinstance(optimizer, OffloadedOptimizerInBackward):
+        return OffloadStep(optimizer, model, heads)
+    if isinstance(optimizer, OptimizerInBackward):
+        return InBackwardStep(optimizer)
+    return PlainStep(optimizer, [p for p in model.parameters() if p.requires_grad], loss_module, shards,
+                     max_grad_norm)
