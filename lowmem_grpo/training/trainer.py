@@ -155,8 +155,10 @@ class Trainer:
                                          stochastic_rounding=m.precision == "bf16_sr",
                                          in_backward=t.optimizer_in_backward)
         # How backwards become an update in this memory mode (step_modes.py)
+        loss = (self.loss_module.module if isinstance(self.loss_module, torch.nn.parallel.DistributedDataParallel)
+                else self.loss_module)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
-                                        cfg.optim.max_grad_norm, heads=[self.head, self.loss_module.head])
+                                        cfg.optim.max_grad_norm, heads=[self.head, loss.head])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
