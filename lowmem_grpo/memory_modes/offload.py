@@ -79,6 +79,8 @@ device at the lookup either way.)
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections import deque
 from typing import Callable, Optional
 
@@ -148,6 +150,8 @@ def check_host_ram(pinned: int, unpinned: int = 0) -> None:
         "model, or close other programs; `lowmem-grpo plan` shows the breakdown")
 
 
+UPDATE_THREAD = True  # the default: the host update runs on a worker thread (module docstring)
+
 STAGING_SLOTS = 4  # chunks of a later micro-batch's gradient in flight to the host at once
 STAGING_CHUNK_BYTES = 16 << 20
 
@@ -168,7 +172,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
-                 master_fp32: bool = False, state_bytes: int = 0):
+                 master_fp32: bool = False, state_bytes: int = 0, update_thread: bool = UPDATE_THREAD):
         params = [p for g in groups for p in g["params"]]
         # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
         self.master_fp32 = master_fp32
@@ -190,6 +194,20 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
         self._host_norm_slots = self.arena.take((len(params),), torch.float32)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
+        # The update thread ("Off the autograd thread" in the module docstring). Used once the forward
+        # waits for it (`wait_in_forward`); until then end_step updates inline.
+        self.update_thread = update_thread
+        self._forward_waits = False
+        self._waiting_models: set[int] = set()  # ids of the models given to wait_in_forward
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: Optional[threading.Thread] = None
+        self._ready: dict[int, threading.Event] = {}  # handed-over updates not yet waited for, by index
+        self._uploaded: dict[int, torch.cuda.Event] = {}  # CUDA: each one's upload, on the side stream
+        self._step_done = threading.Event()  # the worker finished the step handed to it
+        self._step_done.set()
+        self._handed = False  # an update was handed over since the last synchronize (CUDA: wait for its uploads)
+        self._error: Optional[BaseException] = None  # raised by the worker, re-raised at the next wait
+        self._step_generator: Optional[torch.Generator] = None  # the rounding draws of the step in flight
         self.refresh_host_weights()
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
@@ -218,6 +236,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
             return False
         self.tied = out.weight
+        self._tied_indices = [self._index_of[self.tied]]
         if self.head_host is None:
             head = [(self.tied.shape, self.tied.dtype)]  # its own block: the split is decided after __init__
             check_host_ram(arena_bytes([buffer_bytes(*head[0])]))
@@ -231,6 +250,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def head_leaf(self) -> torch.Tensor:
         """The tensor the fused head uses for the tied weight: its storage, its own gradient. Made again if
         the weight's storage changed (e.g. `.data` replaced)."""
+        self._wait_for(self._tied_indices)  # its update, if still on the update thread
         w, leaf = self.tied, self._head_leaf
         if leaf is None or leaf.data_ptr() != w.data_ptr() or leaf.shape != w.shape or leaf.device != w.device:
             leaf = self._head_leaf = w.detach().requires_grad_(w.requires_grad)
@@ -377,6 +397,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     # ----- the step --------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.synchronize()  # the last step's updates read the host gradient buffers that this step fills
         if self.on_cuda:  # the last step's uploads read host buffers that this step's gradients overwrite
             self.side.synchronize()
         self.active, self.nonfinite_tensors, self.host_waits = True, 0, 0
@@ -400,11 +421,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             coef = None
             if self.max_grad_norm:  # torch.nn.utils.clip_grad_norm_: one factor for all, at most 1
                 coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            with scope("optimizer"):
-                for index in order:
-                    self._update(index, coef)
-            if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
-                torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+            # Read here, on the calling thread: the scheduler changes the rates right after end_step, and
+            # the rounding draws must not interleave with the caller's sampling.
+            lrs = [self.param_groups[self._group_of[i]]["lr"] for i in order]
+            generator = self._rounding_generator()
+            if self.on_cuda:  # kernels that read the old weights (the backward) are queued on the compute stream
+                self.side.wait_stream(torch.cuda.current_stream(self.params[0].device))
+            if self.update_thread and self._forward_waits:
+                self._hand_over(order, coef, lrs, generator)
+            else:
+                self._update_all(order, coef, lrs, generator, {})
+                self._adopt_rng()
+                if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
+                    torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
         if self._fired:
             self._update_order = list(dict.fromkeys(self._fired))
         self.active = False
@@ -429,24 +458,140 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if coef is not None and float(coef) < 1.0:
             grad.mul_(coef)
 
-    def _update(self, index: int, coef: Optional[torch.Tensor]) -> None:
-        """Clip one host gradient, step its inner optimizer on the host copy, send the new weight up."""
+    def _rounding_generator(self) -> torch.Generator:
+        """The step's stochastic-rounding draws: a copy of torch's global CPU generator as it stands, so the
+        updates draw the numbers they drew from the global generator before (the plain path's: the tests
+        compare bit for bit) on whichever thread they run, never racing the caller's own draws. The global
+        generator takes the copy's final state once every update is done and waited for (`_adopt_rng`):
+        where the plain path's step would have left it, so the caller's later sampling is the plain path's
+        too, and `torch.manual_seed` and a checkpoint's RNG state (saved after `synchronize()`) fix the run."""
+        generator = torch.Generator()
+        generator.set_state(torch.get_rng_state())
+        self._step_generator = generator
+        return generator
+
+    def _adopt_rng(self) -> None:
+        """Move the global generator to where the step's updates left their copy (once they are done)."""
+        generator, self._step_generator = self._step_generator, None
+        if generator is not None:
+            torch.set_rng_state(generator.get_state())
+
+    def _update_all(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
+                    generator: torch.Generator, ready: dict[int, threading.Event]) -> None:
+        """The step's updates in forward order; `ready[index]` is set once that update's upload is queued."""
+        with scope("optimizer"):
+            for index, lr in zip(order, lrs):
+                self._update(index, coef, lr, generator)
+                if index in ready:
+                    ready[index].set()
+
+    def _update(self, index: int, coef: Optional[torch.Tensor], lr: Optional[float] = None,
+                generator: Optional[torch.Generator] = None) -> None:
+        """Clip one host gradient, step its inner optimizer on the host copy (at `lr`, rounding draws from
+        `generator`), send the new weight up (CUDA: `_uploaded[index]` completes when it is there)."""
         p = self.params[index]
         grad, host = self.host_grad[p], self.host[p]
         self.clip_gradient(grad, coef)
-        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad)  # bf16 grad, fp32 master
+        self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
+        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad, lr)  # bf16 grad, fp32 master
         upload = host
         if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
             upload = grad  # its gradient is used up; the next one arrives after this upload
             upload.copy_(host)
-        if self.on_cuda:
-            # Kernels that read the old weight (the backward) were queued on the compute stream.
-            self.side.wait_stream(torch.cuda.current_stream(p.device))
+        if self.on_cuda:  # (the side stream already waits for the backward: end_step)
             with torch.cuda.stream(self.side):  # the new weight goes back while the host updates the next
                 p.data.copy_(upload, non_blocking=True)
+                uploaded = torch.cuda.Event()
+                uploaded.record(self.side)
+            self._uploaded[index] = uploaded
         else:
             with torch.no_grad():
                 p.copy_(upload)
+
+    # ----- the update thread (module docstring, "Off the autograd thread") ---------------------------
+    def wait_in_forward(self, model: nn.Module, heads=()) -> None:
+        """Make every use of the weights wait for their own updates: a forward pre-hook on each module of
+        `model` that owns parameters directly, and the fused loss heads' weight (`heads`: policy/model.py
+        `Head`, whose weight is read without its module's forward). Until this is called, end_step
+        updates inline. Idempotent per model."""
+        if id(model) in self._waiting_models:
+            return
+        for module in model.modules():
+            indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
+            if indices:
+                module.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait_for(indices))
+        for head in heads:
+            if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
+                output = head.output
+                indices = [self._index_of[p] for p in output.parameters(recurse=False) if p in self._index_of]
+                head.weight_source = lambda output=output, indices=indices: (self._wait_for(indices), output.weight)[1]
+        self._waiting_models.add(id(model))
+        self._forward_waits = True
+
+    def _hand_over(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
+                   generator: torch.Generator) -> None:
+        """Queue the step's updates on the worker thread (started on first use) and return."""
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="lowmem-grpo-host-update", daemon=True)
+            self._worker.start()
+        ready = {index: threading.Event() for index in order}
+        self._ready.update(ready)
+        self._handed = True
+        self._step_done.clear()
+        self._jobs.put((order, coef, lrs, generator, ready))
+
+    def _work(self) -> None:
+        """The worker's loop: one job per optimizer step. An error is kept for the caller's next wait, and
+        every readiness signal of the job is set so that no wait hangs on an update that will not come."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ready = job[-1]
+            try:
+                self._update_all(*job)
+            except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
+                self._error = error
+            finally:
+                for event in ready.values():
+                    event.set()
+                self._step_done.set()
+
+    def _wait_for(self, indices: list[int]) -> None:
+        """Wait until these parameters' updates are done and (CUDA) make the current stream wait for their
+        uploads; re-raise an error of the worker. Free when nothing is pending."""
+        if not self._ready:
+            self._raise_worker_error()
+            return
+        for index in indices:
+            ready = self._ready.pop(index, None)
+            if ready is None:
+                continue
+            ready.wait()
+            self._raise_worker_error()
+            uploaded = self._uploaded.pop(index, None)
+            if uploaded is not None:
+                torch.cuda.current_stream(self.params[index].device).wait_event(uploaded)
+        if not self._ready:  # every update waited for: the step's draws are all made
+            self._adopt_rng()
+
+    def synchronize(self) -> None:
+        """Wait for every handed-over update (and, on CUDA, make the current stream wait for the uploads);
+        re-raise an error of the worker. Call it before reading the weights other than through a forward
+        (a checkpoint's save, save_pretrained); the optimizer's own state_dict, load_state_dict,
+        begin_step and refresh_host_weights call it."""
+        self._step_done.wait()
+        self._ready, self._uploaded = {}, {}
+        self._adopt_rng()
+        if self._handed and self.on_cuda:
+            torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+        self._handed = False
+        self._raise_worker_error()
+
+    def _raise_worker_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def step_zero_gradients(self) -> float:
         """One optimizer step in which every gradient is exactly zero, without a backward (every completion
@@ -462,12 +607,18 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
         as ordinary memory). Deleting the optimizer is not enough: the hooks on the weights keep it alive."""
+        self.synchronize()
+        if self._worker is not None and self._worker.is_alive():  # the worker thread ends too
+            self._jobs.put(None)
+            self._worker.join()
+        self._worker = None
         for arena in (self.arena, self.head_arena):
             if arena is not None:
                 arena.release()
 
     def refresh_host_weights(self) -> None:
         """Copy the device weights into the host copies (at start and after weights are loaded)."""
+        self.synchronize()
         with torch.no_grad():
             for p, h in self.host.items():
                 h.copy_(p.detach())
@@ -480,12 +631,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         super()._count_live([g for g in grads if g.data_ptr() not in self._host_grad_ptrs])
 
     def state_dict(self) -> dict:
+        self.synchronize()
         state = super().state_dict()
         if self.master_fp32:  # the device weights are the master rounded: resume needs the master itself
             state["master"] = [self.host[p] for p in self.params]
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.synchronize()
         super().load_state_dict(state)
         self.refresh_host_weights()  # the weights were loaded into the model just before (trainer._resume)
         if self.master_fp32:
