@@ -78,6 +78,7 @@ device at the lookup either way.)
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -90,6 +91,8 @@ from torch import nn
 from ..phases import mark_gradient, scope
 from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor
+
+logger = logging.getLogger(__name__)
 
 
 def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
@@ -207,7 +210,8 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._step_done.set()
         self._handed = False  # an update was handed over since the last synchronize (CUDA: wait for its uploads)
         self._error: Optional[BaseException] = None  # raised by the worker, re-raised at the next wait
-        self._step_generator: Optional[torch.Generator] = None  # the rounding draws of the step in flight
+        self._step_generator = None  # (generator, global state it copied) of the step in flight
+        self._warned_rng = False
         self.refresh_host_weights()
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
@@ -465,16 +469,28 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         generator takes the copy's final state once every update is done and waited for (`_adopt_rng`):
         where the plain path's step would have left it, so the caller's later sampling is the plain path's
         too, and `torch.manual_seed` and a checkpoint's RNG state (saved after `synchronize()`) fix the run."""
+        start = torch.get_rng_state()
         generator = torch.Generator()
-        generator.set_state(torch.get_rng_state())
-        self._step_generator = generator
+        generator.set_state(start)
+        self._step_generator = (generator, start)
         return generator
 
     def _adopt_rng(self) -> None:
-        """Move the global generator to where the step's updates left their copy (once they are done)."""
-        generator, self._step_generator = self._step_generator, None
-        if generator is not None:
+        """Move the global generator to where the step's updates left their copy (once they are done). If the
+        caller drew from it in the meantime (before a forward or synchronize() waited for the updates), it
+        is left where those draws took it: moving it back would hand out their numbers again."""
+        pending, self._step_generator = self._step_generator, None
+        if pending is None:
+            return
+        generator, start = pending
+        if torch.equal(torch.get_rng_state(), start):
             torch.set_rng_state(generator.get_state())
+        elif not self._warned_rng:
+            self._warned_rng = True
+            logger.warning("torch's global CPU generator was drawn from while the offloaded optimizer's update "
+                           "was still running (after end_step, before a forward or synchronize()): this run's "
+                           "random numbers now differ from a run without the update thread; call "
+                           "optimizer.synchronize() before such draws to keep them the same")
 
     def _update_all(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
                     generator: torch.Generator, ready: dict[int, threading.Event]) -> None:
