@@ -218,3 +218,22 @@ def test_a_draw_before_the_updates_are_waited_for_is_not_repeated(caplog):
     opt.synchronize()
     assert not torch.equal(torch.rand(8), early)
     assert "call optimizer.synchronize() before such draws" in caplog.text
+
+
+def test_rounding_draws_do_not_race_the_callers_draws(monkeypatch, caplog):
+    # bf16 weights with stochastic rounding (the build path): the caller draws from the global generator
+    # while the worker is still rounding (slowed down half-way). The weights are the inline run's all the
+    # same: the rounding draws come from the step's own generator, whatever the caller draws meanwhile.
+    pytest.importorskip("bitsandbytes")
+    weights = {}
+    for update_thread in (False, True):
+        model, opt = _setup("build_adamw_8bit", False, update_thread)
+        if update_thread:
+            _slow_late_updates(monkeypatch, opt, {len(opt.params) // 2}, [], seconds=0.2)
+        torch.manual_seed(7)
+        _optimizer_step(model, opt, 0, forward=False)
+        torch.rand(1000)  # while the worker runs (threaded), after the update (inline)
+        opt.synchronize()
+        weights[update_thread] = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for k, w in weights[False].items():
+        assert torch.equal(w, weights[True][k]), k
