@@ -10,9 +10,12 @@ optimizer_in_backward.py) starts each gradient's trip to the host as soon as aut
                                   host RAM (`STAGING_SLOTS` x `STAGING_CHUNK_BYTES`) and added into the
                                   buffer there
     end_step (after the last  ->  every gradient of the optimizer step is on the host: the global norm
-    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s), the clip, then the inner optimizer
-                                  steps each host copy in forward order and the new weight goes back;
-                                  the compute stream waits for the last upload
+    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s) on the calling thread, returned; then
+                                  the clip, the inner optimizer's step of each host copy in forward order
+                                  and each new weight's upload run on the update thread (below), and
+                                  end_step returns at once
+    next forward              ->  each module waits for its own parameters' updates (and, on CUDA, the
+                                  compute stream for their uploads) before it runs
 
 So the device holds the weights and, briefly, the gradients in flight (at most `lag_bytes` of first
 copies, or the staging ring's chunks); the optimizer states, a copy of the weights and the gradient
@@ -56,6 +59,30 @@ itself. fp32 weights: the copy is fp32 and the device weight is exactly it. The 
 order of `params` (the optimizer's groups, i.e. the model's parameters, embedding first), the order in
 which the plain path's optimizer steps them, so stochastic rounding draws the same numbers. Measured
 costs: benchmarks/offload_host_update.py and RESULTS.md.
+
+Off the autograd thread. The host update (a full pass over the states: the dominant cost of a step) runs
+on one long-lived daemon thread, so the caller goes on at once: on a GPU machine the next generation or
+forward starts while the host still updates the last parameters. Each parameter handed over gets a
+readiness signal (a threading.Event, set once its update is done and its upload queued; on CUDA also an
+event on the side stream after its upload). `wait_in_forward(model, heads)` puts a forward pre-hook on
+every module that owns parameters directly, waiting for exactly those, and makes the fused loss head's
+weight read (policy/model.py `Head`; the tied head's leaf) wait for the head weight: the embedding's update
+is the first one done, the output head's the last, so the forward overlaps the rest. state_dict(),
+load_state_dict(), refresh_host_weights(), begin_step() and step_zero_gradients() wait for all; code that
+reads the weights otherwise (a checkpoint's save, save_pretrained) calls `synchronize()` first. Until
+`wait_in_forward` is called nothing would wait, so end_step updates inline (as with update_thread=False).
+An error on the worker is kept and raised on the caller's thread at its next wait (a forward, synchronize,
+begin_step), once; the worker goes on with the next step. The learning rates are read in end_step (the
+scheduler changes them right after). The stochastic-rounding draws (sr_adamw.py, host_adamw.py) come from a
+copy of torch's global CPU generator taken in end_step, not from the generator itself, so they never
+interleave with the caller's draws: the updates draw what they drew inline, and once all of them have been
+waited for the global generator moves to where the copy ended, where the inline update leaves it; a
+caller that draws from it in between (CPU sampling before the next forward) keeps its draws and is warned
+once that the run now differs from an inline one. Threads: the host kernel (host_adamw.py) releases the
+GIL and runs on torch's intra-op OpenMP threads (`torch.get_num_threads()`), as do torch's own CPU ops on
+the worker; on a GPU machine the caller mostly waits on CUDA, so the two share the cores with little
+contention; on a CPU-only machine the forward and the update compete for the same cores (same results,
+less overlap).
 
 Per step, across PCIe: every gradient of every micro-batch down and every weight up once,
 (gradient_accumulation_steps + 1) x bytes(dtype) x parameters (1.5B bf16, ga 1: 6.2 GB); see
@@ -171,7 +198,11 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     One optimizer step: `begin_step()`, then for each micro-batch its backward followed by
     `end_backward()`, then `end_step()` (which ends the last backward itself). The state_dict has the
-    on-device optimizer in backward's format."""
+    on-device optimizer in backward's format.
+
+    `update_thread` (default UPDATE_THREAD, on): end_step hands the updates to a worker thread once
+    `wait_in_forward(model, heads)` has made the forward wait for them; `synchronize()` before reading the
+    weights other than through a forward (module docstring, "Off the autograd thread")."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,

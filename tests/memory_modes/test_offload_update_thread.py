@@ -18,13 +18,13 @@ MICRO_BATCHES = 3
 CLIP = 0.05  # below every step's global norm here: the clip fires (asserted)
 
 
-def _untied_model(dtype=torch.float32):
+def _untied_model(dtype=torch.float32, device="cpu"):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                          attn_implementation="eager"))
-    return model.to(dtype)
+    return model.to(device, dtype)
 
 
 def _optimizer(kind: str, model, update_thread: bool) -> OffloadedOptimizerInBackward:
@@ -41,9 +41,9 @@ def _optimizer(kind: str, model, update_thread: bool) -> OffloadedOptimizerInBac
                                         update_thread=update_thread)
 
 
-def _setup(kind, tied, update_thread):
+def _setup(kind, tied, update_thread, device="cpu"):
     dtype = torch.bfloat16 if kind.startswith("build_") else torch.float32
-    model = _model(dtype) if tied else _untied_model(dtype)
+    model = _model(dtype, device) if tied else _untied_model(dtype, device)
     opt = _optimizer(kind, model, update_thread)
     model.loss_head = check_fused_head(model)  # what _head_loss uses; the trainer's head
     opt.wait_in_forward(model, [model.loss_head])
@@ -237,3 +237,35 @@ def test_rounding_draws_do_not_race_the_callers_draws(monkeypatch, caplog):
         weights[update_thread] = {k: v.detach().clone() for k, v in model.named_parameters()}
     for k, w in weights[False].items():
         assert torch.equal(w, weights[True][k]), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind, tied", [("adamw", True), ("build_adamw_8bit", False), ("build_adamw", True)])
+def test_cuda_worker_thread_equals_inline_and_the_forward_waits_for_the_uploads(kind, tied, monkeypatch):
+    # On a GPU the uploads go up on the side stream from the worker thread; the forward's compute stream
+    # waits for each parameter's upload event. Bit for bit the inline run (the same host kernels), with
+    # a forward right after each end_step whose loss must equal the inline run's (it saw every new weight
+    # although the late updates were slowed down), and every device weight its host copy at the end.
+    if kind != "adamw":
+        pytest.importorskip("bitsandbytes")
+    runs = {}
+    for update_thread in (False, True):
+        model, opt = _setup(kind, tied, update_thread, device="cuda")
+        if update_thread:
+            _slow_late_updates(monkeypatch, opt, {0, len(opt.params) - 1}, [], seconds=0.05)
+        torch.manual_seed(1234)
+        losses = []
+        for step in range(3):
+            _optimizer_step(model, opt, step, forward=False)
+            with torch.no_grad():
+                losses.append(_head_loss(model, 1000 + step).cpu())  # right after end_step
+        opt.synchronize()
+        torch.cuda.synchronize()
+        for p in model.parameters():
+            assert torch.equal(p.detach().cpu(), opt.host[p].to(p.dtype))  # (an fp32 master: rounded to nearest)
+        runs[update_thread] = (losses, {k: v.detach().cpu() for k, v in model.named_parameters()})
+    for a, b in zip(runs[False][0], runs[True][0]):
+        assert torch.equal(a, b)
+    for k, w in runs[False][1].items():
+        assert torch.equal(w, runs[True][1][k]), k
