@@ -177,17 +177,19 @@ def host_grad_norm(grad: torch.Tensor) -> float:
     return math.sqrt(total)
 
 
-def _seed_keys() -> tuple[int, int]:
-    """64 random bits from torch's default CPU generator, as the two 32-bit keys of the rounding noise."""
-    seed = int(torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64)) & (2 ** 64 - 1)
+def _seed_keys(generator: torch.Generator | None = None) -> tuple[int, int]:
+    """64 random bits from `generator` (default: torch's default CPU generator), as the two 32-bit keys of
+    the rounding noise."""
+    seed = int(torch.randint(-(2 ** 63), 2 ** 63 - 1, (), dtype=torch.int64, generator=generator)) & (2 ** 64 - 1)
     return seed & 0xFFFFFFFF, seed >> 32
 
 
 def adamw8bit_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float, beta1: float, beta2: float,
                    eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
-                   stochastic_rounding: bool = True) -> bool:
+                   stochastic_rounding: bool = True, generator: torch.Generator | None = None) -> bool:
     """One bitsandbytes 8-bit AdamW update of CPU tensor `p` in place, with its 8-bit `state` (bitsandbytes'
-    keys; `step` already counted). Returns False, touching nothing, where the kernel cannot take it."""
+    keys; `step` already counted); the rounding seed from `generator` (default the global one). Returns
+    False, touching nothing, where the kernel cannot take it."""
     lib = library()
     tensors = (p, grad, state["state1"], state["state2"], state["absmax1"], state["absmax2"])
     if (lib is None or p.dtype not in _KIND or grad.dtype not in _KIND or grad.numel() != p.numel()
@@ -196,7 +198,7 @@ def adamw8bit_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
         return False
     lut1, lut2 = _lut(state["qmap1"]), _lut(state["qmap2"])
     qmap1, qmap2 = (state[k].detach().float().cpu().contiguous() for k in ("qmap1", "qmap2"))
-    key0, key1 = _seed_keys() if p.dtype == torch.bfloat16 and stochastic_rounding else (0, 0)
+    key0, key1 = _seed_keys(generator) if p.dtype == torch.bfloat16 and stochastic_rounding else (0, 0)
     correction1 = 1.0 - beta1 ** step  # bitsandbytes' CPU path, in Python floats as there
     correction2 = math.sqrt(1.0 - beta2 ** step)
     rc = lib.adamw8bit_step(
@@ -245,7 +247,8 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
             grad = p.grad.contiguous()
             ok = adamw8bit_step(p.data, grad, state, lr=config["lr"], beta1=betas[0], beta2=betas[1],
                                 eps=config["eps"], weight_decay=config["weight_decay"], step=state["step"] + 1,
-                                grad_scale=scale, stochastic_rounding=stochastic_rounding)
+                                grad_scale=scale, stochastic_rounding=stochastic_rounding,
+                                generator=getattr(self, "rounding_generator", None))  # offload.py's, per step
             if ok:
                 state["step"] += 1
             return ok

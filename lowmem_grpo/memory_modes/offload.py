@@ -10,9 +10,12 @@ optimizer_in_backward.py) starts each gradient's trip to the host as soon as aut
                                   host RAM (`STAGING_SLOTS` x `STAGING_CHUNK_BYTES`) and added into the
                                   buffer there
     end_step (after the last  ->  every gradient of the optimizer step is on the host: the global norm
-    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s), the clip, then the inner optimizer
-                                  steps each host copy in forward order and the new weight goes back;
-                                  the compute stream waits for the last upload
+    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s) on the calling thread, returned; then
+                                  the clip, the inner optimizer's step of each host copy in forward order
+                                  and each new weight's upload run on the update thread (below), and
+                                  end_step returns at once
+    next forward              ->  each module waits for its own parameters' updates (and, on CUDA, the
+                                  compute stream for their uploads) before it runs
 
 So the device holds the weights and, briefly, the gradients in flight (at most `lag_bytes` of first
 copies, or the staging ring's chunks); the optimizer states, a copy of the weights and the gradient
@@ -57,6 +60,30 @@ order of `params` (the optimizer's groups, i.e. the model's parameters, embeddin
 which the plain path's optimizer steps them, so stochastic rounding draws the same numbers. Measured
 costs: benchmarks/offload_host_update.py and RESULTS.md.
 
+Off the autograd thread. The host update (a full pass over the states: the dominant cost of a step) runs
+on one long-lived daemon thread, so the caller goes on at once: on a GPU machine the next generation or
+forward starts while the host still updates the last parameters. Each parameter handed over gets a
+readiness signal (a threading.Event, set once its update is done and its upload queued; on CUDA also an
+event on the side stream after its upload). `wait_in_forward(model, heads)` puts a forward pre-hook on
+every module that owns parameters directly, waiting for exactly those, and makes the fused loss head's
+weight read (policy/model.py `Head`; the tied head's leaf) wait for the head weight: the embedding's update
+is the first one done, the output head's the last, so the forward overlaps the rest. state_dict(),
+load_state_dict(), refresh_host_weights(), begin_step() and step_zero_gradients() wait for all; code that
+reads the weights otherwise (a checkpoint's save, save_pretrained) calls `synchronize()` first. Until
+`wait_in_forward` is called nothing would wait, so end_step updates inline (as with update_thread=False).
+An error on the worker is kept and raised on the caller's thread at its next wait (a forward, synchronize,
+begin_step), once; the worker goes on with the next step. The learning rates are read in end_step (the
+scheduler changes them right after). The stochastic-rounding draws (sr_adamw.py, host_adamw.py) come from a
+copy of torch's global CPU generator taken in end_step, not from the generator itself, so they never
+interleave with the caller's draws: the updates draw what they drew inline, and once all of them have been
+waited for the global generator moves to where the copy ended, where the inline update leaves it; a
+caller that draws from it in between (CPU sampling before the next forward) keeps its draws and is warned
+once that the run now differs from an inline one. Threads: the host kernel (host_adamw.py) releases the
+GIL and runs on torch's intra-op OpenMP threads (`torch.get_num_threads()`), as do torch's own CPU ops on
+the worker; on a GPU machine the caller mostly waits on CUDA, so the two share the cores with little
+contention; on a CPU-only machine the forward and the update compete for the same cores (same results,
+less overlap).
+
 Per step, across PCIe: every gradient of every micro-batch down and every weight up once,
 (gradient_accumulation_steps + 1) x bytes(dtype) x parameters (1.5B bf16, ga 1: 6.2 GB); see
 `pcie_bytes_per_step`.
@@ -78,7 +105,10 @@ device at the lookup either way.)
 
 from __future__ import annotations
 
+import logging
 import math
+import queue
+import threading
 from collections import deque
 from typing import Callable, Optional
 
@@ -88,6 +118,8 @@ from torch import nn
 from ..phases import mark_gradient, scope
 from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor
+
+logger = logging.getLogger(__name__)
 
 
 def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
@@ -148,6 +180,8 @@ def check_host_ram(pinned: int, unpinned: int = 0) -> None:
         "model, or close other programs; `lowmem-grpo plan` shows the breakdown")
 
 
+UPDATE_THREAD = True  # the default: the host update runs on a worker thread (module docstring)
+
 STAGING_SLOTS = 4  # chunks of a later micro-batch's gradient in flight to the host at once
 STAGING_CHUNK_BYTES = 16 << 20
 
@@ -164,11 +198,15 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     One optimizer step: `begin_step()`, then for each micro-batch its backward followed by
     `end_backward()`, then `end_step()` (which ends the last backward itself). The state_dict has the
-    on-device optimizer in backward's format."""
+    on-device optimizer in backward's format.
+
+    `update_thread` (default UPDATE_THREAD, on): end_step hands the updates to a worker thread once
+    `wait_in_forward(model, heads)` has made the forward wait for them; `synchronize()` before reading the
+    weights other than through a forward (module docstring, "Off the autograd thread")."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
-                 master_fp32: bool = False, state_bytes: int = 0):
+                 master_fp32: bool = False, state_bytes: int = 0, update_thread: bool = UPDATE_THREAD):
         params = [p for g in groups for p in g["params"]]
         # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
         self.master_fp32 = master_fp32
@@ -190,6 +228,21 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
         self._host_norm_slots = self.arena.take((len(params),), torch.float32)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
+        # The update thread ("Off the autograd thread" in the module docstring). Used once the forward
+        # waits for it (`wait_in_forward`); until then end_step updates inline.
+        self.update_thread = update_thread
+        self._forward_waits = False
+        self._waiting_models: set[int] = set()  # ids of the models given to wait_in_forward
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: Optional[threading.Thread] = None
+        self._ready: dict[int, threading.Event] = {}  # handed-over updates not yet waited for, by index
+        self._uploaded: dict[int, torch.cuda.Event] = {}  # CUDA: each one's upload, on the side stream
+        self._step_done = threading.Event()  # the worker finished the step handed to it
+        self._step_done.set()
+        self._handed = False  # an update was handed over since the last synchronize (CUDA: wait for its uploads)
+        self._error: Optional[BaseException] = None  # raised by the worker, re-raised at the next wait
+        self._step_generator = None  # (generator, global state it copied) of the step in flight
+        self._warned_rng = False
         self.refresh_host_weights()
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
@@ -218,6 +271,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
             return False
         self.tied = out.weight
+        self._tied_indices = [self._index_of[self.tied]]
         if self.head_host is None:
             head = [(self.tied.shape, self.tied.dtype)]  # its own block: the split is decided after __init__
             check_host_ram(arena_bytes([buffer_bytes(*head[0])]))
@@ -231,6 +285,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def head_leaf(self) -> torch.Tensor:
         """The tensor the fused head uses for the tied weight: its storage, its own gradient. Made again if
         the weight's storage changed (e.g. `.data` replaced)."""
+        self._wait_for(self._tied_indices)  # its update, if still on the update thread
         w, leaf = self.tied, self._head_leaf
         if leaf is None or leaf.data_ptr() != w.data_ptr() or leaf.shape != w.shape or leaf.device != w.device:
             leaf = self._head_leaf = w.detach().requires_grad_(w.requires_grad)
@@ -377,6 +432,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     # ----- the step --------------------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.synchronize()  # the last step's updates read the host gradient buffers that this step fills
         if self.on_cuda:  # the last step's uploads read host buffers that this step's gradients overwrite
             self.side.synchronize()
         self.active, self.nonfinite_tensors, self.host_waits = True, 0, 0
@@ -400,11 +456,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             coef = None
             if self.max_grad_norm:  # torch.nn.utils.clip_grad_norm_: one factor for all, at most 1
                 coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            with scope("optimizer"):
-                for index in order:
-                    self._update(index, coef)
-            if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
-                torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+            # Read here, on the calling thread: the scheduler changes the rates right after end_step, and
+            # the rounding draws must not interleave with the caller's sampling.
+            lrs = [self.param_groups[self._group_of[i]]["lr"] for i in order]
+            generator = self._rounding_generator()
+            if self.on_cuda:  # kernels that read the old weights (the backward) are queued on the compute stream
+                self.side.wait_stream(torch.cuda.current_stream(self.params[0].device))
+            if self.update_thread and self._forward_waits:
+                self._hand_over(order, coef, lrs, generator)
+            else:
+                self._update_all(order, coef, lrs, generator, {})
+                self._adopt_rng()
+                if self.on_cuda:  # the next forward (on the compute stream) must see every uploaded weight
+                    torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
         if self._fired:
             self._update_order = list(dict.fromkeys(self._fired))
         self.active = False
@@ -429,24 +493,152 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if coef is not None and float(coef) < 1.0:
             grad.mul_(coef)
 
-    def _update(self, index: int, coef: Optional[torch.Tensor]) -> None:
-        """Clip one host gradient, step its inner optimizer on the host copy, send the new weight up."""
+    def _rounding_generator(self) -> torch.Generator:
+        """The step's stochastic-rounding draws: a copy of torch's global CPU generator as it stands, so the
+        updates draw the numbers they drew from the global generator before (the plain path's: the tests
+        compare bit for bit) on whichever thread they run, never racing the caller's own draws. The global
+        generator takes the copy's final state once every update is done and waited for (`_adopt_rng`):
+        where the plain path's step would have left it, so the caller's later sampling is the plain path's
+        too, and `torch.manual_seed` and a checkpoint's RNG state (saved after `synchronize()`) fix the run."""
+        start = torch.get_rng_state()
+        generator = torch.Generator()
+        generator.set_state(start)
+        self._step_generator = (generator, start)
+        return generator
+
+    def _adopt_rng(self) -> None:
+        """Move the global generator to where the step's updates left their copy (once they are done). If the
+        caller drew from it in the meantime (before a forward or synchronize() waited for the updates), it
+        is left where those draws took it: moving it back would hand out their numbers again."""
+        pending, self._step_generator = self._step_generator, None
+        if pending is None:
+            return
+        generator, start = pending
+        if torch.equal(torch.get_rng_state(), start):
+            torch.set_rng_state(generator.get_state())
+        elif not self._warned_rng:
+            self._warned_rng = True
+            logger.warning("torch's global CPU generator was drawn from while the offloaded optimizer's update "
+                           "was still running (after end_step, before a forward or synchronize()): this run's "
+                           "random numbers now differ from a run without the update thread; call "
+                           "optimizer.synchronize() before such draws to keep them the same")
+
+    def _update_all(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
+                    generator: torch.Generator, ready: dict[int, threading.Event]) -> None:
+        """The step's updates in forward order; `ready[index]` is set once that update's upload is queued."""
+        with scope("optimizer"):
+            for index, lr in zip(order, lrs):
+                self._update(index, coef, lr, generator)
+                if index in ready:
+                    ready[index].set()
+
+    def _update(self, index: int, coef: Optional[torch.Tensor], lr: Optional[float] = None,
+                generator: Optional[torch.Generator] = None) -> None:
+        """Clip one host gradient, step its inner optimizer on the host copy (at `lr`, rounding draws from
+        `generator`), send the new weight up (CUDA: `_uploaded[index]` completes when it is there)."""
         p = self.params[index]
         grad, host = self.host_grad[p], self.host[p]
         self.clip_gradient(grad, coef)
-        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad)  # bf16 grad, fp32 master
+        self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
+        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad, lr)  # bf16 grad, fp32 master
         upload = host
         if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
             upload = grad  # its gradient is used up; the next one arrives after this upload
             upload.copy_(host)
-        if self.on_cuda:
-            # Kernels that read the old weight (the backward) were queued on the compute stream.
-            self.side.wait_stream(torch.cuda.current_stream(p.device))
+        if self.on_cuda:  # (the side stream already waits for the backward: end_step)
             with torch.cuda.stream(self.side):  # the new weight goes back while the host updates the next
                 p.data.copy_(upload, non_blocking=True)
+                uploaded = torch.cuda.Event()
+                uploaded.record(self.side)
+            self._uploaded[index] = uploaded
         else:
             with torch.no_grad():
                 p.copy_(upload)
+
+    # ----- the update thread (module docstring, "Off the autograd thread") ---------------------------
+    def wait_in_forward(self, model: nn.Module, heads=()) -> None:
+        """Make every use of the weights wait for their own updates: a forward pre-hook on each module of
+        `model` that owns parameters directly, and the fused loss heads' weight (`heads`: policy/model.py
+        `Head`, whose weight is read without its module's forward). Until this is called, end_step
+        updates inline. Idempotent per model."""
+        if id(model) in self._waiting_models:
+            return
+        for module in model.modules():
+            indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
+            if indices:
+                module.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait_for(indices))
+        for head in heads:
+            if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
+                output = head.output
+                indices = [self._index_of[p] for p in output.parameters(recurse=False) if p in self._index_of]
+                head.weight_source = lambda output=output, indices=indices: (self._wait_for(indices), output.weight)[1]
+        self._waiting_models.add(id(model))
+        self._forward_waits = True
+
+    def _hand_over(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
+                   generator: torch.Generator) -> None:
+        """Queue the step's updates on the worker thread (started on first use) and return."""
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._work, name="lowmem-grpo-host-update", daemon=True)
+            self._worker.start()
+        ready = {index: threading.Event() for index in order}
+        self._ready.update(ready)
+        self._handed = True
+        self._step_done.clear()
+        self._jobs.put((order, coef, lrs, generator, ready))
+
+    def _work(self) -> None:
+        """The worker's loop: one job per optimizer step. An error is kept for the caller's next wait, and
+        every readiness signal of the job is set so that no wait hangs on an update that will not come."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ready = job[-1]
+            try:
+                self._update_all(*job)
+            except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
+                self._error = error
+            finally:
+                for event in ready.values():
+                    event.set()
+                self._step_done.set()
+
+    def _wait_for(self, indices: list[int]) -> None:
+        """Wait until these parameters' updates are done and (CUDA) make the current stream wait for their
+        uploads; re-raise an error of the worker. Free when nothing is pending."""
+        if not self._ready:
+            self._raise_worker_error()
+            return
+        for index in indices:
+            ready = self._ready.pop(index, None)
+            if ready is None:
+                continue
+            ready.wait()
+            self._raise_worker_error()
+            uploaded = self._uploaded.pop(index, None)
+            if uploaded is not None:
+                torch.cuda.current_stream(self.params[index].device).wait_event(uploaded)
+        if not self._ready:  # every update waited for: the step's draws are all made
+            self._adopt_rng()
+
+    def synchronize(self) -> None:
+        """Wait for every handed-over update (and, on CUDA, make the current stream wait for the uploads);
+        re-raise an error of the worker. Call it before reading the weights other than through a forward
+        (a checkpoint's save, save_pretrained); the optimizer's own state_dict, load_state_dict,
+        begin_step and refresh_host_weights call it."""
+        self._step_done.wait()
+        self._ready, self._uploaded = {}, {}
+        self._adopt_rng()
+        if self._handed and self.on_cuda:
+            torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
+        self._handed = False
+        self._raise_worker_error()
+
+    def _raise_worker_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def step_zero_gradients(self) -> float:
         """One optimizer step in which every gradient is exactly zero, without a backward (every completion
@@ -462,12 +654,18 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
         as ordinary memory). Deleting the optimizer is not enough: the hooks on the weights keep it alive."""
+        self.synchronize()
+        if self._worker is not None and self._worker.is_alive():  # the worker thread ends too
+            self._jobs.put(None)
+            self._worker.join()
+        self._worker = None
         for arena in (self.arena, self.head_arena):
             if arena is not None:
                 arena.release()
 
     def refresh_host_weights(self) -> None:
         """Copy the device weights into the host copies (at start and after weights are loaded)."""
+        self.synchronize()
         with torch.no_grad():
             for p, h in self.host.items():
                 h.copy_(p.detach())
@@ -480,12 +678,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         super()._count_live([g for g in grads if g.data_ptr() not in self._host_grad_ptrs])
 
     def state_dict(self) -> dict:
+        self.synchronize()
         state = super().state_dict()
         if self.master_fp32:  # the device weights are the master rounded: resume needs the master itself
             state["master"] = [self.host[p] for p in self.params]
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        self.synchronize()
         super().load_state_dict(state)
         self.refresh_host_weights()  # the weights were loaded into the model just before (trainer._resume)
         if self.master_fp32:

@@ -251,11 +251,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 grad.mul_(cap / (norm + 1e-6))
             self._step_inner(index, grad)
 
-    def _step_inner(self, index: int, grad: torch.Tensor) -> None:
-        """Step parameter `index`'s inner optimizer on `grad` (already clipped) at the current learning rate."""
+    def _step_inner(self, index: int, grad: torch.Tensor, lr: Optional[float] = None) -> None:
+        """Step parameter `index`'s inner optimizer on `grad` (already clipped) at `lr`, default the current
+        learning rate (offload.py's update thread passes the one read when its step was handed over)."""
         p = self.params[index]
         inner = self.inner[p]
-        inner.param_groups[0]["lr"] = self.param_groups[self._group_of[index]]["lr"]
+        inner.param_groups[0]["lr"] = self.param_groups[self._group_of[index]]["lr"] if lr is None else lr
         # A later gradient of p may be accumulating (a hook firing twice in one backward, as with
         # reentrant checkpointing): keep it for its own hook.
         target = self._updated(p)

@@ -103,6 +103,7 @@ def sr_adamw8bit_class(paged: bool = False):
                         self.optimizer_name, g32, p32, s1(a, b), b1, config["eps"], step, config["lr"], s2(a, b), b2,
                         b3, config.get("alpha", 0.0), config["weight_decay"], 1.0, None,
                         max_unorm=0.0, skip_zeros=config["skip_zeros"])
-                flat_p[a:b].copy_(stochastic_round_to_bf16(p32))
+                # the offloaded optimizer's per-step generator (offload.py), else the global RNG
+                flat_p[a:b].copy_(stochastic_round_to_bf16(p32, getattr(self, "rounding_generator", None)))
 
     return AdamW8bitSR
