@@ -245,6 +245,7 @@ class Trainer:
         unfinished generation batch and RNG state. `alone`: a rank saves by itself, without collectives
         (the error path, when the other ranks may be gone); the checkpoint then has no generation batch,
         so a resumed run starts a new one on every rank."""
+        self.step_mode.synchronize()  # the weights, states and RNG state of the last step, all landed
         mine = {"rng": ckpt.rng_state(),
                 "generation": ckpt.plain(self.generation.state_dict()) if self.generation and not alone else None}
         if alone:  # the other ranks' entries stay None: on resume they start new batches with their own RNG
@@ -459,6 +460,7 @@ class Trainer:
                         self._on_main(evaluation_during, self.evaluate, self.policy, log, self.step)
                     if out.save_steps and self.step % out.save_steps == 0:
                         self.save()
+                self.step_mode.synchronize()  # the caller gets the trained weights (offload: updated on a thread)
                 if self.step > self.last_saved_step:
                     logger.info(f"saved {self.save()}")
         except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
