@@ -256,7 +256,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
             ref["reference buffers"] = 2 * arch.layer_params() * wb + chunk * H * ab + lp_activations + lp_head
         phases["reference log-probs"] = ref
     phases["forward"], phases["backward"] = forward, backward
-    if not t.optimizer_in_backward:
+    if not (t.optimizer_in_backward or offload):  # (those update tensor by tensor, or on the host)
         phases["optimizer"] = {**base, "gradients": grads_all}
         phases["optimizer"]["optimizer states"] += optimizer_step_bytes(cfg, arch, device)
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
@@ -362,7 +362,7 @@ def _reference_on_cpu(c: Config):
 
 
 def _optimizer_in_backward(c: Config):
-    if c.train.optimizer_in_backward:
+    if c.train.optimizer_in_backward or c.optim.offload_optimizer:  # (offloaded: no full gradient on the device)
         return None
     micro = batch_plan(c).micro_batches_per_generation  # the same generation batch, one step per micro-batch
     return {("train", "optimizer_in_backward"): True, ("train", "gradient_accumulation_steps"): 1,
@@ -404,7 +404,7 @@ def _half_micro_batch(c: Config):
     edits = {("train", "per_device_train_batch_size"): t.per_device_train_batch_size // 2}
     if t.generation_batch_size is None:
         edits[("train", "steps_per_generation")] = micro
-    if not t.optimizer_in_backward:  # (with it, each micro-batch is its own step)
+    if not t.optimizer_in_backward or c.optim.offload_optimizer:  # (on-device in backward: a micro-batch is a step)
         edits[("train", "gradient_accumulation_steps")] = t.gradient_accumulation_steps * 2
     return edits
 

@@ -46,11 +46,11 @@ for 3B. So the weight dtype: the plain path's arithmetic, at no host RAM beyond 
 The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
 updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
 
-    optimizer      host copy             gradient buffer   states          host RAM   CPU update, 2-core CPU
+    optimizer      host copy             gradient buffer   states          host RAM   host step, 2-core CPU
     adamw          fp32 master (4)       bf16 or fp32      fp32 (8)        14 / 16    torch's fused AdamW:
-                                                                                      6.2 ns/parameter (fp32)
-    adamw_8bit     bf16 + stochastic     bf16 (2)          8-bit (~2)       6         bitsandbytes' CPU 8-bit
-                   rounding (2)                                                       path + rounding: 16-20
+                                                                                      2.2 ns/parameter (bf16)
+    adamw_8bit     bf16 + stochastic     bf16 (2)          8-bit (~2)       6         host_adamw.py's fused
+                   rounding (2)                                                       kernel: 1.0-1.1 ns
 
 With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets it rounded to
 nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With

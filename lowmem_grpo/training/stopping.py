@@ -97,7 +97,7 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                      f"per_device_train_batch_size={_halve(t.per_device_train_batch_size)} with "
                      f"gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (the same optimizer step)")],
         "optimizer": [(o.optimizer == "adamw", "optimizer=adamw_8bit (2 bytes of state per parameter instead of 8)"),
-                      (not t.optimizer_in_backward, "optimizer_in_backward=true with gradient_accumulation_steps=1 "
+                      (not (t.optimizer_in_backward or o.offload_optimizer), "optimizer_in_backward=true with gradient_accumulation_steps=1 "
                                                     "(no full-model gradient)"),
                       (m.precision != "bf16_sr", "precision=bf16_sr (bf16 weights and gradients)")],
     }

@@ -198,6 +198,11 @@ def test_offloaded_accumulation_keeps_the_gradients_on_the_host():
     assert four["phase_categories"]["forward"].get("gradients", 0) == 0  # plain: every gradient, from micro-batch 2
     assert plain["phase_categories"]["forward"]["gradients"] == 2 * arch.params
     assert four["host_categories"]["gradient buffer"] == one["host_categories"]["gradient buffer"] + staging_bytes()
+    # no optimizer phase holding every gradient on the device: the update runs on the host, whether or not
+    # optimizer_in_backward is also set (it is implied)
+    assert "optimizer" not in four["phases"] and "optimizer" not in one["phases"]
+    in_backward = plan(load_config(None, common + ["gradient_accumulation_steps=1", "optimizer_in_backward=true"]), arch)
+    assert one["phase_categories"] == in_backward["phase_categories"]
 
 
 def test_offload_splits_the_tied_embedding_gradients_at_the_lookup(monkeypatch):
