@@ -224,6 +224,12 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
     class HostAdamW8bit(base):
         """8-bit AdamW; CPU tensors with 8-bit states take host_adamw's fused kernel."""
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if library() is not None:  # bitsandbytes' two maps (fill_qmap): their tables exist before any step,
+                for signed in (True, False):  # built once per process, not inside a profiled or timed step
+                    _lut(bnb.functional.create_dynamic_map(signed=signed))
+
         @torch.no_grad()
         def update_step(self, group, p, gindex, pindex):
             scale = float(group.get("grad_scale", 1.0))
