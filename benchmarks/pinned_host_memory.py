@@ -12,7 +12,8 @@ of the architecture on the device, and, with beta > 0, the streamed reference's 
 (`reference.pinned_copies`; on a CPU its blocks are laid out the same and not registered). Reports:
 
     planned        plan()'s pinned host categories for the recipe on this architecture
-    pinned         the blocks' bytes (HostArena.nbytes)
+    pinned         the blocks' bytes (HostArena.nbytes), and with gradient_accumulation_steps > 1 the
+                   staging ring (one pinned power-of-two allocation, `staging_ring()`)
     rss_growth     this process's resident memory across building them: the pages the blocks take
     caching_alloc  growth of torch.cuda.host_memory_stats()'s allocated_bytes.current while building
                    them: 0 when nothing came from the caching host allocator (CUDA only)
@@ -111,15 +112,18 @@ def measure(args) -> dict:
     _optimizer_class(cfg.optim.optimizer, cfg.model.precision == "bf16_sr")  # imported before RSS is read
     rss, cached = process_ram() or 0, _cached_bytes(device)
     opt = build_optimizer(model, cfg.optim, stochastic_rounding=cfg.model.precision == "bf16_sr", in_backward=True)
+    opt.split_tied_head(model)  # as the trainer does: a tied head's gradient has its own block
     blocks = [opt.arena] + ([opt.head_arena] if opt.head_arena is not None else [])
+    staging = opt.staging_ring() if cfg.train.gradient_accumulation_steps > 1 else None  # made in micro-batch 2
     buffers = ([h for p, h in opt.host.items() if h.dtype == p.dtype] + list(opt.host_grad.values())
                + [opt._host_norm_slots] + ([opt.head_host] if opt.head_host is not None else []))
     rows["offloaded optimizer"] = {
         "planned": sum(planned["host_categories"][c] for c in planned["host_pinned"] if c != "reference model"),
-        "pinned": sum(b.nbytes for b in blocks), "registered": all(b.pinned for b in blocks),
+        "pinned": sum(b.nbytes for b in blocks) + (0 if staging is None else staging.nbytes),
+        "registered": all(b.pinned for b in blocks) and (staging is None or staging.is_pinned()),
         "rss_growth": (process_ram() or 0) - rss, "caching_alloc": _cached_bytes(device) - cached,
         "per_tensor": _per_tensor(buffers, device)}
-    del opt, blocks, buffers
+    del opt, blocks, buffers, staging
     gc.collect()
     if cfg.train.beta > 0 and cfg.train.reference_compute != "cpu":
         reference = AutoModelForCausalLM.from_config(hf_conf, dtype=dtype)  # on the CPU, as the trainer's

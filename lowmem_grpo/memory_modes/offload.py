@@ -386,12 +386,18 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
     def _wait_first_copy(self, index: int) -> None:
         self._wait_event(self._first_copies.pop(index, None))
 
-    def _stage_and_add(self, grad: torch.Tensor, host_grad: torch.Tensor, extra: Optional[torch.Tensor]) -> None:
-        """host_grad += grad (+ extra, summed first), chunk by chunk through the staging ring: at most
-        STAGING_SLOTS chunks on their way; a chunk is added in once its copy has landed."""
+    def staging_ring(self) -> torch.Tensor:
+        """The (STAGING_SLOTS, STAGING_CHUNK_BYTES) byte ring later micro-batches' gradients arrive in, made
+        on first use (a run with gradient_accumulation_steps > 1 makes it in its second micro-batch)."""
         if self._staging is None:
             # one pinned allocation of a power of two (64 MiB): torch's host allocator rounds nothing off it
             self._staging = torch.empty(STAGING_SLOTS, STAGING_CHUNK_BYTES, dtype=torch.uint8, pin_memory=self.on_cuda)
+        return self._staging
+
+    def _stage_and_add(self, grad: torch.Tensor, host_grad: torch.Tensor, extra: Optional[torch.Tensor]) -> None:
+        """host_grad += grad (+ extra, summed first), chunk by chunk through the staging ring: at most
+        STAGING_SLOTS chunks on their way; a chunk is added in once its copy has landed."""
+        staging = self.staging_ring()
         source, target = grad.reshape(-1), host_grad.view(-1)
         extra = None if extra is None else extra.view(-1)
         chunk = STAGING_CHUNK_BYTES // grad.element_size()
@@ -399,7 +405,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             end = min(start + chunk, source.numel())
             if len(self._staged) == STAGING_SLOTS:
                 self._land_oldest_chunk()
-            buffer = self._staging[self._staged_total % STAGING_SLOTS].view(grad.dtype)[:end - start]
+            buffer = staging[self._staged_total % STAGING_SLOTS].view(grad.dtype)[:end - start]
             self._staged_total += 1
             ready = self._copy_to_host(source[start:end], buffer)
             self._staged.append((buffer, ready, target[start:end], None if extra is None else extra[start:end]))

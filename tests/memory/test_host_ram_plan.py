@@ -27,10 +27,11 @@ def _model(config: dict, dtype: torch.dtype):
 @pytest.mark.parametrize("config", [TINY, UNTIED], ids=["tied", "untied"])
 @pytest.mark.parametrize("precision,optimizer", [("bf16_sr", "adamw_8bit"), ("bf16_sr", "adamw"),
                                                  ("fp32", "adamw_8bit"), ("fp32", "adamw")])
-def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer):
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer, accumulation):
     pytest.importorskip("bitsandbytes")
-    cfg = load_config(None, MINIMAL + [f"precision={precision}", f"optimizer={optimizer}", "optimizer_in_backward=true",
-                                       "offload_optimizer=true", "beta=0"])
+    cfg = load_config(None, MINIMAL + [f"precision={precision}", f"optimizer={optimizer}", "offload_optimizer=true",
+                                       f"gradient_accumulation_steps={accumulation}", "beta=0"])
     model = _model(config, torch.bfloat16 if precision == "bf16_sr" else torch.float32)
     opt = build_optimizer(model, cfg.optim, stochastic_rounding=precision == "bf16_sr", in_backward=True)
     opt.split_tied_head(model)  # the trainer's call
@@ -38,6 +39,8 @@ def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer):
     assert (opt.head_arena is not None) == config["tie_word_embeddings"]
     pinned = sum(b.nbytes for b in blocks)  # what a GPU run page-locks (here: plain memory, the same layout)
     assert all(b.nbytes % PAGE == 0 for b in blocks)
+    if accumulation > 1:  # micro-batches after the first send their gradients through the staging ring
+        pinned += opt.staging_ring().nbytes
 
     planned = plan(cfg, Arch.from_config(config))  # device cuda: what the plan is for
     host = planned["host_categories"]
