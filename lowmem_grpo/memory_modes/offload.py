@@ -71,7 +71,10 @@ is the first one done, the output head's the last, so the forward overlaps the r
 load_state_dict(), refresh_host_weights(), begin_step() and step_zero_gradients() wait for all; code that
 reads the weights otherwise (a checkpoint's save, save_pretrained) calls `synchronize()` first. Until
 `wait_in_forward` is called nothing would wait, so end_step updates inline (as with update_thread=False).
-The trainer does not call it yet (training/step_modes.py, OffloadStep, says why): its steps update inline.
+The trainer calls it (training/step_modes.py, OffloadStep); the memory profiler turns the thread off
+while it profiles (memory/profile.py: its tracker sees one thread). In the trainer a rollout's first
+weight read comes before the updates are done and waits; tests/training/test_offload_training.py delays
+every update on the worker and gets the plain run bit for bit.
 An error on the worker is kept and raised on the caller's thread at its next wait (a forward, synchronize,
 begin_step), once; the worker goes on with the next step. The learning rates are read in end_step (the
 scheduler changes them right after). The stochastic-rounding draws (sr_adamw.py, host_adamw.py) come from a
