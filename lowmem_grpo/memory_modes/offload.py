@@ -28,7 +28,8 @@ power-of-two allocation already); the start-up check (`check_host_ram`) counts t
 before any is allocated.
 
 Clipping is TRL's: the global norm over every gradient of the step, coef = max_grad_norm / (norm +
-1e-6) clamped to 1, every gradient multiplied by it; a non-finite global norm skips the whole step
+1e-6) clamped to 1, every gradient multiplied by it (by host_adamw.py's kernel, as it reads the gradient:
+no pass of its own); a non-finite global norm skips the whole step
 (weights and states untouched), as the plain path does. (The on-device optimizer in backward has no
 whole gradient to take a norm of, so it keeps its per-tensor rule: optimizer_in_backward.py.) Per-tensor
 norms are computed on the host in fp32 chunks (`fp32_norm_tensor`) and rounded to the gradient dtype, the
@@ -497,11 +498,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self.nonfinite_tensors = int(sum(not math.isfinite(float(n)) for n in norms))
         return torch.linalg.vector_norm(torch.stack(norms))
 
-    def clip_gradient(self, grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
-        """Multiply a host gradient by the clip factor, in place, as clip_grad_norm_ does (a factor of 1 is
-        left out: exact either way)."""
-        if coef is not None and float(coef) < 1.0:
-            grad.mul_(coef)
+    def clip_gradient(self, index: int, coef: Optional[torch.Tensor]) -> None:
+        """Apply the clip factor to parameter `index`'s host gradient, as clip_grad_norm_ does (a factor of 1
+        is left out: exact either way). An inner optimizer that takes a gradient scale (host_adamw.py's
+        kernel) multiplies in fp32 inside its update, which saves a pass over the gradient; any other
+        gets the gradient multiplied in place."""
+        if coef is None or float(coef) >= 1.0:
+            return
+        p = self.params[index]
+        inner = self.inner[p]
+        if getattr(inner, "takes_grad_scale", False):
+            inner.param_groups[0]["grad_scale"] = float(coef)
+        else:
+            self.host_grad[p].mul_(coef)
 
     def _rounding_generator(self) -> torch.Generator:
         """The step's stochastic-rounding draws: a copy of torch's global CPU generator as it stands, so the
@@ -548,7 +557,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         `generator`), send the new weight up (CUDA: `_uploaded[index]` completes when it is there)."""
         p = self.params[index]
         grad, host = self.host_grad[p], self.host[p]
-        self.clip_gradient(grad, coef)
+        self.clip_gradient(index, coef)
         self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
         self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad, lr)  # bf16 grad, fp32 master
         upload = host
