@@ -114,6 +114,7 @@ import logging
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -122,7 +123,7 @@ from torch import nn
 
 from ..phases import mark_gradient, scope
 from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
-from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor
+from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         w, leaf = self.tied, self._head_leaf
         if leaf is None or leaf.data_ptr() != w.data_ptr() or leaf.shape != w.shape or leaf.device != w.device:
             leaf = self._head_leaf = w.detach().requires_grad_(w.requires_grad)
-            leaf.register_post_accumulate_grad_hook(self._head_hook)
+            leaf.register_post_accumulate_grad_hook(weakly(self._head_hook))
         return leaf
 
     def _head_hook(self, leaf: torch.Tensor) -> None:
@@ -322,16 +323,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._head_ready = None
 
     # ----- gradients to the host -------------------------------------------------------------------
-    def _hook(self, index: int):
-        def hook(p: torch.Tensor) -> None:
-            if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
-                return
-            self._count_live([q.grad for q in self.params if q.grad is not None])
-            mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
-            grad, p.grad = p.grad, None  # the device lets go of it once it is on its way
-            with scope("optimizer"):
-                self._receive(index, grad)
-        return hook
+    def _on_gradient(self, index: int, p: torch.Tensor) -> None:
+        if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
+            return
+        self._count_live([q.grad for q in self.params if q.grad is not None])
+        mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
+        grad, p.grad = p.grad, None  # the device lets go of it once it is on its way
+        with scope("optimizer"):
+            self._receive(index, grad)
 
     def _receive(self, index: int, grad: torch.Tensor) -> None:
         """Send a finished gradient to parameter `index`'s host buffer: copied there if it is the step's
@@ -585,12 +584,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         for module in model.modules():
             indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
             if indices:
-                module.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait_for(indices))
+                module.register_forward_pre_hook(lambda _module, _args, wait=weakly(self._wait_for), indices=indices:
+                                                 wait(indices))
         for head in heads:
             if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
                 output = head.output
                 indices = [self._index_of[p] for p in output.parameters(recurse=False) if p in self._index_of]
-                head.weight_source = lambda output=output, indices=indices: (self._wait_for(indices), output.weight)[1]
+                head.weight_source = lambda output=output, wait=weakly(self._wait_for), indices=indices: (
+                    wait(indices), output.weight)[1]
         self._waiting_models.add(id(model))
         self._forward_waits = True
 
@@ -598,30 +599,30 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
                    generator: torch.Generator) -> None:
         """Queue the step's updates on the worker thread (started on first use) and return."""
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="lowmem-grpo-host-update", daemon=True)
+            # The thread holds the optimizer only through a weak reference, so an optimizer nobody uses any
+            # more (a notebook's finished trainer) is collected with its host RAM and pinned blocks; its
+            # finalizer then ends the thread.
+            self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._jobs),
+                                            name="lowmem-grpo-host-update", daemon=True)
             self._worker.start()
+            weakref.finalize(self, self._jobs.put, None)
         ready = {index: threading.Event() for index in order}
         self._ready.update(ready)
         self._handed = True
         self._step_done.clear()
         self._jobs.put((order, coef, lrs, generator, ready))
 
-    def _work(self) -> None:
-        """The worker's loop: one job per optimizer step. An error is kept for the caller's next wait, and
+    def _run_job(self, job: tuple) -> None:
+        """One optimizer step's updates on the worker. An error is kept for the caller's next wait, and
         every readiness signal of the job is set so that no wait hangs on an update that will not come."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            ready = job[-1]
-            try:
-                self._update_all(*job)
-            except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
-                self._error = error
-            finally:
-                for event in ready.values():
-                    event.set()
-                self._step_done.set()
+        try:
+            self._update_all(*job)
+        except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
+            self._error = error
+        finally:
+            for event in job[-1].values():
+                event.set()
+            self._step_done.set()
 
     def _wait_for(self, indices: list[int]) -> None:
         """Wait until these parameters' updates are done and (CUDA) make the current stream wait for their
@@ -672,7 +673,8 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
-        as ordinary memory). Deleting the optimizer is not enough: the hooks on the weights keep it alive."""
+        as ordinary memory), while the model and the optimizer live on. (An optimizer nobody refers to any
+        more is collected with its blocks: the hooks on the weights and the update thread hold it weakly.)"""
         self.synchronize()
         if self._worker is not None and self._worker.is_alive():  # the worker thread ends too
             self._jobs.put(None)
@@ -715,3 +717,15 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             with torch.no_grad():
                 for p, m in zip(self.params, state["master"]):
                     self.host[p].copy_(m)
+
+
+def _work(optimizer_ref: "weakref.ref[OffloadedOptimizerInBackward]", jobs: queue.SimpleQueue) -> None:
+    """The update thread's loop: one job per optimizer step, until None (release_host_memory, or the
+    optimizer's finalizer) or the optimizer is gone."""
+    while True:
+        job = jobs.get()
+        optimizer = optimizer_ref() if job is not None else None
+        if optimizer is None:
+            return
+        optimizer._run_job(job)
+        del optimizer  # no strong reference while waiting for the next job
