@@ -426,15 +426,27 @@ def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) ->
     batch = trainer.generation.batch.state_dict().values() if trainer.generation is not None else ()
     weights = list(trainer.policy.parameters()) + list(trainer.policy.buffers())
     times, widths = [], (0, 0)
-    with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot,
-                       device=trainer.device) as prof:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            gb, _, _ = trainer.run_step()
-            if trainer.device.type == "cuda":
-                torch.cuda.synchronize(trainer.device)
-            times.append(time.perf_counter() - t0)
-            widths = (max(widths[0], gb.batch.prompt_ids.shape[1]), max(widths[1], gb.batch.completion_ids.shape[1]))
+    # The offloaded optimizer's host update runs on a worker thread (memory_modes/offload.py), where the
+    # host tracker (a dispatch mode: per thread) would not see the states it makes: updated inline here,
+    # the same bytes at the same point of the step.
+    update_thread = getattr(trainer.optimizer, "update_thread", None)
+    if update_thread:
+        trainer.optimizer.synchronize()
+        trainer.optimizer.update_thread = False
+    try:
+        with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot,
+                           device=trainer.device) as prof:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                gb, _, _ = trainer.run_step()
+                if trainer.device.type == "cuda":
+                    torch.cuda.synchronize(trainer.device)
+                times.append(time.perf_counter() - t0)
+                widths = (max(widths[0], gb.batch.prompt_ids.shape[1]),
+                          max(widths[1], gb.batch.completion_ids.shape[1]))
+    finally:
+        if update_thread:
+            trainer.optimizer.update_thread = True
     return prof, times, widths
 
 

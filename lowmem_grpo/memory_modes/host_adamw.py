@@ -38,8 +38,9 @@ desktop CPUs), else scalar loops; all three give the same bits (the tests run ea
 (no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
 bitsandbytes) after one logged warning that says why and how to fix it.
 
-Only this class reads `grad_scale`: torch.optim.AdamW ignores a param-group key of that name (the `adamw`
-path of the offloaded optimizer must still clip the gradient itself).
+Only this class reads `grad_scale` (its `takes_grad_scale` says so; offload.py's `clip_gradient` sets the key
+for it): torch.optim.AdamW ignores a param-group key of that name, so there the offloaded optimizer clips
+the gradient itself.
 """
 
 from __future__ import annotations
@@ -223,6 +224,8 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
 
     class HostAdamW8bit(base):
         """8-bit AdamW; CPU tensors with 8-bit states take host_adamw's fused kernel."""
+
+        takes_grad_scale = True  # offload.py hands it the clip factor instead of clipping the gradient
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)

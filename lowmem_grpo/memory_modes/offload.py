@@ -28,7 +28,8 @@ power-of-two allocation already); the start-up check (`check_host_ram`) counts t
 before any is allocated.
 
 Clipping is TRL's: the global norm over every gradient of the step, coef = max_grad_norm / (norm +
-1e-6) clamped to 1, every gradient multiplied by it; a non-finite global norm skips the whole step
+1e-6) clamped to 1, every gradient multiplied by it (by host_adamw.py's kernel, as it reads the gradient:
+no pass of its own); a non-finite global norm skips the whole step
 (weights and states untouched), as the plain path does. (The on-device optimizer in backward has no
 whole gradient to take a norm of, so it keeps its per-tensor rule: optimizer_in_backward.py.) Per-tensor
 norms are computed on the host in fp32 chunks (`fp32_norm_tensor`) and rounded to the gradient dtype, the
@@ -71,7 +72,10 @@ is the first one done, the output head's the last, so the forward overlaps the r
 load_state_dict(), refresh_host_weights(), begin_step() and step_zero_gradients() wait for all; code that
 reads the weights otherwise (a checkpoint's save, save_pretrained) calls `synchronize()` first. Until
 `wait_in_forward` is called nothing would wait, so end_step updates inline (as with update_thread=False).
-The trainer does not call it yet (training/step_modes.py, OffloadStep, says why): its steps update inline.
+The trainer calls it (training/step_modes.py, OffloadStep); the memory profiler turns the thread off
+while it profiles (memory/profile.py: its tracker sees one thread). In the trainer a rollout's first
+weight read comes before the updates are done and waits; tests/training/test_offload_training.py delays
+every update on the worker and gets the plain run bit for bit.
 An error on the worker is kept and raised on the caller's thread at its next wait (a forward, synchronize,
 begin_step), once; the worker goes on with the next step. The learning rates are read in end_step (the
 scheduler changes them right after). The stochastic-rounding draws (sr_adamw.py, host_adamw.py) come from a
@@ -110,6 +114,7 @@ import logging
 import math
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -118,7 +123,7 @@ from torch import nn
 
 from ..phases import mark_gradient, scope
 from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
-from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor
+from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +295,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         w, leaf = self.tied, self._head_leaf
         if leaf is None or leaf.data_ptr() != w.data_ptr() or leaf.shape != w.shape or leaf.device != w.device:
             leaf = self._head_leaf = w.detach().requires_grad_(w.requires_grad)
-            leaf.register_post_accumulate_grad_hook(self._head_hook)
+            leaf.register_post_accumulate_grad_hook(weakly(self._head_hook))
         return leaf
 
     def _head_hook(self, leaf: torch.Tensor) -> None:
@@ -318,16 +323,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self._head_ready = None
 
     # ----- gradients to the host -------------------------------------------------------------------
-    def _hook(self, index: int):
-        def hook(p: torch.Tensor) -> None:
-            if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
-                return
-            self._count_live([q.grad for q in self.params if q.grad is not None])
-            mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
-            grad, p.grad = p.grad, None  # the device lets go of it once it is on its way
-            with scope("optimizer"):
-                self._receive(index, grad)
-        return hook
+    def _on_gradient(self, index: int, p: torch.Tensor) -> None:
+        if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
+            return
+        self._count_live([q.grad for q in self.params if q.grad is not None])
+        mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
+        grad, p.grad = p.grad, None  # the device lets go of it once it is on its way
+        with scope("optimizer"):
+            self._receive(index, grad)
 
     def _receive(self, index: int, grad: torch.Tensor) -> None:
         """Send a finished gradient to parameter `index`'s host buffer: copied there if it is the step's
@@ -494,11 +497,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         self.nonfinite_tensors = int(sum(not math.isfinite(float(n)) for n in norms))
         return torch.linalg.vector_norm(torch.stack(norms))
 
-    def clip_gradient(self, grad: torch.Tensor, coef: Optional[torch.Tensor]) -> None:
-        """Multiply a host gradient by the clip factor, in place, as clip_grad_norm_ does (a factor of 1 is
-        left out: exact either way)."""
-        if coef is not None and float(coef) < 1.0:
-            grad.mul_(coef)
+    def clip_gradient(self, index: int, coef: Optional[torch.Tensor]) -> None:
+        """Apply the clip factor to parameter `index`'s host gradient, as clip_grad_norm_ does (a factor of 1
+        is left out: exact either way). An inner optimizer that takes a gradient scale (host_adamw.py's
+        kernel) multiplies in fp32 inside its update, which saves a pass over the gradient; any other
+        gets the gradient multiplied in place."""
+        if coef is None or float(coef) >= 1.0:
+            return
+        p = self.params[index]
+        inner = self.inner[p]
+        if getattr(inner, "takes_grad_scale", False):
+            inner.param_groups[0]["grad_scale"] = float(coef)
+        else:
+            self.host_grad[p].mul_(coef)
 
     def _rounding_generator(self) -> torch.Generator:
         """The step's stochastic-rounding draws: a copy of torch's global CPU generator as it stands, so the
@@ -545,7 +556,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         `generator`), send the new weight up (CUDA: `_uploaded[index]` completes when it is there)."""
         p = self.params[index]
         grad, host = self.host_grad[p], self.host[p]
-        self.clip_gradient(grad, coef)
+        self.clip_gradient(index, coef)
         self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
         self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad, lr)  # bf16 grad, fp32 master
         upload = host
@@ -573,12 +584,14 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         for module in model.modules():
             indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
             if indices:
-                module.register_forward_pre_hook(lambda _module, _args, indices=indices: self._wait_for(indices))
+                module.register_forward_pre_hook(lambda _module, _args, wait=weakly(self._wait_for), indices=indices:
+                                                 wait(indices))
         for head in heads:
             if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
                 output = head.output
                 indices = [self._index_of[p] for p in output.parameters(recurse=False) if p in self._index_of]
-                head.weight_source = lambda output=output, indices=indices: (self._wait_for(indices), output.weight)[1]
+                head.weight_source = lambda output=output, wait=weakly(self._wait_for), indices=indices: (
+                    wait(indices), output.weight)[1]
         self._waiting_models.add(id(model))
         self._forward_waits = True
 
@@ -586,30 +599,30 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
                    generator: torch.Generator) -> None:
         """Queue the step's updates on the worker thread (started on first use) and return."""
         if self._worker is None or not self._worker.is_alive():
-            self._worker = threading.Thread(target=self._work, name="lowmem-grpo-host-update", daemon=True)
+            # The thread holds the optimizer only through a weak reference, so an optimizer nobody uses any
+            # more (a notebook's finished trainer) is collected with its host RAM and pinned blocks; its
+            # finalizer then ends the thread.
+            self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._jobs),
+                                            name="lowmem-grpo-host-update", daemon=True)
             self._worker.start()
+            weakref.finalize(self, self._jobs.put, None)
         ready = {index: threading.Event() for index in order}
         self._ready.update(ready)
         self._handed = True
         self._step_done.clear()
         self._jobs.put((order, coef, lrs, generator, ready))
 
-    def _work(self) -> None:
-        """The worker's loop: one job per optimizer step. An error is kept for the caller's next wait, and
+    def _run_job(self, job: tuple) -> None:
+        """One optimizer step's updates on the worker. An error is kept for the caller's next wait, and
         every readiness signal of the job is set so that no wait hangs on an update that will not come."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            ready = job[-1]
-            try:
-                self._update_all(*job)
-            except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
-                self._error = error
-            finally:
-                for event in ready.values():
-                    event.set()
-                self._step_done.set()
+        try:
+            self._update_all(*job)
+        except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
+            self._error = error
+        finally:
+            for event in job[-1].values():
+                event.set()
+            self._step_done.set()
 
     def _wait_for(self, indices: list[int]) -> None:
         """Wait until these parameters' updates are done and (CUDA) make the current stream wait for their
@@ -660,7 +673,8 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
-        as ordinary memory). Deleting the optimizer is not enough: the hooks on the weights keep it alive."""
+        as ordinary memory), while the model and the optimizer live on. (An optimizer nobody refers to any
+        more is collected with its blocks: the hooks on the weights and the update thread hold it weakly.)"""
         self.synchronize()
         if self._worker is not None and self._worker.is_alive():  # the worker thread ends too
             self._jobs.put(None)
@@ -703,3 +717,15 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             with torch.no_grad():
                 for p, m in zip(self.params, state["master"]):
                     self.host[p].copy_(m)
+
+
+def _work(optimizer_ref: "weakref.ref[OffloadedOptimizerInBackward]", jobs: queue.SimpleQueue) -> None:
+    """The update thread's loop: one job per optimizer step, until None (release_host_memory, or the
+    optimizer's finalizer) or the optimizer is gone."""
+    while True:
+        job = jobs.get()
+        optimizer = optimizer_ref() if job is not None else None
+        if optimizer is None:
+            return
+        optimizer._run_job(job)
+        del optimizer  # no strong reference while waiting for the next job

@@ -45,8 +45,10 @@ On the CPU a norm is on the host as soon as it is computed: nothing is held back
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import sys
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -75,6 +77,21 @@ def fp32_norm_tensor(t: torch.Tensor) -> torch.Tensor:
 def fp32_norm(t: torch.Tensor) -> float:
     """`fp32_norm_tensor` read on the host (a device sync on CUDA)."""
     return float(fp32_norm_tensor(t))
+
+
+def weakly(method: Callable) -> Callable:
+    """`method` (bound) for a hook that a weight or module keeps: it holds the optimizer only weakly and does
+    nothing once the optimizer is gone. A parameter's hooks live as long as the parameter, and a strong
+    reference from them would keep an optimizer nobody uses (with its host RAM and pinned blocks: offload.py)
+    alive as long as the model, or for ever: torch's garbage collector does not see through them."""
+    if not hasattr(method, "__self__"):  # a plain function (e.g. a test's replacement): nothing to hold weakly
+        return method
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
 
 
 def _step_bnb_without_sync(opt: torch.optim.Optimizer) -> None:
@@ -134,7 +151,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self.inner[p] = make_inner([{"params": [self._updated(p)], **options}])
                 self.caps[p] = None if not max_grad_norm else max_grad_norm * math.sqrt(p.numel() / total)
                 # By index, not by dict: load_state_dict replaces the group dicts the scheduler writes to.
-                p.register_post_accumulate_grad_hook(self._hook(len(self._group_of)))
+                p.register_post_accumulate_grad_hook(functools.partial(weakly(self._on_gradient), len(self._group_of)))
                 self._group_of.append(group_index)
         # bitsandbytes optimizers whose step() would sync the device for nothing (paged ones need it)
         self._bnb_unpaged = {p: _syncs_itself(inner) and not inner.is_paged for p, inner in self.inner.items()}
@@ -152,21 +169,20 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.max_live_grads = 0  # most parameters holding a gradient at once during the last backward
         self.max_live_grad_bytes = 0  # and the most gradient bytes alive at once (memory accounting checks it)
 
-    def _hook(self, index: int):
-        def hook(p: torch.Tensor) -> None:
-            if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
-                return
-            # Pending gradients were taken off their parameters but are alive all the same.
-            live = [q.grad for q in self.params if q.grad is not None] + [f.grad for f in self._pending]
-            self._count_live(live)
-            mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
-            grad, p.grad = p.grad, None  # the point of this optimizer: the parameter lets go of it here
-            self._fired.append(index)
-            with scope("optimizer"):
-                self._pending.append(self._finished(index, grad))
-                self._pending_bytes += self._pending[-1].nbytes
-                self._apply_finished(wait=False)
-        return hook
+    def _on_gradient(self, index: int, p: torch.Tensor) -> None:
+        """Parameter `index`'s post-accumulate-grad hook (held weakly by the parameter: `weakly`)."""
+        if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
+            return
+        # Pending gradients were taken off their parameters but are alive all the same.
+        live = [q.grad for q in self.params if q.grad is not None] + [f.grad for f in self._pending]
+        self._count_live(live)
+        mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise
+        grad, p.grad = p.grad, None  # the point of this optimizer: the parameter lets go of it here
+        self._fired.append(index)
+        with scope("optimizer"):
+            self._pending.append(self._finished(index, grad))
+            self._pending_bytes += self._pending[-1].nbytes
+            self._apply_finished(wait=False)
 
     def _updated(self, p: torch.Tensor) -> torch.Tensor:
         """The tensor the inner optimizer updates for parameter p: p itself (offload.py: a host copy)."""

@@ -131,10 +131,7 @@ class OffloadStep(StepMode):
     def __init__(self, optimizer: OffloadedOptimizerInBackward, model: torch.nn.Module, heads: list):
         self.optimizer = optimizer
         optimizer.split_tied_head(model, heads)  # a tied embedding's two (V, H) gradients never meet on the device
-        # Not yet: `optimizer.wait_in_forward(model, heads)`, which moves the host update onto a worker thread
-        # (memory_modes/offload.py, "Off the autograd thread"). One trainer run in a loaded test session
-        # differed from the plain run with it on and has not been explained; until it is, the trainer
-        # updates inline (the worker's own tests stand: tests/memory_modes/test_offload_update_thread.py).
+        optimizer.wait_in_forward(model, heads)  # the host update runs on the worker thread
 
     def begin(self) -> None:
         self.optimizer.begin_step()

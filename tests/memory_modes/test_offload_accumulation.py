@@ -139,3 +139,33 @@ def test_the_staging_ring_is_all_accumulation_costs():
     _head_loss(model, 1).backward()
     assert opt._staging.numel() == staging_bytes()
     opt.end_step()
+
+
+def test_the_clip_factor_goes_to_the_host_kernel_not_through_the_gradient(monkeypatch):
+    # With host_adamw's kernel the clip costs no pass of its own: the factor is the kernel's grad_scale and
+    # the host gradient buffers are read, never rewritten. (Without the kernel the gradient is multiplied in
+    # place: test_accumulated_steps_equal_the_plain_path.)
+    from lowmem_grpo.memory_modes import host_adamw
+    pytest.importorskip("bitsandbytes")
+    if host_adamw.library() is None:
+        pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
+    scales, real = [], host_adamw.adamw8bit_step
+    monkeypatch.setattr(host_adamw, "adamw8bit_step", lambda *a, **k: scales.append(k["grad_scale"]) or real(*a, **k))
+    cls = host_adamw.host_adamw8bit_class(stochastic_rounding=True)
+    model = _model(torch.bfloat16)
+    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}],
+                                       lambda groups: cls(groups, lr=1e-2, min_8bit_size=256), CLIP)
+    assert split_head(opt, model)
+    opt.begin_step()
+    for i in range(MICRO_BATCHES):
+        (_head_loss(model, i) / MICRO_BATCHES).backward()
+        opt.end_backward()
+    summed = {p: opt.host_grad[p].clone() for p in opt.params}
+    norm = opt.end_step()
+    opt.synchronize()
+    coef = CLIP / (norm + 1e-6)  # (computed in the bf16 gradients' dtype, as clip_grad_norm_ does: 1% apart)
+    assert norm > CLIP and scales and all(s == pytest.approx(coef, rel=1e-2) for s in scales)
+    kernel = [p for p in opt.params if opt.inner[p].state[opt.host[p]]["state1"].dtype == torch.uint8]
+    assert kernel and all(torch.equal(opt.host_grad[p], summed[p]) for p in kernel)  # (small tensors: fp32 states,
+    # bitsandbytes' path, which clips the gradient in place)
+    assert all(g["grad_scale"] == 1.0 for inner in opt.inner.values() for g in inner.param_groups)

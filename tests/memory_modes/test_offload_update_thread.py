@@ -269,3 +269,23 @@ def test_cuda_worker_thread_equals_inline_and_the_forward_waits_for_the_uploads(
         assert torch.equal(a, b)
     for k, w in runs[False][1].items():
         assert torch.equal(w, runs[True][1][k]), k
+
+
+@pytest.mark.parametrize("kind", ["adamw", "build_adamw_8bit"])
+def test_an_optimizer_nobody_holds_is_collected_and_its_thread_ends(kind):
+    # A notebook builds a second trainer after the first: the first one's offloaded optimizer (host RAM
+    # for the states and copies, pinned blocks on CUDA) must go with it. The worker thread holds it only
+    # weakly; the optimizer's finalizer ends the thread.
+    if kind != "adamw":
+        pytest.importorskip("bitsandbytes")
+    import gc
+    import weakref
+    model, opt = _setup(kind, tied=True, update_thread=True)
+    _optimizer_step(model, opt, 0)
+    worker, gone = opt._worker, weakref.ref(opt)
+    assert worker is not None and worker.is_alive()
+    del model, opt
+    gc.collect()
+    assert gone() is None, "the offloaded optimizer outlived every reference to it"
+    worker.join(timeout=10)
+    assert not worker.is_alive()

@@ -2,6 +2,10 @@
 as the optimizer in backward on the device (one micro-batch per step, no clipping difference), an exact
 resume, and the settings it refuses."""
 
+import random
+import threading
+import time
+
 import pytest
 import torch
 
@@ -79,6 +83,35 @@ def test_offloaded_run_equals_the_plain_run(toy_config, tmp_path, monkeypatch, p
         runs[offload] = _params(trainer)
     assert bool(fused_calls) == host_kernel
     _assert_runs_agree(runs[False], runs[True], start, precision, host_kernel)
+
+
+@needs_bitsandbytes
+@pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
+def test_a_slow_update_thread_changes_nothing(toy_config, tmp_path, monkeypatch, precision):
+    # The host update runs on the worker thread while the next rollout's forward starts (offload.py, "Off
+    # the autograd thread"). Each update delayed at random on the worker: a read of any weight that did
+    # not wait for its update (a module without the pre-hook, the fused head's weight, a rollout path that
+    # bypasses the module) would see the old weight, and the run would differ from the plain one.
+    _host_kernel(monkeypatch, False)  # bitsandbytes' path: the plain run's code, so bit for bit
+    real_update, workers = OffloadedOptimizerInBackward._update, set()
+    rng = random.Random(0)
+
+    def slow_update(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            workers.add(threading.current_thread().name)
+            time.sleep(0.01 + rng.random() * 0.04)
+        return real_update(self, *args, **kwargs)
+
+    monkeypatch.setattr(OffloadedOptimizerInBackward, "_update", slow_update)
+    runs = {}
+    for offload in (False, True):
+        trainer = Trainer(toy_config(*COMMON, f"precision={precision}", f"offload_optimizer={offload}",
+                                     f"optimizer_in_backward={offload}", output_dir=tmp_path / str(offload)))
+        trainer.train()
+        runs[offload] = _params(trainer)
+    assert workers == {"lowmem-grpo-host-update"}  # the trainer's updates ran on the worker thread
+    for k in runs[False]:
+        assert torch.equal(runs[False][k], runs[True][k]), k
 
 
 @needs_bitsandbytes
