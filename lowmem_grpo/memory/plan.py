@@ -208,6 +208,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         recompute = casts + (costs.saved + costs.backward_peak) * T  # one layer recomputed, then its backward
         fwd_layers, fwd_head = kept + costs.forward_peak * T, kept + norm
         bwd_head, bwd_first, bwd_last = kept + norm, kept + recompute, layer_io + recompute
+        if m.offload_activations:  # the next layer's input, prefetched during this layer's backward
+            bwd_first += layer_io
     else:
         saved = layers * costs.saved * T
         fwd_layers, fwd_head = saved + (costs.forward_peak - costs.saved) * T, saved + norm

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lowmem_grpo.memory_modes import activation_offload
-from lowmem_grpo.memory_modes.activation_offload import offload_activations, side_stream
+from lowmem_grpo.memory_modes.activation_offload import _Offloaded, offload_activations, side_stream
 from lowmem_grpo.policy.model import enable_checkpointing
 
 
@@ -36,6 +36,48 @@ def test_offloaded_layer_inputs_give_identical_gradients_cpu():
         torch.testing.assert_close(moved[k], plain[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_prefetch_brings_each_tensor_back_before_backward_asks_for_it(prefetch):
+    # Backward unpacks in the reverse order of the forward: with prefetch, unpacking one issues the copy
+    # back of the one packed before it, so every tensor but the first unpacked is already on its way.
+    # The same gradients either way.
+    hooks = offload_activations(min_bytes=1, copy_on_cpu=True, prefetch=prefetch)
+    plain = _grads("cpu", torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    moved = _grads("cpu", hooks)
+    packed = hooks.prefetched + hooks.fetched_on_demand
+    assert packed >= 3 and all(r is None for r in hooks._packed)  # every one came back, none is left behind
+    if prefetch:
+        assert hooks.fetched_on_demand <= 2 and hooks.prefetched >= packed - 2
+    else:
+        assert hooks.prefetched == 0
+    for k in plain:
+        torch.testing.assert_close(moved[k], plain[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_prefetch_is_one_tensor_ahead():
+    # The device holds at most one offloaded tensor more than without prefetch: after each unpack, at most
+    # one tensor has been fetched and not yet handed to autograd.
+    class Watched(offload_activations):
+        def __init__(self):
+            self.fetched, self.unpacked, self.most_ahead = set(), set(), 0
+            super().__init__(min_bytes=1, copy_on_cpu=True)
+
+        def _fetch(self, record):
+            self.fetched.add(id(record))
+            super()._fetch(record)
+
+        def _unpack(self, packed):
+            out = super()._unpack(packed)
+            if isinstance(packed, _Offloaded):
+                self.unpacked.add(id(packed))
+                self.most_ahead = max(self.most_ahead, len(self.fetched - self.unpacked))
+            return out
+
+    hooks = Watched()
+    _grads("cpu", hooks)
+    assert hooks.prefetched >= 2 and hooks.most_ahead == 1
+
+
 def test_nothing_moves_on_cpu_by_default():
     hooks = offload_activations(min_bytes=1)
     _grads("cpu", hooks)
@@ -48,7 +90,7 @@ def test_async_offload_on_cuda_gives_identical_gradients():
     hooks = offload_activations(min_bytes=1)
     plain = _grads("cuda", torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
     moved = _grads("cuda", hooks)
-    assert hooks.offloaded_bytes > 0
+    assert hooks.offloaded_bytes > 0 and hooks.prefetched >= 2  # copies back issued ahead, on the side stream
     for k in plain:
         torch.testing.assert_close(moved[k], plain[k], rtol=0, atol=0, msg=k)
 
