@@ -1,7 +1,8 @@
 """Device-memory accounting of a GRPO step from a model config and the run's settings (no weights).
 
 The phases are the trainer's (and the profiler's): rollout, old log-probs, reference log-probs,
-forward, backward, optimizer. Each phase's peak is the sum of what is alive at its worst moment:
+forward, backward, optimizer; and evaluation (greedy generation of eval.eval_batch_size held-out
+prompts at once, between steps), wherever the run has held-out prompts. Each phase's peak is the sum of what is alive at its worst moment:
 
     weights             P x bytes(weight dtype)                       (tied embedding counted once)
     optimizer states    bitsandbytes 8-bit AdamW: 2 B/element + 2 fp32 absmax per 256-block for tensors
@@ -21,7 +22,8 @@ forward, backward, optimizer. Each phase's peak is the sum of what is alive at i
     loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
                         completion hidden states in the compute dtype; backward adds the fp32 [n, H]
                         gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
-    KV cache            generation micro-batch x (prompt + completion) x layers x measured bytes/token,
+    KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
+                        measured bytes/token,
                         + the prefill's transient or the last position's logits through sampling, +
                         autocast's weight copies (all of generation's working memory, as profiled)
     reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
@@ -236,12 +238,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     forward, backward = {**base, **forward}, {**base, **backward}
     backward["optimizer states"] += in_backward_step  # each tensor's update runs as its gradient is ready
 
-    kv = gen_b * seq * layers * costs.kv_cache
-    prefill = gen_b * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
-    gen_logits = GENERATION_LOGIT_BUFFERS * 4 * gen_b * arch.vocab
-    # Generation's memory, all under "KV cache" as the profiler counts it: the cache, the prefill's
-    # transient or the sampling logits, and autocast's bf16 weight copies (cached in no-grad passes too).
-    phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits) + layers * casts}}
+    def generation(rows: int) -> int:
+        """Generation's memory for `rows` rows at once, all under "KV cache" as the profiler counts it: the
+        cache, the prefill's transient or the sampling logits, and autocast's bf16 weight copies (cached in
+        no-grad passes too)."""
+        kv = rows * seq * layers * costs.kv_cache
+        prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
+        logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
+        return kv + max(prefill, logits) + layers * casts
+
+    phases = {"rollout": {**base, "KV cache": generation(gen_b)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
     lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp,
                                                    costs.norm_saved * T_lp)
@@ -259,6 +265,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     if not (t.optimizer_in_backward or offload):  # (those update tensor by tensor, or on the host)
         phases["optimizer"] = {**base, "gradients": grads_all}
         phases["optimizer"]["optimizer states"] += optimizer_step_bytes(cfg, arch, device)
+    rows = evaluation_rows(cfg)
+    if rows:  # between steps: the gradients are gone (zero_grad(set_to_none)), weights and states stay
+        phases["evaluation"] = {**base, "KV cache": generation(rows)}
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
@@ -268,6 +277,20 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
+
+
+def evaluation_rows(cfg: Config) -> int:
+    """Rows one greedy generate() call of evaluation decodes at once (training/evaluate.py), 0 when the run
+    has no held-out prompts (neither `train`'s evaluations nor `lowmem-grpo eval` can run then).
+
+    eval.eval_batch_size rows, fewer when there are fewer prompts to evaluate (eval_max_samples, or
+    eval_holdout when the held-out prompts are taken from the training file; an eval_file's length is
+    not read: its prompts count as many)."""
+    d, e = cfg.data, cfg.eval
+    if not (d.eval_file or d.eval_holdout):
+        return 0
+    limits = [e.eval_batch_size] + [n for n in (e.eval_max_samples, None if d.eval_file else d.eval_holdout) if n]
+    return min(limits)
 
 
 def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
@@ -321,7 +344,7 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
 def format_plan(result: dict) -> str:
     """Categories (rows) at each phase's predicted peak (columns), GiB."""
     phases = list(result["phases"])
-    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp"}
+    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp", "evaluation": "eval"}
     cats = []
     for cat in (c for p in phases for c in result["phase_categories"][p]):
         if cat not in cats:
@@ -354,9 +377,19 @@ def margin_bytes(peak: int) -> int:
 
 
 # Changes the planner may suggest, cheapest first (cost to training quality/speed, not bytes):
-# memory-only switches, then switches that cost time, then ones that change the algorithm's batch.
+# evaluation's own batch (costs evaluation time only), memory-only switches, then switches that cost
+# time, then ones that change the algorithm's batch.
 # Each reads the config it is applied to (so they compose) and returns the changes as
 # {(section, key): value}, or None where it does not apply.
+def _smaller_eval_batch(c: Config):
+    """Evaluation decodes eval_batch_size held-out prompts at once (TRL: per_device_eval_batch_size): down to
+    the rollout's generation micro-batch, then by halves (to 8)."""
+    rows, gen_b = evaluation_rows(c), min(c.generation.generation_micro_batch_size, batch_plan(c).generation_batch_size)
+    if rows > gen_b:
+        return {("eval", "eval_batch_size"): gen_b}
+    return {("eval", "eval_batch_size"): rows // 2} if rows > 8 else None
+
+
 def _reference_on_cpu(c: Config):
     return {("train", "reference_compute"): "cpu"} if c.train.beta > 0 and c.train.reference_compute == "auto" else None
 
@@ -414,7 +447,7 @@ def _shorter_completions(c: Config):
     return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
 
 
-SUGGESTIONS = (_reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
+SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
                _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
 
 
@@ -449,18 +482,24 @@ def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
         return {"change": change, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget,
                 "host_bytes": result["host_bytes"]}
 
-    out = []
+    def lowers_a_phase_over(before: dict, after: dict) -> bool:
+        """Whether `after` lowers a phase of `before` that does not fit (not, e.g., a smaller evaluation
+        batch where evaluation already fits)."""
+        return any(after["phases"].get(p, 0) < v for p, v in before["phases"].items() if v + margin_bytes(v) > budget)
+
+    out, current = [], plan(cfg, arch)
     for option in SUGGESTIONS:
         edits = option(cfg)
         result = predicted(_apply(cfg, edits)) if edits else None
-        if result is not None:
+        if result is not None and lowers_a_phase_over(current, result):
             out.append(entry(_describe(edits), result))
     combined, steps = cfg, []
     for option in SUGGESTIONS:  # apply cheapest-first until it fits
         edits = option(combined)
         result = predicted(_apply(combined, edits)) if edits else None
-        if result is None:
+        if result is None or not lowers_a_phase_over(current, result):
             continue
+        current = result
         combined = _apply(combined, edits)
         steps.append(_describe(edits))
         if entry("", result)["fits"]:

@@ -241,3 +241,44 @@ def test_plan_suggests_the_offload_and_checks_host_ram(capsys):
     assert "(fits, host RAM" in line
     assert run(None, "Qwen2.5-1.5B", "8GiB", args + ["offload_optimizer=true"], False, host_memory="4GiB") == 1
     assert "error: the run keeps" in capsys.readouterr().out
+
+
+def _eval_config(*overrides):
+    # generation batch of 8 completions (per_device_train_batch_size 8, one step per batch): 8 rows at once
+    return load_config(None, MINIMAL + ["generation_micro_batch_size=16", "max_completion_length=256",
+                                        *overrides])
+
+
+def test_evaluation_is_a_phase_where_there_are_held_out_prompts():
+    # evaluation (training/evaluate.py) decodes eval_batch_size held-out prompts per greedy generate call,
+    # between steps: the weights and states stay, no gradient exists; its rows cost what rollout rows cost
+    from lowmem_grpo.memory.plan import evaluation_rows
+    arch = Arch.from_config(preset("SmolLM2-135M"))
+    assert "evaluation" not in plan(_eval_config(), arch)["phases"]  # no held-out prompts: no evaluation
+    assert evaluation_rows(_eval_config()) == 0
+    assert evaluation_rows(_eval_config("eval_file=x.jsonl")) == 64  # the default eval_batch_size
+    assert evaluation_rows(_eval_config("eval_file=x.jsonl", "eval_max_samples=20")) == 20
+    assert evaluation_rows(_eval_config("eval_holdout=10")) == 10  # only 10 prompts to evaluate
+    same = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=8"), arch)["phase_categories"]
+    assert same["evaluation"] == same["rollout"]  # as many rows as the rollout's generation micro-batch
+    wide = plan(_eval_config("eval_file=x.jsonl"), arch)["phase_categories"]["evaluation"]
+    assert wide["weights"] == same["evaluation"]["weights"] and "gradients" not in wide
+    kv16 = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=16"), arch)["phase_categories"]["evaluation"]["KV cache"]
+    kv8, kv64 = same["evaluation"]["KV cache"], wide["KV cache"]
+    # per row: the cache and the logits (or the prefill); once: autocast's weight copies
+    assert kv64 - kv8 == pytest.approx(7 * (kv16 - kv8), abs=8) and kv16 > kv8
+
+
+def test_3b_recipe_plans_its_evaluation_and_plan_names_the_eval_batch_as_the_fix():
+    from pathlib import Path
+    # (the 3B one-layer probe: 3.2 s on this 2-core CPU, shared with the slow budget test's)
+    from lowmem_grpo.memory.plan import margin_bytes, suggestions
+    recipe = Path(__file__).parents[2] / "recipes" / "qwen2.5-3b_gsm8k_8gb.yaml"
+    arch, budget = Arch.from_config(preset("Qwen2.5-3B")), int(7.5 * 2**30)
+    shipped = plan(load_config(recipe), arch)
+    assert "evaluation" in shipped["phases"] and shipped["peak_bytes"] + margin_bytes(shipped["peak_bytes"]) <= budget
+    wide_cfg = load_config(recipe, ["eval_batch_size=64"])  # the default: 64 generation rows of 640 tokens
+    wide = plan(wide_cfg, arch)
+    assert wide["peak_phase"] == "evaluation" and wide["peak_bytes"] + margin_bytes(wide["peak_bytes"]) > budget
+    first = suggestions(wide_cfg, arch, budget)[0]
+    assert first["change"] == "eval_batch_size=16" and first["fits"]  # the cheapest: evaluation time only
