@@ -467,12 +467,12 @@ def _describe(edits: dict) -> str:
     return text
 
 
-def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
+def suggestions(cfg: Config, arch: Arch, budget: int, autocast: Optional[bool] = None) -> list[dict]:
     """Single changes and a cumulative combination (cheapest first) with their predicted totals (and the
-    host RAM each needs)."""
+    host RAM each needs). `autocast` as for plan()."""
     def predicted(c: Config) -> Optional[dict]:
         try:
-            return plan(c, arch)
+            return plan(c, arch, autocast=autocast)
         except ConfigError:  # a change this config cannot take
             return None
 
@@ -487,7 +487,7 @@ def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
         batch where evaluation already fits)."""
         return any(after["phases"].get(p, 0) < v for p, v in before["phases"].items() if v + margin_bytes(v) > budget)
 
-    out, current = [], plan(cfg, arch)
+    out, current = [], plan(cfg, arch, autocast=autocast)
     for option in SUGGESTIONS:
         edits = option(cfg)
         result = predicted(_apply(cfg, edits)) if edits else None
