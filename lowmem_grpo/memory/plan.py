@@ -19,6 +19,8 @@ prompts at once, between steps), wherever the run has held-out prompts. Each pha
                         checkpointing keeps one layer input per layer and recomputes one layer at a
                         time. Plus autocast's bf16 copies of fp32 weights: all of them while the
                         forward runs (autocast caches them until it exits), one layer's in recompute.
+                        Plus the attention mask of padded or packed rows, (rows, 1, L, L), all step,
+                        and sdpa's additive copy of it in each attention call (decoder_positions).
     loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
                         completion hidden states in the compute dtype; backward adds the fp32 [n, H]
                         gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
@@ -137,12 +139,20 @@ def optimizer_step_bytes(cfg: Config, arch: Arch, device: str, one_tensor: bool 
     return 5 * 4 * (min(largest, 2**20) if cfg.model.precision == "bf16_sr" else largest)
 
 
-def decoder_positions(cfg: Config, arch: Arch, micro_batch: int) -> tuple[int, int]:
-    """(decoder positions, packing mask bytes) of one micro-batch of completions at full lengths.
+def decoder_positions(cfg: Config, arch: Arch, micro_batch: int, query_bytes: int = 2) -> tuple[int, int, int]:
+    """(decoder positions, attention mask bytes held, bytes made per attention call) of one micro-batch of
+    completions at full lengths.
 
     Packed (train.pack_prompts, policy/packing.py): the worst-case layout over where the micro-batch
     falls in its groups, only where the trainer would pack it (always with pack_prompts=true; where it
-    does less work when unset). The sdpa mask is bool, (rows, 1, L, L); eager's is additive (4 bytes).
+    does less work when unset). Unpacked: B rows of P + C positions, whose padding (left of the
+    prompts, right of the completions that end early) transformers turns into a (B, 1, L, L) mask;
+    only a batch without any padding gets none, and the planner does not count on that.
+    Either mask is bool for sdpa (1 byte per element) and additive for eager (the weight dtype's bytes),
+    made once per decoder forward and held until its backward is over (checkpointing keeps it as a layer
+    input). sdpa turns a bool mask into an additive copy in the query dtype (`query_bytes`) in every
+    attention call (measured on the CPU: aten.where; CUDA's memory-efficient kernel does the same), which
+    that layer's backward keeps: "per call". flex_attention's BlockMask is small.
     The probe's per-position costs are used as they are: attention scores that grow with L^2 are not
     in them (sdpa's CUDA kernels do not materialise them).
     """
@@ -151,9 +161,11 @@ def decoder_positions(cfg: Config, arch: Arch, micro_batch: int) -> tuple[int, i
     counts = planned_token_counts(micro_batch, g.num_generations, g.max_prompt_length, g.max_completion_length)
     packs = t.pack_prompts is not False and impl in MASKED_IMPLEMENTATIONS and (
         t.pack_prompts or packing_pays(counts, arch.layer_params(), arch.heads * arch.head_dim, impl))
-    if not packs:
-        return counts.unpacked, 0
-    return counts.packed, counts.mask_bytes(4 if impl == "eager" else 1 if impl == "sdpa" else 0)
+    positions, elements = ((counts.packed, counts.mask_bytes()) if packs else
+                           (counts.unpacked, counts.rows * counts.length ** 2))
+    weight_bytes = 2 if cfg.model.precision == "bf16_sr" else 4
+    held = elements * {"sdpa": 1, "eager": weight_bytes}.get(impl, 0)
+    return positions, held, elements * query_bytes if impl == "sdpa" else 0
 
 
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda") -> dict:
@@ -172,8 +184,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     H, layers = arch.hidden, arch.layers
     b, seq = t.per_device_train_batch_size, g.max_prompt_length + g.max_completion_length
     mb_lp = t.logprob_micro_batch_size or b
-    T, mask = decoder_positions(cfg, arch, b)  # shared-prompt packing runs fewer positions, plus its mask
-    T_lp, mask_lp = decoder_positions(cfg, arch, mb_lp)
+    # positions (shared-prompt packing runs fewer), the attention mask held, sdpa's copy made per attention call
+    T, mask, mask_call = decoder_positions(cfg, arch, b, ab)
+    T_lp, mask_lp, mask_call_lp = decoder_positions(cfg, arch, mb_lp, ab)
     n, n_lp = b * g.max_completion_length, mb_lp * g.max_completion_length
     batches = batch_plan(cfg)
     gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
@@ -207,15 +220,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     # peak is at the start (head, then first layer) or at the end (last layer, every gradient made).
     if m.gradient_checkpointing:
         kept = 0 if m.offload_activations else layers * layer_io  # the layer inputs
-        recompute = casts + (costs.saved + costs.backward_peak) * T  # one layer recomputed, then its backward
-        fwd_layers, fwd_head = kept + costs.forward_peak * T, kept + norm
+        # one layer recomputed (with its mask copy), then its backward
+        recompute = casts + (costs.saved + costs.backward_peak) * T + mask_call
+        fwd_layers, fwd_head = kept + costs.forward_peak * T + mask_call, kept + norm
         bwd_head, bwd_first, bwd_last = kept + norm, kept + recompute, layer_io + recompute
-    else:
-        saved = layers * costs.saved * T
+    else:  # every layer keeps what it saved, its mask copy included
+        saved = layers * (costs.saved * T + mask_call)
         fwd_layers, fwd_head = saved + (costs.forward_peak - costs.saved) * T, saved + norm
         bwd_head = saved + norm + layers * casts
         bwd_first = saved + layers * casts + costs.backward_peak * T
-        bwd_last = costs.saved * T + casts + costs.backward_peak * T
+        bwd_last = costs.saved * T + mask_call + casts + costs.backward_peak * T
     fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last = (
         x + mask for x in (fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last))  # the mask lives all step
     total = lambda d: sum(d.values())  # noqa: E731
@@ -249,7 +263,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 
     phases = {"rollout": {**base, "KV cache": generation(gen_b)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
-    lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp,
+    lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp + mask_call_lp,
                                                    costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
     if batches.needs_old_logprobs:

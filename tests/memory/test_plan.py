@@ -282,3 +282,53 @@ def test_3b_recipe_plans_its_evaluation_and_plan_names_the_eval_batch_as_the_fix
     assert wide["peak_phase"] == "evaluation" and wide["peak_bytes"] + margin_bytes(wide["peak_bytes"]) > budget
     first = suggestions(wide_cfg, arch, budget)[0]
     assert first["change"] == "eval_batch_size=16" and first["fits"]  # the cheapest: evaluation time only
+
+
+def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures_them():
+    # Unpacked rows with padding: transformers makes one bool (B, 1, L, L) mask per decoder forward, kept
+    # (as a checkpointed layer input) until backward is over, and sdpa makes an additive copy in the query
+    # dtype in every attention call. A checkpointed forward + backward, tracked on the CPU, with and
+    # without padding (an all-ones mask gets no 4D mask): the difference is those two, to the byte here.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from lowmem_grpo import memory
+    from lowmem_grpo.memory.plan import decoder_positions
+    from lowmem_grpo.policy.model import enable_checkpointing, position_ids_for
+    B, P, C = 4, 16, 240
+    L = P + C
+    config = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1)
+    cfg = load_config(None, MINIMAL + [f"per_device_train_batch_size={B}", "num_generations=4",
+                                       f"max_prompt_length={P}", f"max_completion_length={C}", "pack_prompts=false"])
+    arch = Arch.from_config(config)
+    positions, held, per_call = decoder_positions(cfg, arch, B, query_bytes=4)  # fp32: no autocast on the CPU
+    assert (positions, held, per_call) == (B * L, B * L * L, 4 * B * L * L)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+        ids = torch.randint(0, 64, (B, L))
+    enable_checkpointing(model)
+    model.train()
+
+    def peak(mask):
+        with memory.track(device="cpu") as t:
+            hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask),
+                                 use_cache=False).last_hidden_state
+            hidden.float().pow(2).sum().backward()
+            del hidden
+        model.zero_grad(set_to_none=True)
+        return t.peak_bytes
+
+    full = torch.ones(B, L, dtype=torch.long)
+    padded = full.clone()
+    padded[0, :3] = 0  # a shorter prompt, left-padded
+    padded[1, -50:] = 0  # a completion that ended early
+    measured = peak(padded) - peak(full)
+    assert measured == pytest.approx(held + per_call, rel=0.1), (measured, held, per_call)
+    # and plan() adds them where a layer runs: the mask all step, one copy per layer at work
+    sdpa = plan(cfg, arch, autocast=False, device="cpu")["phase_categories"]
+    flex = plan(load_config(None, MINIMAL + [f"per_device_train_batch_size={B}", "num_generations=4",
+                                             f"max_prompt_length={P}", f"max_completion_length={C}",
+                                             "pack_prompts=false", "attn_implementation=flex_attention"]),
+                arch, autocast=False, device="cpu")["phase_categories"]
+    assert sdpa["backward"]["activations"] - flex["backward"]["activations"] == held + per_call
