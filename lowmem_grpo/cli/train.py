@@ -30,12 +30,14 @@ def train(recipe: str, overrides: list[str]) -> int:
     over ends without finalizing the interpreter (distributed.end_rank).
 
     First, before anything starts CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the
-    user set the allocator's settings (memory/fit.py says why)."""
-    from ..memory.fit import use_expandable_segments
+    user set the allocator's settings; then, before the trainer loads any weight, the planner's peak
+    against what the card has free (memory/fit.py says why and how)."""
+    from ..memory.fit import check_run, use_expandable_segments
     use_expandable_segments()
     from ..training import distributed
     from ..training.trainer import Trainer  # torch/transformers only when needed
     cfg = load_config(recipe, overrides)
+    check_run(cfg)
     try:
         result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
     finally:

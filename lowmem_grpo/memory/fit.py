@@ -1,12 +1,13 @@
 """Whether a run fits the card it is about to run on: read before any weight is loaded.
 
-`lowmem-grpo plan` on a GPU machine and `lowmem-grpo train` on a CUDA device read what the card has
-free (`torch.cuda.mem_get_info`: the driver's count, after the display, other processes and this
+`lowmem-grpo plan` on a GPU machine and `lowmem-grpo train` on a CUDA device (`check_run`, called by
+the command before it builds the trainer) read what the card has free (`torch.cuda.mem_get_info`: the driver's count, after the display, other processes and this
 process's own CUDA context) instead of trusting a number: an "8 GB" card reports ~7.6-7.8 GiB in
 all, less what a desktop's display holds. `train` refuses a run whose predicted peak plus the margin
 (plan.margin_bytes) exceeds it, naming the cheapest change that fits, as `plan` lists them; the
 model's config is all it reads (a config.json, or the recipe's model.config), so the refusal comes
-before the weights are downloaded or loaded. `train.memory_check=false` starts anyway.
+before the weights are downloaded or loaded. `train.memory_check=false` starts anyway. The Python API
+(lowmem_grpo.api, below this package's layer) does not check: `lowmem-grpo plan` first.
 
 The free memory is read after this process's CUDA context exists (reading it makes one), and the
 margin counts a context too (0.5 GiB): the check is conservative by the context already made
@@ -119,6 +120,32 @@ def cheapest_fix(cfg: Config, arch: Arch, budget: int, nproc: int = 1, autocast:
         return "none of the planner's changes is enough: a card with more free memory (close what else uses it)"
     best = fitting[0]
     return f"{best['change']} ({best['total_bytes'] / GiB:.2f} GiB with the margin)"
+
+
+def check_run(cfg: Config) -> Optional[Fit]:
+    """`lowmem-grpo train`'s check, before the trainer loads anything: the device the trainer will pick
+    (train.device; cuda:LOCAL_RANK under torchrun), and this rank's share of the run. None where there is
+    nothing to check (the CPU, no CUDA, train.memory_check=false); ConfigError where it does not fit."""
+    from ..policy.model import bf16_autocast_wanted
+    from ..training.distributed import torchrun_env
+    name = cfg.train.device
+    if not cfg.train.memory_check or name == "cpu" or not torch.cuda.is_available():
+        return None  # (train.device=cuda without CUDA: the trainer says so)
+    env = torchrun_env()
+    if env is not None:
+        rank, size, local_rank = env
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    else:
+        size = 1
+        device = torch.device(name if name not in ("auto", "cuda") else "cuda")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            return None  # the trainer names the devices there are
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))  # torchrun: the ranks of one node
+    autocast = bf16_autocast_wanted(cfg.model.bf16, device)
+    return check_device_memory(cfg, run_architecture(cfg), device, autocast, nproc=size,
+                               nnodes=max(size // max(local, 1), 1))
 
 
 def check_device_memory(cfg: Config, arch: Arch, device: torch.device, autocast: Optional[bool] = None,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import random
 import re
 import sys
@@ -101,9 +100,6 @@ class Trainer:
         self.cfg = cfg
         self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
-        if training:  # before CUDA starts (the CLI's `train` did it first; this is for the Python API)
-            from ..memory.fit import use_expandable_segments
-            use_expandable_segments()
         # Under torchrun (training only): join the process group; this rank's device is LOCAL_RANK's.
         self.world, rank_device = (distributed.start(cfg.train.strategy, cfg.train.device, cfg.train.ddp_timeout)
                                    if training else (distributed.World(), None))
@@ -119,8 +115,6 @@ class Trainer:
         self.reward_funcs = with_timeout(
             load_reward_functions(cfg.rewards.reward_funcs if reward_funcs is None else reward_funcs,
                                   cfg.rewards.reward_weights, base_dir=recipe_dir), cfg.rewards.reward_timeout)
-        if training and self.device.type == "cuda" and t.memory_check:  # before any weight is loaded
-            self._check_device_memory(model)
         self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
@@ -177,13 +171,6 @@ class Trainer:
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
 
     # ----- setup -------------------------------------------------------------------------------
-    def _check_device_memory(self, model=None) -> None:
-        """Refuse a run the card cannot hold, from the model's config alone (memory/fit.py)."""
-        from ..memory.fit import check_device_memory, run_architecture
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world.size))  # torchrun: the ranks of one node
-        check_device_memory(self.cfg, run_architecture(self.cfg, model), self.device, self.autocast,
-                            nproc=self.world.size, nnodes=max(self.world.size // max(local, 1), 1))
-
     def _special_ids(self) -> tuple[list[int], int]:
         m, tok, gen = self.cfg.model, self.tokenizer, self.policy.generation_config
         eos = m.eos_token_id

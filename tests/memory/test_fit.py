@@ -13,7 +13,7 @@ import torch
 
 import lowmem_grpo.training.trainer as trainer_module
 from lowmem_grpo.cli import main
-from lowmem_grpo.config import ConfigError, load_config
+from lowmem_grpo.config import load_config
 from lowmem_grpo.memory.fit import EXPANDABLE_SEGMENTS, use_expandable_segments
 from lowmem_grpo.memory.plan import Arch, margin_bytes, plan
 from tests.training.conftest import TINY_LLAMA, toy_rows, write_jsonl
@@ -69,49 +69,61 @@ class WeightsWouldLoad(Exception):
 
 
 @pytest.fixture
-def tiny_run(tmp_path, monkeypatch):
-    """(overrides -> Config) for a tiny Llama, with the trainer on a fake CUDA device and a tripwire where
-    the weights would load: reaching it means the memory check let the run start."""
+def tiny_recipe(tmp_path, monkeypatch):
+    """(section={key: value, ...} -> recipe path) for a tiny Llama, and a tripwire Trainer (it loads the weights):
+    reaching it means `lowmem-grpo train`'s memory check let the run start."""
     train = write_jsonl(tmp_path / "train.jsonl", toy_rows(16))
-    monkeypatch.setattr(trainer_module, "pick_device", lambda name: torch.device("cuda", 0))
-    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: (_ for _ in ()).throw(WeightsWouldLoad()))
 
-    def make(*overrides):
-        return load_config(None, [f"model.config={json.dumps(TINY_LLAMA)}", "model.tokenizer=none",
-                                  "model.bf16=false", f"data.train_file={train}", "num_generations=4",
-                                  "max_prompt_length=8", "max_completion_length=6", "per_device_train_batch_size=8",
-                                  "reward_funcs=[numeric_answer]", f"output_dir={tmp_path / 'run'}", *overrides])
+    def trainer(*args, **kwargs):
+        raise WeightsWouldLoad()
+    monkeypatch.setattr(trainer_module, "Trainer", trainer)
+
+    def make(name="r.yaml", **sections):
+        recipe = {"model": {"config": TINY_LLAMA, "tokenizer": "none", "bf16": False},
+                  "data": {"train_file": train},
+                  "generation": {"num_generations": 4, "max_prompt_length": 8, "max_completion_length": 6},
+                  "train": {"per_device_train_batch_size": 8}, "rewards": {"reward_funcs": ["numeric_answer"]}}
+        for section, values in sections.items():
+            recipe[section].update(values)
+        path = tmp_path / name
+        path.write_text(json.dumps(recipe))  # JSON is YAML
+        return str(path)
     return make
 
 
-def test_train_refuses_before_loading_weights_a_run_the_card_cannot_hold(tiny_run, monkeypatch):
-    cfg = tiny_run()
-    result = plan(cfg, Arch.from_config(TINY_LLAMA), autocast=False)  # model.bf16=false: as the trainer plans
-    needed = result["peak_bytes"] + margin_bytes(result["peak_bytes"])  # ~0.5 GiB: the margin's context
+def _needed(recipe: str) -> int:
+    result = plan(load_config(recipe), Arch.from_config(TINY_LLAMA), autocast=False)  # model.bf16: false
+    return result["peak_bytes"] + margin_bytes(result["peak_bytes"])  # ~0.5 GiB: the margin's context
+
+
+def test_train_refuses_before_loading_weights_a_run_the_card_cannot_hold(tiny_recipe, monkeypatch, capsys):
+    recipe = tiny_recipe()
+    needed = _needed(recipe)
     fake_card(monkeypatch, free=needed - 1)
-    with pytest.raises(ConfigError) as refused:
-        trainer_module.Trainer(cfg)
-    message = str(refused.value)
+    assert main(["train", recipe]) == 2  # the Trainer (tripwire) is never built
+    message = capsys.readouterr().err.strip()
     assert "\n" not in message and "cuda:0 (Fake RTX 8GB) has" in message and "cheapest fix: " in message
     assert f"needs {needed / GiB:.2f} GiB" in message and "train.memory_check=false" in message
     fake_card(monkeypatch, free=needed)  # exactly enough: on to the weights
     with pytest.raises(WeightsWouldLoad):
-        trainer_module.Trainer(cfg)
+        main(["train", recipe])
     fake_card(monkeypatch, free=0)
     with pytest.raises(WeightsWouldLoad):  # the user's override: start anyway
-        trainer_module.Trainer(tiny_run("memory_check=false"))
+        main(["train", recipe, "memory_check=false"])
+    with pytest.raises(WeightsWouldLoad):  # a CPU run: nothing to check
+        main(["train", recipe, "device=cpu"])
 
 
-def test_the_refusal_names_the_cheapest_change_that_fits(tiny_run, monkeypatch):
+def test_the_refusal_names_the_cheapest_change_that_fits(tiny_recipe, monkeypatch, capsys):
     # 64 held-out prompts decoded at once (the default eval_batch_size) make evaluation the peak; with
     # room for the rollout's 8 rows but not 64, the first fix named is the evaluation batch
-    evalf = write_jsonl(Path(tiny_run().data.train_file).parent / "eval.jsonl", toy_rows(64, seed=1))
-    cfg = tiny_run(f"data.eval_file={evalf}", "max_completion_length=32", "max_prompt_length=32")
-    wide = plan(cfg, Arch.from_config(TINY_LLAMA), autocast=False)
+    evalf = write_jsonl(Path(tiny_recipe()).parent / "eval.jsonl", toy_rows(64, seed=1))
+    recipe = tiny_recipe(data={"eval_file": evalf}, generation={"max_prompt_length": 32, "max_completion_length": 32})
+    wide = plan(load_config(recipe), Arch.from_config(TINY_LLAMA), autocast=False)
     assert wide["peak_phase"] == "evaluation"
-    fake_card(monkeypatch, free=wide["peak_bytes"] + margin_bytes(wide["peak_bytes"]) - 1)
-    with pytest.raises(ConfigError, match=r"cheapest fix: eval_batch_size=8 \("):
-        trainer_module.Trainer(cfg)
+    fake_card(monkeypatch, free=_needed(recipe) - 1)
+    assert main(["train", recipe]) == 2
+    assert "cheapest fix: eval_batch_size=8 (" in capsys.readouterr().err
 
 
 def test_expandable_segments_unless_the_user_chose_the_allocator_settings(monkeypatch):
@@ -165,15 +177,16 @@ def test_plan_reads_the_real_cards_free_memory(capsys, monkeypatch):
 
 
 @pytest.mark.cuda
-def test_train_refuses_on_the_real_card_before_loading_weights(tiny_run, monkeypatch):
-    monkeypatch.setattr(trainer_module, "pick_device", lambda name: torch.device("cuda", torch.cuda.current_device()))
+def test_train_refuses_on_the_real_card_before_loading_weights(tiny_recipe, capsys):
     free, _ = torch.cuda.mem_get_info()
-    # a generation micro-batch whose KV cache alone is more than the card has free
-    rows = 8 * (free // (2 * 2 * 32 * 4 * 64 * 2) + 1)  # keys + values, kv width 32, fp32, 64 positions, 2 layers
-    cfg = tiny_run("max_prompt_length=32", "max_completion_length=32", f"generation_micro_batch_size={rows}",
-                   f"per_device_train_batch_size={rows}")
-    with pytest.raises(ConfigError, match="GiB free; cheapest fix"):
-        trainer_module.Trainer(cfg)
+    # a generation micro-batch whose KV cache alone is more than the card has free: keys + values of
+    # kv width 32 (2 heads x 16), fp32, 64 positions, 2 layers per row
+    rows = 8 * (free // (2 * 32 * 4 * 64 * 2) // 8 + 1)
+    recipe = tiny_recipe(generation={"max_prompt_length": 32, "max_completion_length": 32,
+                                     "generation_micro_batch_size": rows},
+                         train={"per_device_train_batch_size": rows})
+    assert main(["train", recipe]) == 2  # never reached the tripwire Trainer
+    assert "GiB free; cheapest fix" in capsys.readouterr().err
 
 
 @pytest.mark.cuda

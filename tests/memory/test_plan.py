@@ -84,6 +84,10 @@ def test_phase_categories_add_up_and_checkpointing_trades_activations():
 @pytest.mark.parametrize("recipe, arch, budget", [("qwen2.5-0.5b_gsm8k_8gb.yaml", "Qwen2.5-0.5B", 6.5),
                                                    ("qwen2.5-1.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B", 6.5),
                                                    ("qwen2.5-1.5b_gsm8k-1024_8gb.yaml", "Qwen2.5-1.5B", 6.67),
+                                                   # reasoning lengths (issue 24): 4096 tokens in 7.5 GiB
+                                                   # with the margin, 8192 in 8 GiB: (8 - 0.5) / 1.05 = 7.14
+                                                   ("qwen2.5-1.5b_gsm8k-4096_8gb.yaml", "Qwen2.5-1.5B", 6.67),
+                                                   ("qwen2.5-1.5b_gsm8k-8192_8gb.yaml", "Qwen2.5-1.5B", 7.14),
                                                    # 3B must fit 7.5 GiB with the margin too; its one-layer
                                                    # probe takes ~100 s on 2 CPU cores, hence slow
                                                    pytest.param("qwen2.5-3b_gsm8k_8gb.yaml", "Qwen2.5-3B", 6.67,
@@ -93,6 +97,7 @@ def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
     cfg = load_config(Path(__file__).parents[2] / "recipes" / recipe)
     result = plan(cfg, Arch.from_config(preset(arch)))
     assert result["peak_bytes"] / 2**30 <= budget, result
+    assert "evaluation" in result["phases"]  # every 8 GB recipe has held-out prompts: evaluation is planned
 
 
 def _plan_json(capsys, *argv):
