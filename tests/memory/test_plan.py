@@ -104,6 +104,8 @@ def _plan_json(capsys, *argv):
     import json
     from lowmem_grpo.cli import main
     capsys.readouterr()
+    if "--gpu-memory" not in argv:  # on a GPU machine plan's default is the card's free memory
+        argv = (*argv, "--gpu-memory", "8GiB")
     assert main(["plan", *argv, "--json", "--host-memory", "64GiB"]) == 0  # this machine's RAM may be smaller
     return json.loads(capsys.readouterr().out)
 
