@@ -31,6 +31,8 @@ EIGHT_GB = {  # recipe -> (architecture, budget the issue sets for the predicted
     "qwen2.5-0.5b_gsm8k_8gb.yaml": ("Qwen2.5-0.5B", 6.5),
     "qwen2.5-1.5b_gsm8k_8gb.yaml": ("Qwen2.5-1.5B", 6.5),
     "qwen2.5-1.5b_gsm8k-1024_8gb.yaml": ("Qwen2.5-1.5B", 6.5),  # 7.5 GiB with the margin: peak <= 6.67
+    "qwen2.5-1.5b_gsm8k-4096_8gb.yaml": ("Qwen2.5-1.5B", 6.67),  # 7.5 GiB with the margin (issue 24)
+    "qwen2.5-1.5b_gsm8k-8192_8gb.yaml": ("Qwen2.5-1.5B", 7.14),  # 8 GiB with the margin: (8 - 0.5) / 1.05
 }
 
 

@@ -50,10 +50,17 @@ GPU_CONFIGS = {
     "8gb-qwen0.5b-expected-string": ("Qwen2.5-0.5B", "qwen2.5-0.5b_expected-string_8gb.yaml", 128, 64, []),
     "8gb-qwen1.5b-gsm8k": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb.yaml", 256, 512, []),
 }
+# The reasoning-length recipes (issue 24), by name only (--only): a 4096-token rollout takes minutes,
+# more than a GPU session's memory step has.
+#     python benchmarks/plan_accuracy.py --only 8gb-qwen1.5b-gsm8k-4096 --memory-cap-gib 8 --steps 1
+LONG_GPU_CONFIGS = {
+    "8gb-qwen1.5b-gsm8k-4096": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 256, 4096, []),
+    "8gb-qwen1.5b-gsm8k-8192": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-8192_8gb.yaml", 256, 8192, []),
+}
 
 
 def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
-    arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS}[name]
+    arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS, **LONG_GPU_CONFIGS}[name]
     if tiny:  # a rehearsal: every code path at toy sizes (trainer_step.TINY, short sequences)
         prompt_len, completion_len = min(prompt_len, 16), min(completion_len, 8)
     args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
@@ -90,7 +97,8 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="*", choices=list(CONFIGS) + list(GPU_CONFIGS), default=None)
+    ap.add_argument("--only", nargs="*", choices=list(CONFIGS) + list(GPU_CONFIGS) + list(LONG_GPU_CONFIGS),
+                    default=None)
     ap.add_argument("--gpu-recipes", action="store_true", help="the 8 GB recipes at full length (CUDA)")
     ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")
     ap.add_argument("--steps", type=int, default=2)

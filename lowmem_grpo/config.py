@@ -255,6 +255,10 @@ class TrainConfig:
     ddp_timeout: int = _f(1800, "Seconds a collective waits for the other ranks before failing (transformers' "
                                 "name): a rank that died or hangs stops the others instead of hanging them.",
                                 check=POSITIVE)
+    memory_check: bool = _f(True, "On a CUDA device `lowmem-grpo train` refuses, before loading the weights, a "
+                                  "run whose predicted peak + margin (`lowmem-grpo plan`) exceeds what the card "
+                                  "has free (torch.cuda.mem_get_info), naming the cheapest fix. false: start "
+                                  "anyway. (The Python API does not check: run `lowmem-grpo plan` first.)")
     seed: int = _f(42, "Seeds data order, sampling and (for config-built models) initial weights.",
                    check=Interval(0, 2**32 - 1), why="numpy's seed range")
     max_nonfinite_steps: int = _f(3, "Skip a step whose loss or gradient is not finite; this many in a row "

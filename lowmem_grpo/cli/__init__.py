@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("recipe", nargs="?", help="a YAML recipe (optional: the trainer's defaults otherwise)")
     s.add_argument("overrides", nargs="*", help="section.key=value or key=value")
     s.add_argument("--model", help="preset (Qwen2.5-1.5B), hub id (Qwen/Qwen2.5-1.5B-Instruct) or config.json path")
-    s.add_argument("--gpu-memory", default="8GiB", help="the card's memory, e.g. 8GiB (default), 12GB, 24GiB")
+    s.add_argument("--gpu-memory", default=None, help="the card's memory, e.g. 8GiB, 12GB, 24GiB (default: on a GPU "
+                                                       "machine what the card has free now, else 8GiB)")
     s.add_argument("--host-memory", default=None, help="the machine's RAM for the host-side check (default: this "
                                                          "machine's), e.g. 32GiB")
     s.add_argument("--nproc", type=int, default=1, help="ranks under torchrun: predict one rank's peak (default 1)")

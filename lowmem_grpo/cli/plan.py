@@ -1,9 +1,11 @@
-"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) --gpu-memory 8GiB [--host-memory 32GiB] [--nproc N
+"""`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) [--gpu-memory 8GiB] [--host-memory 32GiB] [--nproc N
 [--nnodes M] [--strategy ddp|fsdp]] [key=value ...] [--json]`
 
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
-it fits the card after the documented margin, and if not, which changes make it fit. Also the host
+it fits the card after the documented margin, and if not, which changes make it fit. The card: on a
+machine with a CUDA GPU, what it has free now (torch.cuda.mem_get_info, memory/fit.py), unless
+--gpu-memory names another; without one, --gpu-memory (default 8GiB). Also the host
 RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), the pinned
 part of it (page-locked on a GPU: it cannot swap) apart from the rest, checked against --host-memory
 (default: this machine's RAM); exit status 1 when that does not fit. With
@@ -52,12 +54,34 @@ def architecture(cfg: Config, model: str | None) -> tuple[Arch, str]:
                           f"{', '.join(PRESETS)} (also by hub id, e.g. Qwen/Qwen2.5-1.5B-Instruct)") from None
 
 
-def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[str], as_json: bool,
+def gpu_budget(gpu_memory: str | None) -> tuple[int, str, dict]:
+    """(bytes, where the number comes from, the card's free/total bytes when there is a card)."""
+    card = {}
+    if _cuda_available():
+        import torch
+
+        from ..memory.fit import device_free_bytes
+        device = torch.device("cuda", torch.cuda.current_device())
+        free, total = device_free_bytes(device)
+        card = {"device": f"{device} ({torch.cuda.get_device_name(device)})", "free_bytes": free, "total_bytes": total}
+        if gpu_memory is None:
+            return free, f"free now on {card['device']} of {total / GiB:.2f} GiB, torch.cuda.mem_get_info", card
+    if gpu_memory is None:
+        return 8 * GiB, "the default; no CUDA GPU here", card
+    return parse_bytes(gpu_memory), "--gpu-memory", card
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides: list[str], as_json: bool,
         host_memory: str | None = None, nproc: int = 1, strategy: str | None = None,
         nnodes: int = 1) -> int:
     cfg = load_config(recipe, overrides, check=False)
     arch, source = architecture(cfg, model)
-    budget = parse_bytes(gpu_memory)
+    budget, budget_source, card = gpu_budget(gpu_memory)
     host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc}: give the number of ranks (>= 1)")
@@ -78,7 +102,8 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
     ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget)  # suggestions: one process
     host_fits = result["host_bytes"] <= host_budget
     if as_json:
-        print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget, "nproc": nproc,
+        print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
+                          "gpu_memory_source": budget_source, "card": card or None, "nproc": nproc,
                           "nnodes": nnodes,
                           "strategy": strategy if nproc > 1 else None,
                           "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
@@ -93,7 +118,10 @@ def run(recipe: str | None, model: str | None, gpu_memory: str, overrides: list[
           + (f" on {nnodes} nodes (host RAM: one node's {nproc // nnodes})" if nnodes > 1 else ""))
     print(format_plan(result))
     print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
-          f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB: {'FITS' if fits else 'DOES NOT FIT'}")
+          f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB ({budget_source}): {'FITS' if fits else 'DOES NOT FIT'}")
+    if card and budget_source == "--gpu-memory":
+        print(f"  (this machine's {card['device']} has {card['free_bytes'] / GiB:.2f} of "
+              f"{card['total_bytes'] / GiB:.2f} GiB free now)")
     for s in ideas:
         mark = "fits" if s["fits"] else "still over"
         host = f", host RAM {s['host_bytes'] / GiB:.1f} GiB" if s["host_bytes"] else ""

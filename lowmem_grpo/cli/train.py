@@ -27,10 +27,17 @@ def train(recipe: str, overrides: list[str]) -> int:
 
     Under torchrun (`torchrun --nproc-per-node N -m lowmem_grpo train RECIPE`) every rank runs this;
     the trainer joins the process group, and it is left here, also on an error. A rank whose run is
-    over ends without finalizing the interpreter (distributed.end_rank)."""
+    over ends without finalizing the interpreter (distributed.end_rank).
+
+    First, before anything starts CUDA: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the
+    user set the allocator's settings; then, before the trainer loads any weight, the planner's peak
+    against what the card has free (memory/fit.py says why and how)."""
+    from ..memory.fit import check_run, use_expandable_segments
+    use_expandable_segments()
     from ..training import distributed
     from ..training.trainer import Trainer  # torch/transformers only when needed
     cfg = load_config(recipe, overrides)
+    check_run(cfg)
     try:
         result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()
     finally:

@@ -8,8 +8,8 @@ what a rank holds (training/distributed.py):
            (gradient_as_bucket_view), so they exist in every phase, rollout included.
     fsdp   weights, gradients and optimizer states are 1/N per rank (each tensor's rows split over
            the ranks). On top, what is gathered whole (in bf16 when fp32 weights run under autocast):
-             rollout, log-prob passes   the whole model (gathered once per generation batch, next to
-                                        the shards it was gathered from)
+             rollout, log-prob passes,  the whole model (gathered once per generation batch, or for
+             evaluation                 rank 0's evaluation, next to the shards it was gathered from)
              forward, backward          the root (embeddings, final norm, head: gathered for the
                                         whole loss forward and backward) + two decoder layers (the
                                         one computing and the next, prefetched); in backward also
@@ -54,7 +54,7 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
             cats["optimizer states"] = cats.get("optimizer states", 0) // nproc
             if "gradients" in cats:
                 cats["gradients"] = cats["gradients"] // nproc
-            if phase in ("rollout", "old log-probs", "reference log-probs"):
+            if phase in ("rollout", "old log-probs", "reference log-probs", "evaluation"):
                 cats["weights"] = shards + gathered * arch.params
             elif phase == "optimizer":
                 cats["weights"] = shards

@@ -1,7 +1,8 @@
 """Device-memory accounting of a GRPO step from a model config and the run's settings (no weights).
 
 The phases are the trainer's (and the profiler's): rollout, old log-probs, reference log-probs,
-forward, backward, optimizer. Each phase's peak is the sum of what is alive at its worst moment:
+forward, backward, optimizer; and evaluation (greedy generation of eval.eval_batch_size held-out
+prompts at once, between steps), wherever the run has held-out prompts. Each phase's peak is the sum of what is alive at its worst moment:
 
     weights             P x bytes(weight dtype)                       (tied embedding counted once)
     optimizer states    bitsandbytes 8-bit AdamW: 2 B/element + 2 fp32 absmax per 256-block for tensors
@@ -18,10 +19,13 @@ forward, backward, optimizer. Each phase's peak is the sum of what is alive at i
                         checkpointing keeps one layer input per layer and recomputes one layer at a
                         time. Plus autocast's bf16 copies of fp32 weights: all of them while the
                         forward runs (autocast caches them until it exits), one layer's in recompute.
+                        Plus the attention mask of padded or packed rows, (rows, 1, L, L), all step,
+                        and sdpa's additive copy of it in each attention call (decoder_positions).
     loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
                         completion hidden states in the compute dtype; backward adds the fp32 [n, H]
                         gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
-    KV cache            generation micro-batch x (prompt + completion) x layers x measured bytes/token,
+    KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
+                        measured bytes/token,
                         + the prefill's transient or the last position's logits through sampling, +
                         autocast's weight copies (all of generation's working memory, as profiled)
     reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
@@ -135,12 +139,20 @@ def optimizer_step_bytes(cfg: Config, arch: Arch, device: str, one_tensor: bool 
     return 5 * 4 * (min(largest, 2**20) if cfg.model.precision == "bf16_sr" else largest)
 
 
-def decoder_positions(cfg: Config, arch: Arch, micro_batch: int) -> tuple[int, int]:
-    """(decoder positions, packing mask bytes) of one micro-batch of completions at full lengths.
+def decoder_positions(cfg: Config, arch: Arch, micro_batch: int, query_bytes: int = 2) -> tuple[int, int, int]:
+    """(decoder positions, attention mask bytes held, bytes made per attention call) of one micro-batch of
+    completions at full lengths.
 
     Packed (train.pack_prompts, policy/packing.py): the worst-case layout over where the micro-batch
     falls in its groups, only where the trainer would pack it (always with pack_prompts=true; where it
-    does less work when unset). The sdpa mask is bool, (rows, 1, L, L); eager's is additive (4 bytes).
+    does less work when unset). Unpacked: B rows of P + C positions, whose padding (left of the
+    prompts, right of the completions that end early) transformers turns into a (B, 1, L, L) mask;
+    only a batch without any padding gets none, and the planner does not count on that.
+    Either mask is bool for sdpa (1 byte per element) and additive for eager (the weight dtype's bytes),
+    made once per decoder forward and held until its backward is over (checkpointing keeps it as a layer
+    input). sdpa turns a bool mask into an additive copy in the query dtype (`query_bytes`) in every
+    attention call (measured on the CPU: aten.where; CUDA's memory-efficient kernel does the same), which
+    that layer's backward keeps: "per call". flex_attention's BlockMask is small.
     The probe's per-position costs are used as they are: attention scores that grow with L^2 are not
     in them (sdpa's CUDA kernels do not materialise them).
     """
@@ -149,9 +161,11 @@ def decoder_positions(cfg: Config, arch: Arch, micro_batch: int) -> tuple[int, i
     counts = planned_token_counts(micro_batch, g.num_generations, g.max_prompt_length, g.max_completion_length)
     packs = t.pack_prompts is not False and impl in MASKED_IMPLEMENTATIONS and (
         t.pack_prompts or packing_pays(counts, arch.layer_params(), arch.heads * arch.head_dim, impl))
-    if not packs:
-        return counts.unpacked, 0
-    return counts.packed, counts.mask_bytes(4 if impl == "eager" else 1 if impl == "sdpa" else 0)
+    positions, elements = ((counts.packed, counts.mask_bytes()) if packs else
+                           (counts.unpacked, counts.rows * counts.length ** 2))
+    weight_bytes = 2 if cfg.model.precision == "bf16_sr" else 4
+    held = elements * {"sdpa": 1, "eager": weight_bytes}.get(impl, 0)
+    return positions, held, elements * query_bytes if impl == "sdpa" else 0
 
 
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda") -> dict:
@@ -170,8 +184,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     H, layers = arch.hidden, arch.layers
     b, seq = t.per_device_train_batch_size, g.max_prompt_length + g.max_completion_length
     mb_lp = t.logprob_micro_batch_size or b
-    T, mask = decoder_positions(cfg, arch, b)  # shared-prompt packing runs fewer positions, plus its mask
-    T_lp, mask_lp = decoder_positions(cfg, arch, mb_lp)
+    # positions (shared-prompt packing runs fewer), the attention mask held, sdpa's copy made per attention call
+    T, mask, mask_call = decoder_positions(cfg, arch, b, ab)
+    T_lp, mask_lp, mask_call_lp = decoder_positions(cfg, arch, mb_lp, ab)
     n, n_lp = b * g.max_completion_length, mb_lp * g.max_completion_length
     batches = batch_plan(cfg)
     gen_b = min(g.generation_micro_batch_size, batches.generation_batch_size)
@@ -205,17 +220,18 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     # peak is at the start (head, then first layer) or at the end (last layer, every gradient made).
     if m.gradient_checkpointing:
         kept = 0 if m.offload_activations else layers * layer_io  # the layer inputs
-        recompute = casts + (costs.saved + costs.backward_peak) * T  # one layer recomputed, then its backward
-        fwd_layers, fwd_head = kept + costs.forward_peak * T, kept + norm
+        # one layer recomputed (with its mask copy), then its backward
+        recompute = casts + (costs.saved + costs.backward_peak) * T + mask_call
+        fwd_layers, fwd_head = kept + costs.forward_peak * T + mask_call, kept + norm
         bwd_head, bwd_first, bwd_last = kept + norm, kept + recompute, layer_io + recompute
         if m.offload_activations:  # the next layer's input, prefetched during this layer's backward
             bwd_first += layer_io
-    else:
-        saved = layers * costs.saved * T
+    else:  # every layer keeps what it saved, its mask copy included
+        saved = layers * (costs.saved * T + mask_call)
         fwd_layers, fwd_head = saved + (costs.forward_peak - costs.saved) * T, saved + norm
         bwd_head = saved + norm + layers * casts
         bwd_first = saved + layers * casts + costs.backward_peak * T
-        bwd_last = costs.saved * T + casts + costs.backward_peak * T
+        bwd_last = costs.saved * T + mask_call + casts + costs.backward_peak * T
     fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last = (
         x + mask for x in (fwd_layers, fwd_head, bwd_head, bwd_first, bwd_last))  # the mask lives all step
     total = lambda d: sum(d.values())  # noqa: E731
@@ -238,14 +254,18 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     forward, backward = {**base, **forward}, {**base, **backward}
     backward["optimizer states"] += in_backward_step  # each tensor's update runs as its gradient is ready
 
-    kv = gen_b * seq * layers * costs.kv_cache
-    prefill = gen_b * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
-    gen_logits = GENERATION_LOGIT_BUFFERS * 4 * gen_b * arch.vocab
-    # Generation's memory, all under "KV cache" as the profiler counts it: the cache, the prefill's
-    # transient or the sampling logits, and autocast's bf16 weight copies (cached in no-grad passes too).
-    phases = {"rollout": {**base, "KV cache": kv + max(prefill, gen_logits) + layers * casts}}
+    def generation(rows: int) -> int:
+        """Generation's memory for `rows` rows at once, all under "KV cache" as the profiler counts it: the
+        cache, the prefill's transient or the sampling logits, and autocast's bf16 weight copies (cached in
+        no-grad passes too)."""
+        kv = rows * seq * layers * costs.kv_cache
+        prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
+        logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
+        return kv + max(prefill, logits) + layers * casts
+
+    phases = {"rollout": {**base, "KV cache": generation(gen_b)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
-    lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp,
+    lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp + mask_call_lp,
                                                    costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
     if batches.needs_old_logprobs:
@@ -261,6 +281,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     if not (t.optimizer_in_backward or offload):  # (those update tensor by tensor, or on the host)
         phases["optimizer"] = {**base, "gradients": grads_all}
         phases["optimizer"]["optimizer states"] += optimizer_step_bytes(cfg, arch, device)
+    rows = evaluation_rows(cfg)
+    if rows:  # between steps: the gradients are gone (zero_grad(set_to_none)), weights and states stay
+        phases["evaluation"] = {**base, "KV cache": generation(rows)}
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
@@ -270,6 +293,20 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
+
+
+def evaluation_rows(cfg: Config) -> int:
+    """Rows one greedy generate() call of evaluation decodes at once (training/evaluate.py), 0 when the run
+    has no held-out prompts (neither `train`'s evaluations nor `lowmem-grpo eval` can run then).
+
+    eval.eval_batch_size rows, fewer when there are fewer prompts to evaluate (eval_max_samples, or
+    eval_holdout when the held-out prompts are taken from the training file; an eval_file's length is
+    not read: its prompts count as many)."""
+    d, e = cfg.data, cfg.eval
+    if not (d.eval_file or d.eval_holdout):
+        return 0
+    limits = [e.eval_batch_size] + [n for n in (e.eval_max_samples, None if d.eval_file else d.eval_holdout) if n]
+    return min(limits)
 
 
 def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
@@ -323,7 +360,7 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
 def format_plan(result: dict) -> str:
     """Categories (rows) at each phase's predicted peak (columns), GiB."""
     phases = list(result["phases"])
-    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp"}
+    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp", "evaluation": "eval"}
     cats = []
     for cat in (c for p in phases for c in result["phase_categories"][p]):
         if cat not in cats:
@@ -356,9 +393,19 @@ def margin_bytes(peak: int) -> int:
 
 
 # Changes the planner may suggest, cheapest first (cost to training quality/speed, not bytes):
-# memory-only switches, then switches that cost time, then ones that change the algorithm's batch.
+# evaluation's own batch (costs evaluation time only), memory-only switches, then switches that cost
+# time, then ones that change the algorithm's batch.
 # Each reads the config it is applied to (so they compose) and returns the changes as
 # {(section, key): value}, or None where it does not apply.
+def _smaller_eval_batch(c: Config):
+    """Evaluation decodes eval_batch_size held-out prompts at once (TRL: per_device_eval_batch_size): down to
+    the rollout's generation micro-batch, then by halves (to 8)."""
+    rows, gen_b = evaluation_rows(c), min(c.generation.generation_micro_batch_size, batch_plan(c).generation_batch_size)
+    if rows > gen_b:
+        return {("eval", "eval_batch_size"): gen_b}
+    return {("eval", "eval_batch_size"): rows // 2} if rows > 8 else None
+
+
 def _reference_on_cpu(c: Config):
     return {("train", "reference_compute"): "cpu"} if c.train.beta > 0 and c.train.reference_compute == "auto" else None
 
@@ -416,7 +463,7 @@ def _shorter_completions(c: Config):
     return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
 
 
-SUGGESTIONS = (_reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
+SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
                _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
 
 
@@ -436,12 +483,12 @@ def _describe(edits: dict) -> str:
     return text
 
 
-def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
+def suggestions(cfg: Config, arch: Arch, budget: int, autocast: Optional[bool] = None) -> list[dict]:
     """Single changes and a cumulative combination (cheapest first) with their predicted totals (and the
-    host RAM each needs)."""
+    host RAM each needs). `autocast` as for plan()."""
     def predicted(c: Config) -> Optional[dict]:
         try:
-            return plan(c, arch)
+            return plan(c, arch, autocast=autocast)
         except ConfigError:  # a change this config cannot take
             return None
 
@@ -451,18 +498,24 @@ def suggestions(cfg: Config, arch: Arch, budget: int) -> list[dict]:
         return {"change": change, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget,
                 "host_bytes": result["host_bytes"]}
 
-    out = []
+    def lowers_a_phase_over(before: dict, after: dict) -> bool:
+        """Whether `after` lowers a phase of `before` that does not fit (not, e.g., a smaller evaluation
+        batch where evaluation already fits)."""
+        return any(after["phases"].get(p, 0) < v for p, v in before["phases"].items() if v + margin_bytes(v) > budget)
+
+    out, current = [], plan(cfg, arch, autocast=autocast)
     for option in SUGGESTIONS:
         edits = option(cfg)
         result = predicted(_apply(cfg, edits)) if edits else None
-        if result is not None:
+        if result is not None and lowers_a_phase_over(current, result):
             out.append(entry(_describe(edits), result))
     combined, steps = cfg, []
     for option in SUGGESTIONS:  # apply cheapest-first until it fits
         edits = option(combined)
         result = predicted(_apply(combined, edits)) if edits else None
-        if result is None:
+        if result is None or not lowers_a_phase_over(current, result):
             continue
+        current = result
         combined = _apply(combined, edits)
         steps.append(_describe(edits))
         if entry("", result)["fits"]:

@@ -84,6 +84,10 @@ def test_phase_categories_add_up_and_checkpointing_trades_activations():
 @pytest.mark.parametrize("recipe, arch, budget", [("qwen2.5-0.5b_gsm8k_8gb.yaml", "Qwen2.5-0.5B", 6.5),
                                                    ("qwen2.5-1.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B", 6.5),
                                                    ("qwen2.5-1.5b_gsm8k-1024_8gb.yaml", "Qwen2.5-1.5B", 6.67),
+                                                   # reasoning lengths (issue 24): 4096 tokens in 7.5 GiB
+                                                   # with the margin, 8192 in 8 GiB: (8 - 0.5) / 1.05 = 7.14
+                                                   ("qwen2.5-1.5b_gsm8k-4096_8gb.yaml", "Qwen2.5-1.5B", 6.67),
+                                                   ("qwen2.5-1.5b_gsm8k-8192_8gb.yaml", "Qwen2.5-1.5B", 7.14),
                                                    # 3B must fit 7.5 GiB with the margin too; its one-layer
                                                    # probe takes ~100 s on 2 CPU cores, hence slow
                                                    pytest.param("qwen2.5-3b_gsm8k_8gb.yaml", "Qwen2.5-3B", 6.67,
@@ -93,12 +97,15 @@ def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
     cfg = load_config(Path(__file__).parents[2] / "recipes" / recipe)
     result = plan(cfg, Arch.from_config(preset(arch)))
     assert result["peak_bytes"] / 2**30 <= budget, result
+    assert "evaluation" in result["phases"]  # every 8 GB recipe has held-out prompts: evaluation is planned
 
 
 def _plan_json(capsys, *argv):
     import json
     from lowmem_grpo.cli import main
     capsys.readouterr()
+    if "--gpu-memory" not in argv:  # on a GPU machine plan's default is the card's free memory
+        argv = (*argv, "--gpu-memory", "8GiB")
     assert main(["plan", *argv, "--json", "--host-memory", "64GiB"]) == 0  # this machine's RAM may be smaller
     return json.loads(capsys.readouterr().out)
 
@@ -241,3 +248,94 @@ def test_plan_suggests_the_offload_and_checks_host_ram(capsys):
     assert "(fits, host RAM" in line
     assert run(None, "Qwen2.5-1.5B", "8GiB", args + ["offload_optimizer=true"], False, host_memory="4GiB") == 1
     assert "error: the run keeps" in capsys.readouterr().out
+
+
+def _eval_config(*overrides):
+    # generation batch of 8 completions (per_device_train_batch_size 8, one step per batch): 8 rows at once
+    return load_config(None, MINIMAL + ["generation_micro_batch_size=16", "max_completion_length=256",
+                                        *overrides])
+
+
+def test_evaluation_is_a_phase_where_there_are_held_out_prompts():
+    # evaluation (training/evaluate.py) decodes eval_batch_size held-out prompts per greedy generate call,
+    # between steps: the weights and states stay, no gradient exists; its rows cost what rollout rows cost
+    from lowmem_grpo.memory.plan import evaluation_rows
+    arch = Arch.from_config(preset("SmolLM2-135M"))
+    assert "evaluation" not in plan(_eval_config(), arch)["phases"]  # no held-out prompts: no evaluation
+    assert evaluation_rows(_eval_config()) == 0
+    assert evaluation_rows(_eval_config("eval_file=x.jsonl")) == 64  # the default eval_batch_size
+    assert evaluation_rows(_eval_config("eval_file=x.jsonl", "eval_max_samples=20")) == 20
+    assert evaluation_rows(_eval_config("eval_holdout=10")) == 10  # only 10 prompts to evaluate
+    same = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=8"), arch)["phase_categories"]
+    assert same["evaluation"] == same["rollout"]  # as many rows as the rollout's generation micro-batch
+    wide = plan(_eval_config("eval_file=x.jsonl"), arch)["phase_categories"]["evaluation"]
+    assert wide["weights"] == same["evaluation"]["weights"] and "gradients" not in wide
+    kv16 = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=16"), arch)["phase_categories"]["evaluation"]["KV cache"]
+    kv8, kv64 = same["evaluation"]["KV cache"], wide["KV cache"]
+    # per row: the cache and the logits (or the prefill); once: autocast's weight copies
+    assert kv64 - kv8 == pytest.approx(7 * (kv16 - kv8), abs=8) and kv16 > kv8
+
+
+def test_3b_recipe_plans_its_evaluation_and_plan_names_the_eval_batch_as_the_fix():
+    from pathlib import Path
+    # (the 3B one-layer probe: 3.2 s on this 2-core CPU, shared with the slow budget test's)
+    from lowmem_grpo.memory.plan import margin_bytes, suggestions
+    recipe = Path(__file__).parents[2] / "recipes" / "qwen2.5-3b_gsm8k_8gb.yaml"
+    arch, budget = Arch.from_config(preset("Qwen2.5-3B")), int(7.5 * 2**30)
+    shipped = plan(load_config(recipe), arch)
+    assert "evaluation" in shipped["phases"] and shipped["peak_bytes"] + margin_bytes(shipped["peak_bytes"]) <= budget
+    wide_cfg = load_config(recipe, ["eval_batch_size=64"])  # the default: 64 generation rows of 640 tokens
+    wide = plan(wide_cfg, arch)
+    assert wide["peak_phase"] == "evaluation" and wide["peak_bytes"] + margin_bytes(wide["peak_bytes"]) > budget
+    first = suggestions(wide_cfg, arch, budget)[0]
+    assert first["change"] == "eval_batch_size=16" and first["fits"]  # the cheapest: evaluation time only
+
+
+def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures_them():
+    # Unpacked rows with padding: transformers makes one bool (B, 1, L, L) mask per decoder forward, kept
+    # (as a checkpointed layer input) until backward is over, and sdpa makes an additive copy in the query
+    # dtype in every attention call. A checkpointed forward + backward, tracked on the CPU, with and
+    # without padding (an all-ones mask gets no 4D mask): the difference is those two, to the byte here.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from lowmem_grpo import memory
+    from lowmem_grpo.memory.plan import decoder_positions
+    from lowmem_grpo.policy.model import enable_checkpointing, position_ids_for
+    B, P, C = 4, 16, 240
+    L = P + C
+    config = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1)
+    cfg = load_config(None, MINIMAL + [f"per_device_train_batch_size={B}", "num_generations=4",
+                                       f"max_prompt_length={P}", f"max_completion_length={C}", "pack_prompts=false"])
+    arch = Arch.from_config(config)
+    positions, held, per_call = decoder_positions(cfg, arch, B, query_bytes=4)  # fp32: no autocast on the CPU
+    assert (positions, held, per_call) == (B * L, B * L * L, 4 * B * L * L)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), attn_implementation="sdpa")
+        ids = torch.randint(0, 64, (B, L))
+    enable_checkpointing(model)
+    model.train()
+
+    def peak(mask):
+        with memory.track(device="cpu") as t:
+            hidden = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_for(mask),
+                                 use_cache=False).last_hidden_state
+            hidden.float().pow(2).sum().backward()
+            del hidden
+        model.zero_grad(set_to_none=True)
+        return t.peak_bytes
+
+    full = torch.ones(B, L, dtype=torch.long)
+    padded = full.clone()
+    padded[0, :3] = 0  # a shorter prompt, left-padded
+    padded[1, -50:] = 0  # a completion that ended early
+    measured = peak(padded) - peak(full)
+    assert measured == pytest.approx(held + per_call, rel=0.1), (measured, held, per_call)
+    # and plan() adds them where a layer runs: the mask all step, one copy per layer at work
+    sdpa = plan(cfg, arch, autocast=False, device="cpu")["phase_categories"]
+    flex = plan(load_config(None, MINIMAL + [f"per_device_train_batch_size={B}", "num_generations=4",
+                                             f"max_prompt_length={P}", f"max_completion_length={C}",
+                                             "pack_prompts=false", "attn_implementation=flex_attention"]),
+                arch, autocast=False, device="cpu")["phase_categories"]
+    assert sdpa["backward"]["activations"] - flex["backward"]["activations"] == held + per_call
