@@ -9,11 +9,12 @@ the host copy. Two paths (`--paths`):
 
   today   what memory_modes/offload.py did before host_adamw.py: fp32_norm_tensor, grad.mul_(coef),
           then sr_adamw.py's AdamW8bitSR (bitsandbytes' CPU 8-bit path, chunked, stochastic rounding);
-          for `--optimizer adamw`: the bf16 gradient widened to fp32, torch.optim.AdamW(fused=True) on
-          the fp32 master, the master rounded into the bf16 upload buffer.
+          for `--optimizer adamw`: fp32_norm_tensor, grad.mul_(coef), the bf16 gradient widened to fp32,
+          torch.optim.AdamW(fused=True) on the fp32 master, the master rounded into the bf16 upload buffer.
   fused   host_adamw.py: the norm in one pass (grad_sum_squares), the clip coefficient handed to the
           kernel as grad_scale, the 8-bit AdamW with stochastic rounding in one pass per 256-block;
-          for `adamw` only the norm changes (torch's fused AdamW stays: see RESULTS.md).
+          for `adamw`: the same norm, then HostAdamW.step_fused: the bf16 gradient read as it is, the clip,
+          torch's fused AdamW arithmetic and the master rounded into the upload buffer in one pass.
 
 The 8-bit optimizer runs on bf16 weights and gradients (the 8 GB recipes' setting), `adamw` on fp32
 masters with bf16 gradients (offload.py's master_fp32). One warm-up step (states are created), then the
@@ -47,7 +48,8 @@ from lowmem_grpo.memory_modes.optimizer_in_backward import fp32_norm_tensor
 #   adamw_8bit  norm: read grad (2); update: read grad, weight (2 + 2), two codes (2), write weight (2),
 #               two codes (2); absmax 2 x 2 x 4 B per 256-block
 #   adamw       norm: read grad (2); update: read grad (2), master, m, v (12), write them (12), write the
-#               bf16 upload copy (2)
+#               bf16 upload copy (2). (`today` touches 12 more: the fp32 widened copy written and read, the
+#               master read again for the copy; and allocates that fp32 gradient each step.)
 BYTES_PER_PARAM = {"adamw_8bit": 2 + 10 + 16 / 256, "adamw": 2 + 28}
 
 
@@ -99,7 +101,8 @@ class EightBitStep:
 
 
 class AdamWStep:
-    """torch's fused AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path."""
+    """fp32 AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path: `today` widens the
+    gradient and steps torch's fused AdamW, `fused` steps host_adamw.HostAdamW in one pass (module docstring)."""
 
     def __init__(self, params, grads, fused: bool):
         from lowmem_grpo.memory_modes import host_adamw
@@ -107,14 +110,20 @@ class AdamWStep:
             raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
         self.fused, self.params, self.grads, self.host_adamw = fused, params, grads, host_adamw
         self.upload = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
-        self.optimizers = [torch.optim.AdamW([p], lr=1e-6, fused=True) for p in params]
+        cls = host_adamw.HostAdamW if fused else torch.optim.AdamW
+        self.optimizers = [cls([p], lr=1e-6, fused=True) for p in params]
 
     def __call__(self, caps) -> None:
         for p, g16, opt, cap, up in zip(self.params, self.grads, self.optimizers, caps, self.upload):
-            norm = self.host_adamw.host_grad_norm(g16) if self.fused else float(fp32_norm_tensor(g16))
+            if self.fused:  # the norm in one pass, then clip, update and the rounded copy in one more
+                norm = self.host_adamw.host_grad_norm(g16)
+                scale = cap / (norm + 1e-6) if norm > cap else 1.0
+                assert opt.step_fused(p, g16, grad_scale=scale, round_into=up)
+                continue
+            norm = float(fp32_norm_tensor(g16))
             if norm > cap:
                 g16.mul_(cap / (norm + 1e-6))
-            p.grad = g16.float()  # offload.py's _apply: exact widening for the fp32 master
+            p.grad = g16.float()  # offload.py's _update: exact widening for the fp32 master
             opt.step()
             p.grad = None
             up.copy_(p.detach())  # the master rounded to nearest into the upload buffer
