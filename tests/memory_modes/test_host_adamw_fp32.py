@@ -318,3 +318,44 @@ def test_optimizers_offload_adamw_uses_the_kernel(kernel):
         assert all(opt.host[p].dtype == torch.float32 for p in opt.params)
     finally:
         opt.release_host_memory()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, monkeypatch, dtype):
+    # The offloaded optimizer as optimizers.py builds it for optim.optimizer=adamw (fp32 masters, HostAdamW
+    # inside) against the same with torch's fused AdamW inside: two micro-batches per step, the global clip
+    # active, three steps: device weights, masters and states the same bits (every tensor of this model is a
+    # multiple of 16 elements, where the two compute alike). The kernel does run.
+    from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+    from tests.memory_modes.test_offload import _loss, _model
+
+    calls = []
+    real = host_adamw.adamw_step
+    monkeypatch.setattr(host_adamw, "adamw_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    models = [_model(dtype), _model(dtype)]
+    assert all(p.numel() % TORCH_TAIL == 0 for p in models[0].parameters())
+    kw = dict(lr=1e-2, weight_decay=0.01, fused=True)
+    inner = [lambda g: HostAdamW(g, **kw), lambda g: torch.optim.AdamW(g, **kw)]
+    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], make, 0.05,
+                                         master_fp32=True) for m, make in zip(models, inner)]
+    try:
+        for step in range(3):
+            for model, opt in zip(models, opts):
+                opt.begin_step()
+                for micro in range(2):
+                    _loss(model, 10 * step + micro).backward()
+                    opt.end_backward()
+                opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
+                norm = opt.end_step()
+                assert norm > 0.05  # the clip is active
+        assert calls
+        for (k, x), (_, y) in zip(models[0].named_parameters(), models[1].named_parameters()):
+            assert torch.equal(x, y), k
+        for p, q in zip(opts[0].params, opts[1].params):
+            assert torch.equal(opts[0].host[p], opts[1].host[q])
+            for key in STATES:
+                assert torch.equal(opts[0].inner[p].state[opts[0].host[p]][key],
+                                   opts[1].inner[q].state[opts[1].host[q]][key]), key
+    finally:
+        for opt in opts:
+            opt.release_host_memory()
