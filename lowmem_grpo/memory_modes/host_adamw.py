@@ -1,4 +1,5 @@
-"""The offloaded optimizer's host step near memory bandwidth: a fused CPU kernel for bitsandbytes' 8-bit AdamW.
+"""The offloaded optimizer's host step near memory bandwidth: fused CPU kernels for bitsandbytes' 8-bit AdamW
+(`host_adamw8bit_class`) and for torch's fp32 AdamW on fp32 master weights (`HostAdamW`, at the end).
 
 Why: bitsandbytes' CPU path for its 8-bit AdamW is a chain of torch ops (dequantize both states, about ten
 elementwise passes of fp32 Adam, quantize both states), each pass reading and writing whole fp32 tensors;
@@ -38,8 +39,24 @@ desktop CPUs), else scalar loops; all three give the same bits (the tests run ea
 (no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
 bitsandbytes) after one logged warning that says why and how to fix it.
 
-Only this class reads `grad_scale`: torch.optim.AdamW ignores a param-group key of that name (the `adamw`
-path of the offloaded optimizer must still clip the gradient itself).
+Only these classes read `grad_scale`: torch.optim.AdamW ignores a param-group key of that name.
+
+fp32 AdamW (`HostAdamW`, optim.optimizer=adamw with offload_optimizer). Before it, offload.py's update of an
+fp32 master with a bf16 gradient buffer took four passes: the clip (grad.mul_), a fresh fp32 copy of the
+gradient, torch's fused CPU AdamW, and the master rounded into the upload buffer (2.2 ns per parameter on
+this project's 2-core CPU, RESULTS.md). `adamw_step` does it in one: it reads the bf16 gradient as it is,
+applies the clip coefficient (rounded back to bf16, as the in-place clip of the bf16 buffer leaves it), steps
+with torch's fused CPU AdamW's arithmetic op for op (decoupled weight decay, exp_avg.lerp_ as one fma,
+v * beta2 + (1 - beta2) g^2 as one fma, correctly rounded sqrt and divisions, the bias corrections in
+double), and writes the master rounded to nearest even into the upload buffer, which may be the gradient
+buffer itself. Measured: bitwise equal to torch.optim.AdamW(fused=True) except in a tensor's last n % 16
+elements (torch's scalar tail rounds v * beta2 before the add: an ulp of v there), within 1e-6 of
+torch's fused=False path (tests/memory_modes/test_host_adamw_fp32.py). The state is torch AdamW's own
+(`step` a float32 tensor, `exp_avg`, `exp_avg_sq`): checkpoints load either way. What the kernel does not do
+(amsgrad, maximize, CUDA or non-fp32 weights, no compiled kernel) steps in torch's own AdamW.
+The one-pass entry for offload.py's `_update` is `HostAdamW.step_fused(master, grad_buffer, lr=, grad_scale=,
+round_into=)`; where it returns False (no kernel) the caller takes its four passes. Called through `step()`
+instead (offload.py's widened fp32 `.grad`), the kernel computes the same bits, less the saved passes.
 """
 
 from __future__ import annotations
