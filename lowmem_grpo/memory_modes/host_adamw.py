@@ -293,6 +293,16 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
 
 # ----- fp32 AdamW (optim.optimizer=adamw with offload_optimizer) -------------------------------------------
 
+def _adamw_takes(p, grad, exp_avg, exp_avg_sq, round_into) -> bool:
+    """Whether adamw_step's kernel takes these tensors: contiguous CPU tensors of one size, fp32 weight and
+    states, an fp32 or bf16 gradient, a bf16 upload buffer (or none)."""
+    tensors = (p, grad, exp_avg, exp_avg_sq) + (() if round_into is None else (round_into,))
+    return (p.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and grad.dtype in _KIND
+            and (round_into is None or round_into.dtype == torch.bfloat16)
+            and all(t.numel() == p.numel() and t.device.type == "cpu" and t.layout == torch.strided
+                    and t.is_contiguous() for t in tensors))
+
+
 def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
                beta1: float, beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
                round_into: torch.Tensor | None = None) -> bool:
@@ -302,12 +312,7 @@ def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     `p` rounded to nearest even into bf16 `round_into` (may be `grad` itself) in the same pass. Returns False,
     touching nothing, where the kernel cannot take it."""
     lib = library()
-    tensors = (p, grad, exp_avg, exp_avg_sq) + (() if round_into is None else (round_into,))
-    if (lib is None or p.dtype != torch.float32 or grad.dtype not in _KIND
-            or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32
-            or (round_into is not None and round_into.dtype != torch.bfloat16)
-            or any(t.numel() != p.numel() or t.device.type != "cpu" or t.layout != torch.strided
-                   or not t.is_contiguous() for t in tensors)):
+    if lib is None or not _adamw_takes(p, grad, exp_avg, exp_avg_sq, round_into):
         return False
     # torch's kernel: these in double (Python floats), each rounded to fp32 where it is used (ctypes' c_float)
     correction1 = 1.0 - beta1 ** step
@@ -379,7 +384,9 @@ class HostAdamW(torch.optim.AdamW):
                 or p.device.type != "cpu" or p.dtype != torch.float32):
             return False
         state = self.state[p]
-        if not state:  # torch AdamW's state, as its _init_group makes it (fused: a float32 step on the device)
+        if not state:  # torch AdamW's state, as its _init_group makes it (fused: a float32 step on the device),
+            if not _adamw_takes(p, grad, p, p, round_into):  # made only if the kernel will take it
+                return False
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)

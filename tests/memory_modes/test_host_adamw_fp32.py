@@ -359,3 +359,20 @@ def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, monkey
     finally:
         for opt in opts:
             opt.release_host_memory()
+
+
+def test_a_tensor_the_kernel_cannot_take_is_left_untouched(kernel):
+    # step_fused declines (False) and makes no state: a non-contiguous gradient, a wrong-size or fp16 upload
+    # buffer; step() then steps it in torch's AdamW, as torch.optim.AdamW would.
+    theirs, opt_theirs, ours, opt_ours = _pair([(32, 48)], lr=1e-3)
+    (a,), (b,) = theirs, ours
+    g = torch.randn(48, 32).t()  # (32, 48), not contiguous
+    assert not opt_ours.step_fused(b, g)
+    assert not opt_ours.step_fused(b, g.contiguous(), round_into=torch.empty(7, dtype=torch.bfloat16))
+    assert not opt_ours.step_fused(b, g.contiguous(), round_into=torch.empty(32, 48, dtype=torch.float16))
+    assert not opt_ours.state[b]
+    assert torch.equal(a, b)
+    a.grad, b.grad = g.clone(), g.clone()  # .clone() keeps the strides: not contiguous
+    opt_theirs.step()
+    opt_ours.step()
+    assert torch.equal(a, b)
