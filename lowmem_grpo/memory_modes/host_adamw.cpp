@@ -12,7 +12,8 @@
 //   block (and for every element elsewhere); all give the same bits.
 // adamw_step: torch.optim.AdamW's update on fp32 master weights with fp32 states, in the operation order of
 //   torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode; measured: bitwise
-//   equal to torch.optim.AdamW(fused=True) on torch 2.13), reading the gradient in its own dtype (bf16 or fp32)
+//   equal to torch.optim.AdamW(fused=True) on torch 2.13 but in a tensor's last n % 16 elements, which torch's
+//   scalar tail does rounding v * beta2 before the add), reading the gradient in its own dtype (bf16 or fp32)
 //   and, for bf16 device weights, writing the new master rounded to nearest even bf16 into an upload buffer in
 //   the same pass (offload.py's gradient buffer: element i is read before it is written).
 //   memory traffic per element: read grad (2 or 4 B), weight, m, v (12 B); write weight, m, v (12 B), the

@@ -376,3 +376,17 @@ def test_a_tensor_the_kernel_cannot_take_is_left_untouched(kernel):
     opt_theirs.step()
     opt_ours.step()
     assert torch.equal(a, b)
+
+
+def test_a_small_beta1_takes_torch_other_lerp_form(kernel, simd):
+    # exp_avg.lerp_(grad, w) with w = 1 - beta1 >= 0.5 is computed from the gradient's end in torch's kernel:
+    # g + (w - 1)(g - m). Bitwise as torch's fused step.
+    n = 16 * 300
+    theirs, opt_theirs, ours, opt_ours = _pair(n, lr=1e-3, betas=(0.3, 0.9), weight_decay=0.01)
+    (a,), (b,) = theirs, ours
+    for step in range(3):
+        g = 0.01 * torch.randn(n, generator=torch.Generator().manual_seed(step))
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_theirs.step()
+        opt_ours.step()
+        assert torch.equal(a, b) and torch.equal(opt_theirs.state[a]["exp_avg"], opt_ours.state[b]["exp_avg"])
