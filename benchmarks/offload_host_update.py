@@ -9,11 +9,12 @@ the host copy. Two paths (`--paths`):
 
   today   what memory_modes/offload.py did before host_adamw.py: fp32_norm_tensor, grad.mul_(coef),
           then sr_adamw.py's AdamW8bitSR (bitsandbytes' CPU 8-bit path, chunked, stochastic rounding);
-          for `--optimizer adamw`: the bf16 gradient widened to fp32, torch.optim.AdamW(fused=True) on
-          the fp32 master, the master rounded into the bf16 upload buffer.
+          for `--optimizer adamw`: fp32_norm_tensor, grad.mul_(coef), the bf16 gradient widened to fp32,
+          torch.optim.AdamW(fused=True) on the fp32 master, the master rounded into the bf16 upload buffer.
   fused   host_adamw.py: the norm in one pass (grad_sum_squares), the clip coefficient handed to the
           kernel as grad_scale, the 8-bit AdamW with stochastic rounding in one pass per 256-block;
-          for `adamw` only the norm changes (torch's fused AdamW stays: see RESULTS.md).
+          for `adamw`: the same norm, then HostAdamW.step_fused: the bf16 gradient read as it is, the clip,
+          torch's fused AdamW arithmetic and the master rounded into the upload buffer in one pass.
 
 The 8-bit optimizer runs on bf16 weights and gradients (the 8 GB recipes' setting), `adamw` on fp32
 masters with bf16 gradients (offload.py's master_fp32). One warm-up step (states are created), then the
@@ -47,7 +48,8 @@ from lowmem_grpo.memory_modes.optimizer_in_backward import fp32_norm_tensor
 #   adamw_8bit  norm: read grad (2); update: read grad, weight (2 + 2), two codes (2), write weight (2),
 #               two codes (2); absmax 2 x 2 x 4 B per 256-block
 #   adamw       norm: read grad (2); update: read grad (2), master, m, v (12), write them (12), write the
-#               bf16 upload copy (2)
+#               bf16 upload copy (2). (`today` touches 12 more: the fp32 widened copy written and read, the
+#               master read again for the copy; and allocates that fp32 gradient each step.)
 BYTES_PER_PARAM = {"adamw_8bit": 2 + 10 + 16 / 256, "adamw": 2 + 28}
 
 
@@ -99,7 +101,8 @@ class EightBitStep:
 
 
 class AdamWStep:
-    """torch's fused AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path."""
+    """fp32 AdamW on an fp32 master with a bf16 gradient, as offload.py's master_fp32 path: `today` widens the
+    gradient and steps torch's fused AdamW, `fused` steps host_adamw.HostAdamW in one pass (module docstring)."""
 
     def __init__(self, params, grads, fused: bool):
         from lowmem_grpo.memory_modes import host_adamw
@@ -107,14 +110,20 @@ class AdamWStep:
             raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
         self.fused, self.params, self.grads, self.host_adamw = fused, params, grads, host_adamw
         self.upload = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
-        self.optimizers = [torch.optim.AdamW([p], lr=1e-6, fused=True) for p in params]
+        cls = host_adamw.HostAdamW if fused else torch.optim.AdamW
+        self.optimizers = [cls([p], lr=1e-6, fused=True) for p in params]
 
     def __call__(self, caps) -> None:
         for p, g16, opt, cap, up in zip(self.params, self.grads, self.optimizers, caps, self.upload):
-            norm = self.host_adamw.host_grad_norm(g16) if self.fused else float(fp32_norm_tensor(g16))
+            if self.fused:  # the norm in one pass, then clip, update and the rounded copy in one more
+                norm = self.host_adamw.host_grad_norm(g16)
+                scale = cap / (norm + 1e-6) if norm > cap else 1.0
+                assert opt.step_fused(p, g16, grad_scale=scale, round_into=up)
+                continue
+            norm = float(fp32_norm_tensor(g16))
             if norm > cap:
                 g16.mul_(cap / (norm + 1e-6))
-            p.grad = g16.float()  # offload.py's _apply: exact widening for the fp32 master
+            p.grad = g16.float()  # offload.py's _update: exact widening for the fp32 master
             opt.step()
             p.grad = None
             up.copy_(p.detach())  # the master rounded to nearest into the upload buffer
@@ -129,7 +138,11 @@ def measure(name: str, optimizer: str, path: str, repeats: int) -> dict:
     caps = [1.0 * (p.numel() / total) ** 0.5 for p in params]
     step = (AdamWStep if optimizer == "adamw" else EightBitStep)(params, grads, fused=path == "fused")
     step(caps)  # warm-up: the states are allocated (and the kernel built)
-    times = [_timed(lambda: step(caps)) for _ in range(repeats)]
+    times, cpu = [], []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        times.append(_timed(lambda: step(caps)))
+        cpu.append(time.process_time() - c0)
     seconds = statistics.median(times)
     del step, params, grads
     gc.collect()
@@ -137,7 +150,10 @@ def measure(name: str, optimizer: str, path: str, repeats: int) -> dict:
             "host_update_s": seconds, "host_update_ns_per_param": seconds / arch.params * 1e9,
             "bytes_per_param": BYTES_PER_PARAM[optimizer],
             "host_ram_gib": host_bytes_per_param(2, optimizer) * arch.params / 2**30,
-            "pcie_gib_per_step": pcie_bytes_per_step(arch.params, 2) / 2**30, "times_s": times}
+            "pcie_gib_per_step": pcie_bytes_per_step(arch.params, 2) / 2**30, "times_s": times,
+            # CPU seconds of all threads (OpenMP's spin-waits included): less skewed than the wall time where
+            # other jobs share the cores; on an idle machine about threads x the wall time
+            "cpu_ns_per_param": statistics.median(cpu) / arch.params * 1e9}
 
 
 def main(argv=None) -> int:
@@ -158,8 +174,8 @@ def main(argv=None) -> int:
     print(f"machine: {machine_info('cpu')}")
     print(f"memory bandwidth (fp32 copy_, read + write, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s")
     print("| model | optimizer | path | host step (s) | ns / parameter | bytes / parameter | memory-bound ns | "
-          "x memory bound | host RAM (GiB) | PCIe per step (GiB) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "x memory bound | CPU ns / parameter (all threads) | host RAM (GiB) | PCIe per step (GiB) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
         for path in args.paths:
             r = measure(name, args.optimizer, path, args.repeats)
@@ -169,7 +185,8 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"| {name} | {args.optimizer} | {path} | {r['host_update_s']:.2f} | "
                   f"{r['host_update_ns_per_param']:.2f} | {r['bytes_per_param']:.1f} | {bound_ns:.2f} | "
-                  f"{r['x_memory_bound']:.1f} | {r['host_ram_gib']:.1f} | {r['pcie_gib_per_step']:.2f} |", flush=True)
+                  f"{r['x_memory_bound']:.1f} | {r['cpu_ns_per_param']:.2f} | {r['host_ram_gib']:.1f} | "
+                  f"{r['pcie_gib_per_step']:.2f} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
     return 0

@@ -10,6 +10,15 @@
 //   write weight, two codes; per 256 elements two fp32 absmax read and written. Nothing else leaves the cache.
 //   Loops: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes) where compiled for, the scalar loop for the rest of a
 //   block (and for every element elsewhere); all give the same bits.
+// adamw_step: torch.optim.AdamW's update on fp32 master weights with fp32 states, in the operation order of
+//   torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode; measured: bitwise
+//   equal to torch.optim.AdamW(fused=True) on torch 2.13 but in a tensor's last n % 16 elements, which torch's
+//   scalar tail does rounding v * beta2 before the add), reading the gradient in its own dtype (bf16 or fp32)
+//   and, for bf16 device weights, writing the new master rounded to nearest even bf16 into an upload buffer in
+//   the same pass (offload.py's gradient buffer: element i is read before it is written).
+//   memory traffic per element: read grad (2 or 4 B), weight, m, v (12 B); write weight, m, v (12 B), the
+//   upload copy (2 B). 28 B with a bf16 gradient and an upload copy, where widening the gradient, torch's step
+//   and the copy touch 2 + 4 (widen) + 28 (step) + 4 + 2 (copy) = 40 B and allocate a fresh fp32 gradient.
 // grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk, added in chunk
 //   order in fp64, so the result does not depend on the thread count.
 //
@@ -59,6 +68,13 @@ inline void store(uint16_t* p, int64_t i, float x, int stochastic, uint32_t key0
   const uint32_t add = stochastic ? noise16(i, key0, key1) : 0x7fffU + ((bits >> 16) & 1U);
   const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
   p[i] = static_cast<uint16_t>(nan ? (bits | 0x00400000U) >> 16 : (bits + add) >> 16);
+}
+
+// fp32 -> bf16 bits, round to nearest even (NaN stays NaN), as store() without stochastic rounding.
+inline uint16_t bf16_nearest(float x) {
+  const uint32_t bits = float_to_bits(x);
+  const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
+  return static_cast<uint16_t>(nan ? (bits | 0x00400000U) >> 16 : (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16);
 }
 
 // |x| as bits, NaN as 0: integer order of non-negative floats is their float order. (bitsandbytes'
@@ -111,6 +127,48 @@ inline void adam_scalar(int64_t start, int64_t from, int64_t to, P* p, const G* 
 
 inline void quantize_scalar(int64_t from, int64_t to, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
   for (int64_t i = from; i < to; ++i) out[i] = lut_code(x[i] * inv, lut);
+}
+
+// torch's fused CPU AdamW on an fp32 master: its constants, rounded from doubles to fp32 as that kernel does
+// (host_adamw.py computes the doubles as torch does).
+struct AdamW32 {
+  float beta2, one_minus_beta2;
+  float lerp_coeff;            // exp_avg.lerp_(grad, w), w = 1 - beta1: w where |w| < 0.5, else w - 1
+  int lerp_from_m;             // |w| < 0.5: m + w (g - m); else g + (w - 1)(g - m) (torch's two lerp forms)
+  float correction2, eps;      // sqrt(1 - beta2^t), eps
+  float neg_step_size, decay;  // -lr / (1 - beta1^t), 1 - lr * wd
+  int decay_on;                // wd != 0
+  float grad_scale;            // the clip coefficient
+  int scale_on;                // grad_scale != 1
+  int simd;
+};
+
+inline float scaled(float g, const AdamW32& k, const float*) { return g * k.grad_scale; }
+// A bf16 gradient is scaled in fp32 and rounded back to bf16: what the in-place clip of the bf16 gradient
+// buffer (grad.mul_(coef), offload.py) leaves for the step to read.
+inline float scaled(float g, const AdamW32& k, const uint16_t*) {
+  return bits_to_float(static_cast<uint32_t>(bf16_nearest(g * k.grad_scale)) << 16);
+}
+
+// Elements [from, to): the update of torch's fused kernel, op for op (its vector loop: the lerp as one fma,
+// v * beta2 + (1 - beta2) * g * g contracted to one fma, correctly rounded sqrt and divisions).
+template <typename G>
+inline void adamw_scalar(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
+                         const AdamW32& k) {
+  for (int64_t i = from; i < to; ++i) {
+    float gi = load(g, i);
+    if (k.scale_on) gi = scaled(gi, k, g);
+    float pi = p[i];
+    if (k.decay_on) pi = pi * k.decay;                                                // decoupled weight decay
+    const float mi = std::fma(k.lerp_coeff, gi - m[i], k.lerp_from_m ? m[i] : gi);   // exp_avg.lerp_(grad, w)
+    const float vi = std::fma(k.one_minus_beta2 * gi, gi, v[i] * k.beta2);           // v * beta2 + (1 - beta2) g g
+    const float denom = std::sqrt(vi) / k.correction2 + k.eps;
+    pi = pi + k.neg_step_size * mi / denom;
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (out != nullptr) out[i] = bf16_nearest(pi);  // after g[i] was read: out may be the gradient's buffer
+  }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -203,6 +261,46 @@ inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uin
     t = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(t, one), half), top), half);
     const __m512i q = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 1);  // 4 bytes from each entry
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(q));  // keep the low byte
+  }
+  return end;
+}
+inline __m512i bf16_nearest16(__m512 x) {  // bf16_nearest of 16 lanes: the bf16 bits in each 32-bit lane
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i out = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  out = _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  return _mm512_srli_epi32(out, 16);
+}
+inline __m512 scaled16(__m512 g, __m512 s, const float*) { return _mm512_mul_ps(g, s); }
+inline __m512 scaled16(__m512 g, __m512 s, const uint16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_nearest16(_mm512_mul_ps(g, s)), 16));
+}
+
+template <typename G>
+inline int64_t adamw_vector(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
+                            const AdamW32& k) {
+  const __m512 scale = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
+  const __m512 coeff = _mm512_set1_ps(k.lerp_coeff), b2 = _mm512_set1_ps(k.beta2);
+  const __m512 ob2 = _mm512_set1_ps(k.one_minus_beta2), c2 = _mm512_set1_ps(k.correction2);
+  const __m512 eps = _mm512_set1_ps(k.eps), step = _mm512_set1_ps(k.neg_step_size);
+  const int64_t end = from + (to - from) / kLanes * kLanes;
+  for (int64_t i = from; i < end; i += kLanes) {
+    __m512 gi = load16(g + i);
+    if (k.scale_on) gi = scaled16(gi, scale, g);
+    __m512 pi = _mm512_loadu_ps(p + i);
+    if (k.decay_on) pi = _mm512_mul_ps(pi, decay);
+    const __m512 m0 = _mm512_loadu_ps(m + i);
+    const __m512 mi = _mm512_fmadd_ps(coeff, _mm512_sub_ps(gi, m0), k.lerp_from_m ? m0 : gi);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(ob2, gi), gi, _mm512_mul_ps(_mm512_loadu_ps(v + i), b2));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c2), eps);
+    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
+    _mm512_storeu_ps(p + i, pi);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    if (out != nullptr)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bf16_nearest16(pi)));
   }
   return end;
 }
@@ -314,6 +412,49 @@ inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uin
   }
   return end;
 }
+inline __m256i bf16_nearest8(__m256 x) {  // bf16_nearest of 8 lanes: the bf16 bits in each 32-bit lane
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i out = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+  out = _mm256_blendv_epi8(out, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
+  return _mm256_srli_epi32(out, 16);
+}
+inline __m256 scaled8(__m256 g, __m256 s, const float*) { return _mm256_mul_ps(g, s); }
+inline __m256 scaled8(__m256 g, __m256 s, const uint16_t*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_nearest8(_mm256_mul_ps(g, s)), 16));
+}
+
+template <typename G>
+inline int64_t adamw_vector(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
+                            const AdamW32& k) {
+  const __m256 scale = _mm256_set1_ps(k.grad_scale), decay = _mm256_set1_ps(k.decay);
+  const __m256 coeff = _mm256_set1_ps(k.lerp_coeff), b2 = _mm256_set1_ps(k.beta2);
+  const __m256 ob2 = _mm256_set1_ps(k.one_minus_beta2), c2 = _mm256_set1_ps(k.correction2);
+  const __m256 eps = _mm256_set1_ps(k.eps), step = _mm256_set1_ps(k.neg_step_size);
+  const int64_t end = from + (to - from) / kLanes * kLanes;
+  for (int64_t i = from; i < end; i += kLanes) {
+    __m256 gi = load8(g + i);
+    if (k.scale_on) gi = scaled8(gi, scale, g);
+    __m256 pi = _mm256_loadu_ps(p + i);
+    if (k.decay_on) pi = _mm256_mul_ps(pi, decay);
+    const __m256 m0 = _mm256_loadu_ps(m + i);
+    const __m256 mi = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gi, m0), k.lerp_from_m ? m0 : gi);
+    const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(ob2, gi), gi, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c2), eps);
+    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(step, mi), denom));
+    _mm256_storeu_ps(p + i, pi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    if (out != nullptr) {
+      const __m256i h = bf16_nearest8(pi);
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // 8 x u16, low half
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
+  }
+  return end;
+}
 #else
 template <typename P, typename G>
 inline int64_t adam_vector(int64_t, int64_t, P*, const G*, const uint8_t*, const uint8_t*, float, float,
@@ -321,6 +462,10 @@ inline int64_t adam_vector(int64_t, int64_t, P*, const G*, const uint8_t*, const
   return 0;  // neither AVX-512 nor AVX2: the scalar loop (vectorised by the compiler as it can) does it all
 }
 inline int64_t quantize_vector(int64_t, const float*, float, const uint8_t*, uint8_t*) { return 0; }
+template <typename G>
+inline int64_t adamw_vector(int64_t from, int64_t, float*, const G*, float*, float*, uint16_t*, const AdamW32&) {
+  return from;
+}
 #endif
 
 // bitsandbytes' quantize_blockwise for one block of `len` fp32 values whose largest |x| (NaN ignored) has the
@@ -365,6 +510,21 @@ void adam8bit(int64_t n, P* p, const G* g, uint8_t* s1, uint8_t* s2, float* absm
 #pragma omp parallel for num_threads(threads) schedule(static) if (blocks > 64)
   for (int64_t b = 0; b < blocks; ++b)
     adam8bit_block(b, n, p, g, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k);
+}
+
+constexpr int64_t kAdamWChunk = 1 << 14;  // elements per OpenMP work item (64 KiB of each fp32 stream)
+
+// Whole tensors: each thread takes one contiguous run of chunks (schedule(static)), every stream read once in
+// order. Chunks are whole vectors, so only the tensor's last n % lanes elements take the scalar loop (as in torch).
+template <typename G>
+void adamw32(int64_t n, float* p, const G* g, float* m, float* v, uint16_t* out, const AdamW32& k, int threads) {
+  const int64_t chunks = (n + kAdamWChunk - 1) / kAdamWChunk;
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t from = c * kAdamWChunk, to = std::min(n, from + kAdamWChunk);
+    const int64_t done = k.simd ? adamw_vector(from, to, p, g, m, v, out, k) : from;
+    adamw_scalar(done, to, p, g, m, v, out, k);
+  }
 }
 
 template <typename G>
@@ -435,6 +595,21 @@ int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, ui
   else if (pair == 1) adam8bit(n, pf, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
   else if (pair == 2) adam8bit(n, ph, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
   else if (pair == 3) adam8bit(n, ph, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
+  else return -1;
+  return 0;
+}
+
+// torch's fused CPU AdamW step on fp32 weights `p` with fp32 states m, v; g_kind: 0 = fp32, 1 = bf16 gradient;
+// `out`: a bf16 buffer for the new weights rounded to nearest even (may be the gradient's own buffer), or null.
+// Returns 0, or -1 for a gradient dtype it does not handle.
+int adamw_step(int64_t n, float* p, const void* g, int g_kind, float* m, float* v, uint16_t* out, float beta2,
+               float one_minus_beta2, float lerp_weight, float correction2, float eps, float neg_step_size,
+               float decay, int decay_on, float grad_scale, int simd, int threads) {
+  const bool small = std::fabs(lerp_weight) < 0.5f;  // torch's lerp: the form that is exact at its end
+  const AdamW32 k{beta2, one_minus_beta2, small ? lerp_weight : lerp_weight - 1.0f, small, correction2, eps,
+                  neg_step_size, decay, decay_on, grad_scale, grad_scale != 1.0f, simd};
+  if (g_kind == 0) adamw32(n, p, static_cast<const float*>(g), m, v, out, k, threads);
+  else if (g_kind == 1) adamw32(n, p, static_cast<const uint16_t*>(g), m, v, out, k, threads);
   else return -1;
   return 0;
 }

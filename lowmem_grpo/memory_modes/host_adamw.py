@@ -1,4 +1,5 @@
-"""The offloaded optimizer's host step near memory bandwidth: a fused CPU kernel for bitsandbytes' 8-bit AdamW.
+"""The offloaded optimizer's host step near memory bandwidth: fused CPU kernels for bitsandbytes' 8-bit AdamW
+(`host_adamw8bit_class`) and for torch's fp32 AdamW on fp32 master weights (`HostAdamW`, at the end).
 
 Why: bitsandbytes' CPU path for its 8-bit AdamW is a chain of torch ops (dequantize both states, about ten
 elementwise passes of fp32 Adam, quantize both states), each pass reading and writing whole fp32 tensors;
@@ -38,9 +39,26 @@ desktop CPUs), else scalar loops; all three give the same bits (the tests run ea
 (no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
 bitsandbytes) after one logged warning that says why and how to fix it.
 
-Only this class reads `grad_scale` (its `takes_grad_scale` says so; offload.py's `clip_gradient` sets the key
-for it): torch.optim.AdamW ignores a param-group key of that name, so there the offloaded optimizer clips
-the gradient itself.
+Only these classes read `grad_scale`: torch.optim.AdamW ignores a param-group key of that name. offload.py's
+`clip_gradient` sets it for HostAdamW8bit (`takes_grad_scale`); HostAdamW gets the clip through `step_fused`
+(where the kernel cannot run, offload.py clips the bf16 gradient buffer in place, as before).
+
+fp32 AdamW (`HostAdamW`, optim.optimizer=adamw with offload_optimizer). Before it, offload.py's update of an
+fp32 master with a bf16 gradient buffer took four passes: the clip (grad.mul_), a fresh fp32 copy of the
+gradient, torch's fused CPU AdamW, and the master rounded into the upload buffer (2.2 ns per parameter on
+this project's 2-core CPU, RESULTS.md). `adamw_step` does it in one: it reads the bf16 gradient as it is,
+applies the clip coefficient (rounded back to bf16, as the in-place clip of the bf16 buffer leaves it), steps
+with torch's fused CPU AdamW's arithmetic op for op (decoupled weight decay, exp_avg.lerp_ as one fma,
+v * beta2 + (1 - beta2) g^2 as one fma, correctly rounded sqrt and divisions, the bias corrections in
+double), and writes the master rounded to nearest even into the upload buffer, which may be the gradient
+buffer itself. Measured: bitwise equal to torch.optim.AdamW(fused=True) except in a tensor's last n % 16
+elements (torch's scalar tail rounds v * beta2 before the add: an ulp of v there), within 1e-6 of
+torch's fused=False path (tests/memory_modes/test_host_adamw_fp32.py). The state is torch AdamW's own
+(`step` a float32 tensor, `exp_avg`, `exp_avg_sq`): checkpoints load either way. What the kernel does not do
+(amsgrad, maximize, CUDA or non-fp32 weights, no compiled kernel) steps in torch's own AdamW.
+The one-pass entry for offload.py's `_update` is `HostAdamW.step_fused(master, grad_buffer, lr=, grad_scale=,
+round_into=)`; where it returns False (no kernel) the caller takes its four passes. Called through `step()`
+instead (offload.py's widened fp32 `.grad`), the kernel computes the same bits, less the saved passes.
 """
 
 from __future__ import annotations
@@ -103,6 +121,10 @@ def _build(march: str = "native") -> ctypes.CDLL:
     lib.adamw8bit_step.restype = i32
     lib.quantize_blockwise.argtypes = [i64, p, p, p, p, i32]
     lib.quantize_blockwise.restype = None
+    lib.adamw_step.argtypes = [i64, p, p, i32, p, p, p,  # sizes and data pointers
+                               f32, f32, f32, f32, f32, f32, f32, i32, f32,  # AdamW constants, gradient scale
+                               i32, i32]  # SIMD, threads
+    lib.adamw_step.restype = i32
     lib.grad_sum_squares.argtypes = [i64, p, i32, i32]
     lib.grad_sum_squares.restype = ctypes.c_double
     return lib
@@ -271,3 +293,112 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
                     group["grad_scale"] = 1.0
 
     return HostAdamW8bit
+
+
+# ----- fp32 AdamW (optim.optimizer=adamw with offload_optimizer) -------------------------------------------
+
+def _adamw_takes(p, grad, exp_avg, exp_avg_sq, round_into) -> bool:
+    """Whether adamw_step's kernel takes these tensors: contiguous CPU tensors of one size, fp32 weight and
+    states, an fp32 or bf16 gradient, a bf16 upload buffer (or none)."""
+    tensors = (p, grad, exp_avg, exp_avg_sq) + (() if round_into is None else (round_into,))
+    return (p.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32 and grad.dtype in _KIND
+            and (round_into is None or round_into.dtype == torch.bfloat16)
+            and all(t.numel() == p.numel() and t.device.type == "cpu" and t.layout == torch.strided
+                    and t.is_contiguous() for t in tensors))
+
+
+def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *, lr: float,
+               beta1: float, beta2: float, eps: float, weight_decay: float, step: int, grad_scale: float = 1.0,
+               round_into: torch.Tensor | None = None) -> bool:
+    """One torch.optim.AdamW update (fused=True's CPU arithmetic, bitwise) of fp32 CPU tensor `p` in place, with
+    its fp32 states (`step` already counted), reading `grad` as it is (fp32 or bf16; a bf16 gradient times
+    `grad_scale` is rounded to bf16 first, as the in-place clip of a bf16 buffer leaves it) and writing the new
+    `p` rounded to nearest even into bf16 `round_into` (may be `grad` itself) in the same pass. Returns False,
+    touching nothing, where the kernel cannot take it."""
+    lib = library()
+    if lib is None or not _adamw_takes(p, grad, exp_avg, exp_avg_sq, round_into):
+        return False
+    # torch's kernel: these in double (Python floats), each rounded to fp32 where it is used (ctypes' c_float)
+    correction1 = 1.0 - beta1 ** step
+    correction2 = math.sqrt(1.0 - beta2 ** step)
+    rc = lib.adamw_step(p.numel(), p.data_ptr(), grad.data_ptr(), _KIND[grad.dtype], exp_avg.data_ptr(),
+                        exp_avg_sq.data_ptr(), None if round_into is None else round_into.data_ptr(),
+                        beta2, 1.0 - beta2, 1.0 - beta1, correction2, eps, -(lr / correction1),
+                        1.0 - lr * weight_decay, int(weight_decay != 0.0), grad_scale, int(SIMD), _threads())
+    return rc == 0
+
+
+class HostAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW whose CPU fp32 updates run in host_adamw.cpp's fused kernel: torch's fused CPU AdamW
+    arithmetic op for op (bitwise equal to fused=True), one pass, the GIL released. The state_dict is torch
+    AdamW's own (state['step'] a float32 tensor, 'exp_avg', 'exp_avg_sq'): checkpoints load either way.
+
+    Takes `group["grad_scale"]` as HostAdamW8bit does (the clip coefficient, applied inside the pass; back to
+    1.0 after the step). Parameters the kernel cannot take (CUDA, fp64, non-contiguous, sparse gradients, a
+    group with amsgrad, maximize or differentiable, or no compiled kernel) step in torch's own AdamW (the
+    `fused`/`foreach` given here), their gradient multiplied by the scale first.
+
+    `step_fused(param, grad, ...)`: the offloaded optimizer's entry (offload.py `_update`): one parameter
+    from a gradient buffer of its own dtype (bf16 for an fp32 master), clip and rounding into the upload
+    buffer in the same pass; no `.grad` (a bf16 gradient cannot be an fp32 parameter's `.grad`)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rest = []  # parameters for torch's own step
+        for group in self.param_groups:
+            scale, group["grad_scale"] = float(group.get("grad_scale", 1.0)), 1.0
+            for p in group["params"]:
+                if p.grad is not None and not self._fused(group, p, p.grad, scale, None):
+                    if scale != 1.0:  # the fallback: clip the gradient itself
+                        p.grad.mul_(scale)
+                    rest.append(p)
+        if rest:  # torch's step skips parameters without .grad: hide those the kernel has stepped
+            keep = {id(p) for p in rest}
+            hidden = [(p, p.grad) for g in self.param_groups for p in g["params"]
+                      if p.grad is not None and id(p) not in keep]
+            for p, _ in hidden:
+                p.grad = None
+            try:
+                super().step()
+            finally:
+                for p, grad in hidden:
+                    p.grad = grad
+        return loss
+
+    @torch.no_grad()
+    def step_fused(self, param: torch.Tensor, grad: torch.Tensor, *, lr: float | None = None,
+                   grad_scale: float = 1.0, round_into: torch.Tensor | None = None) -> bool:
+        """Update `param` (one of this optimizer's) from `grad`, read in its own dtype (fp32 or bf16), as if
+        multiplied by `grad_scale` in that dtype first; write the new weight rounded to nearest even into bf16
+        `round_into` (may be `grad` itself: each element is read before it is written). `lr`: the group's rate
+        for this step (stored in the group, as the offloaded optimizer's inner steps do). Returns False,
+        touching nothing, where the kernel cannot take it (then clip, widen, step() and copy as before)."""
+        group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
+        if lr is not None:
+            group["lr"] = lr
+        return self._fused(group, param, grad, grad_scale, round_into)
+
+    def _fused(self, group: dict, p: torch.Tensor, grad: torch.Tensor, scale: float,
+               round_into: torch.Tensor | None) -> bool:
+        if (library() is None or group["amsgrad"] or group["maximize"] or group.get("differentiable")
+                or p.device.type != "cpu" or p.dtype != torch.float32):
+            return False
+        state = self.state[p]
+        if not state:  # torch AdamW's state, as its _init_group makes it (fused: a float32 step on the device),
+            if not _adamw_takes(p, grad, p, p, round_into):  # made only if the kernel will take it
+                return False
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        step = int(state["step"]) + 1
+        ok = adamw_step(p.data, grad, state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]), beta1=beta1,
+                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                        grad_scale=scale, round_into=round_into)
+        if ok:
+            state["step"] += 1
+        return ok

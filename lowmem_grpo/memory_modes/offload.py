@@ -556,13 +556,19 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         `generator`), send the new weight up (CUDA: `_uploaded[index]` completes when it is there)."""
         p = self.params[index]
         grad, host = self.host_grad[p], self.host[p]
-        self.clip_gradient(index, coef)
-        self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
-        self._step_inner(index, grad.float() if grad.dtype != host.dtype else grad, lr)  # bf16 grad, fp32 master
-        upload = host
-        if host.dtype != p.dtype:  # the master rounded to nearest into the (pinned) gradient buffer:
-            upload = grad  # its gradient is used up; the next one arrives after this upload
-            upload.copy_(host)
+        # An fp32 master (`adamw` on bf16 weights) goes up rounded to nearest, in the (pinned) gradient
+        # buffer: its gradient is used up; the next one arrives after this upload.
+        rounded = host.dtype != p.dtype
+        step_fused = getattr(self.inner[p], "step_fused", None)  # host_adamw.HostAdamW: all of it in one pass
+        scale = 1.0 if coef is None else min(float(coef), 1.0)
+        if step_fused is None or not step_fused(host, grad, lr=lr, grad_scale=scale,
+                                                round_into=grad if rounded else None):
+            self.clip_gradient(index, coef)
+            self.inner[p].rounding_generator = generator  # read by sr_adamw.py and host_adamw.py
+            self._step_inner(index, grad.float() if rounded else grad, lr)  # bf16 grad, fp32 master: widened
+            if rounded:
+                grad.copy_(host)
+        upload = grad if rounded else host
         if self.on_cuda:  # (the side stream already waits for the backward: end_step)
             with torch.cuda.stream(self.side):  # the new weight goes back while the host updates the next
                 p.data.copy_(upload, non_blocking=True)

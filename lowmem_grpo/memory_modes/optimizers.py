@@ -46,8 +46,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     """The configured optimizer. `stochastic_rounding` selects the bf16-weight variant (sr_adamw.py);
     `cfg.offload_optimizer` keeps states and the update in host RAM (offload.py: gradients sent down from
     backward hooks, summed there over the micro-batches, the global norm, one update per optimizer step;
-    the 8-bit optimizers step in host_adamw.py's fused CPU kernel; a tied embedding's head then needs
-    `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
+    the 8-bit optimizers and `adamw` step in host_adamw.py's fused CPU kernels; a tied embedding's head then
+    needs `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
     inside backward on the device (optimizer_in_backward.py)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
@@ -56,8 +56,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
         from .offload import OffloadedOptimizerInBackward
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
         states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
-        if cfg.optimizer == "adamw":  # on the CPU: torch's fused kernel, on fp32 master weights
-            return OffloadedOptimizerInBackward(groups, lambda g: torch.optim.AdamW(g, fused=True, **kw),
+        if cfg.optimizer == "adamw":  # on the CPU: host_adamw.py's fused kernel (torch's fused AdamW arithmetic,
+            from .host_adamw import HostAdamW  # torch's AdamW state format) on fp32 master weights
+            return OffloadedOptimizerInBackward(groups, lambda g: HostAdamW(g, fused=True, **kw),
                                                 cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
         # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
         from .host_adamw import host_adamw8bit_class
