@@ -101,6 +101,8 @@ class SamplingStats:
     decode_steps: int = 0  # decode forwards
     decode_row_steps: int = 0  # rows summed over decode forwards: the decode compute
     refills: int = 0  # rows started in the slot of a finished row while others decode
+    decode_steps_queued: int = 0  # decode_steps taken while samples were still waiting for a slot
+    decode_row_steps_queued: int = 0  # decode_row_steps of those steps
     compactions: int = 0  # times finished rows were dropped from the batch
     host_reads: int = 0  # device -> host reads of the stop flags
     generated_tokens: int = 0  # completion tokens kept (up to and including EOS)
@@ -108,6 +110,11 @@ class SamplingStats:
     @property
     def mean_rows_per_step(self) -> float:
         return self.decode_row_steps / max(self.decode_steps, 1)
+
+    @property
+    def mean_rows_per_step_queued(self) -> float:
+        """Rows per decode step while samples waited: the micro-batch, if every finished slot is refilled."""
+        return self.decode_row_steps_queued / max(self.decode_steps_queued, 1)
 
 
 @dataclass(frozen=True)
@@ -328,7 +335,7 @@ class _Rollout:
             slots.place(free[:len(entries)], entries)
             stats.refills += len(entries)
             free = free[len(entries):]
-        if not self.queue and free and len(free) >= _COMPACT_FRACTION * len(done):
+        if (not self.refill or not self.queue) and free and len(free) >= _COMPACT_FRACTION * len(done):
             gone = set(free)
             slots.select([i for i in range(len(done)) if i not in gone])
             stats.compactions += 1
@@ -340,6 +347,7 @@ class _Rollout:
         slots, s = self.slots, self.s
         procs = _processors(s, torch.tensor(slots.left_pad, device=self.device))  # the padding changes only at reads
         attention = slots.padded  # likewise
+        queued = bool(self.queue)  # likewise
         for _ in range(steps):
             slots.append_input()  # history, mask: (S, L + 1)
             logits, slots.cache = _forward(self.model, self.keep_logits, input_ids=slots.inp[:, None],
@@ -348,6 +356,9 @@ class _Rollout:
             slots.pos += 1
             self.stats.decode_steps += 1
             self.stats.decode_row_steps += len(slots)
+            if queued:
+                self.stats.decode_steps_queued += 1
+                self.stats.decode_row_steps_queued += len(slots)
             scores = procs(slots.history, logits)  # (S, V) fp32
             if s.greedy:
                 nxt = torch.argmax(scores, dim=-1)  # (S,)
