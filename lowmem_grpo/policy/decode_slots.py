@@ -7,10 +7,11 @@ that are padding in every slot are dropped again at the next host read (a view, 
 cache is never longer than the oldest live row (prompt + tokens so far), however often slots are
 refilled.
 
-A row enters a slot with its prompt's prefix (all but the last token) already in the cache, copied
-from that prompt's one prefill (`Prefill`), and the prompt's last token as its next decode input:
-the first decode step of a row computes its first token's logits, so a refilled row joins the
-batch's next step without a forward of its own.
+Each prompt is prefilled once (`Prefill`: its K/V and last-position logits); its samples copy from
+there. A new batch takes whole prompts and samples its first tokens from the prefill's logits, as
+generate() does. A row that refills a slot while others decode takes its prompt's prefix (all but
+the last token) and the last prompt token as its next decode input: the batch's next step computes
+its first token's logits, so it joins without a forward of its own.
 
 The left padding of each slot is known on the host (it changes only when the host places, drops or
 trims rows), so deciding whether the batch needs an attention mask costs no device read.
@@ -44,12 +45,13 @@ def cache_layers_problem(cache) -> Optional[str]:
 
 @dataclass
 class Prefill:
-    """The prefixes (prompt minus its last token) of some prompts, run once as a left-padded batch."""
+    """Some prompts, run once as a left-padded batch (each prompt's last token is in the last column)."""
 
     keys: list  # per layer (k, H, W, D)
     values: list  # per layer (k, H, W, D)
-    ids: Tensor  # (k, W) long, left-padded prefixes
+    ids: Tensor  # (k, W) long, left-padded prompts
     mask: Tensor  # (k, W) bool
+    logits: Tensor  # (k, V) fp32, at each prompt's last token
 
     @property
     def width(self) -> int:
@@ -58,9 +60,9 @@ class Prefill:
 
 @dataclass
 class Entry:
-    """A row about to take a slot: where its prefix's K/V are, its last prompt token, its output row."""
+    """A row about to take a slot: where its prompt's K/V are, its last prompt token, its output row."""
 
-    prefill: Optional[Prefill]  # None: a one-token prompt (empty prefix)
+    prefill: Prefill
     index: int  # its row in prefill
     last_token: int
     prompt_len: int
@@ -110,15 +112,18 @@ class Slots:
         self.attention = torch.cat([self.attention.new_zeros((S, n)), self.attention], 1)
         self.left_pad = [p + n for p in self.left_pad]
 
-    def place(self, slots: list[int], entries: list[Entry]) -> None:
-        """Start each entry's row in its slot: prefix K/V at the right end of the cache, padding before."""
-        groups: dict[int, tuple[Optional[Prefill], list[int], list[Entry]]] = {}
+    def place(self, slots: list[int], entries: list[Entry], whole_prompt: bool) -> None:
+        """Start each entry's row in its slot, its K/V at the right end of the cache, padding before.
+
+        whole_prompt: the whole prompt is cached and the row's first token is sampled from the prefill's
+        logits (`first_logits`); else the prefix is cached and the last prompt token is the next input."""
+        groups: dict[int, tuple[Prefill, list[int], list[Entry]]] = {}
         for s, e in zip(slots, entries):
             groups.setdefault(id(e.prefill), (e.prefill, [], []))
             groups[id(e.prefill)][1].append(s)
             groups[id(e.prefill)][2].append(e)
         for prefill, group_slots, group in groups.values():
-            W = 0 if prefill is None else prefill.width
+            W = prefill.width - (0 if whole_prompt else 1)  # columns copied
             if W > self.width:
                 self.grow_left(W - self.width, prefill)
             L, dev = self.width, self.history.device
@@ -131,15 +136,16 @@ class Slots:
                     layer.values[idx] = 0
             if W:
                 j = torch.tensor([e.index for e in group], device=dev)
-                self.history[idx, L - W:] = prefill.ids[j]
-                self.attention[idx, L - W:] = prefill.mask[j]
+                self.history[idx, L - W:] = prefill.ids[j, :W]
+                self.attention[idx, L - W:] = prefill.mask[j, :W]
                 for layer, k, v in zip(self.cache.layers, prefill.keys, prefill.values):
-                    layer.keys[idx, :, L - W:] = k[j]
-                    layer.values[idx, :, L - W:] = v[j]
-            for s, e in zip(group_slots, group):
-                self.left_pad[s] = L - (e.prompt_len - 1)
-            self.inp[idx] = torch.tensor([e.last_token for e in group], device=dev)
-            self.pos[idx] = torch.tensor([e.prompt_len - 1 for e in group], device=dev)
+                    layer.keys[idx, :, L - W:] = k[j, :, :W]
+                    layer.values[idx, :, L - W:] = v[j, :, :W]
+            cached = [e.prompt_len - (0 if whole_prompt else 1) for e in group]  # tokens of each row in the cache
+            for s, n in zip(group_slots, cached):
+                self.left_pad[s] = L - n
+            self.inp[idx] = torch.tensor([e.last_token for e in group], device=dev)  # (whole_prompt: unused)
+            self.pos[idx] = torch.tensor(cached, device=dev)  # the position of the next input
             self.out_row[idx] = torch.tensor([e.out_row for e in group], device=dev)
             self.ngen[idx] = 0
             self.done[idx] = False

@@ -232,8 +232,7 @@ class _Waiting:
     prompt: list[int]
     out_row: int
     count: int
-    prefilled: bool = False
-    prefill: Optional[Prefill] = None  # where its prefix's K/V are (None: a one-token prompt)
+    prefill: Optional[Prefill] = None  # where its K/V are, once prefilled
     index: int = 0  # its row in prefill
 
 
@@ -256,7 +255,7 @@ class _Queue:
         following prompts this take also reaches; the rest of a prompt's samples wait with its prefill."""
         entries: list[Entry] = []
         while len(entries) < n and self.waiting:
-            if not self.waiting[0].prefilled:  # prefilled prompts are always a prefix of the queue
+            if self.waiting[0].prefill is None:  # prefilled prompts are always a prefix of the queue
                 need, batch = n - len(entries), []
                 for w in self.waiting:
                     if need <= 0:
@@ -275,25 +274,20 @@ class _Queue:
 
 def _prefill(model: nn.Module, waiting: list[_Waiting], *, pad_id: int, device: torch.device, keep_logits: bool,
              stats: SamplingStats) -> None:
-    """Run these prompts' prefixes (all but the last token) once, as one left-padded batch: (k, W) tokens."""
+    """Run these prompts once, as one left-padded batch: (k, W) tokens, last-position logits only."""
     stats.prefill_rows += len(waiting)
-    for w in waiting:
-        w.prefilled = True
-    longer = [w for w in waiting if len(w.prompt) > 1]
-    if not longer:
-        return
-    ids, mask = left_pad([w.prompt[:-1] for w in longer], pad_id)  # (k, W) each
+    ids, mask = left_pad([w.prompt for w in waiting], pad_id)  # (k, W) each
     # generate() drops an all-ones mask (no padding): same attention path, same numbers
     attention = None if bool(mask.all()) else mask.long().to(device)
     ids, mask = ids.to(device), mask.to(device)
-    _, cache = _forward(model, keep_logits, input_ids=ids, attention_mask=attention,
-                        position_ids=position_ids_for(mask), past_key_values=new_cache(model))
+    logits, cache = _forward(model, keep_logits, input_ids=ids, attention_mask=attention,
+                             position_ids=position_ids_for(mask), past_key_values=new_cache(model))  # (k, V)
     problem = cache_layers_problem(cache)
     if problem:
         raise RuntimeError(f"fast sampling: {problem}")
     prefill = Prefill(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
-                      ids=ids, mask=mask)
-    for j, w in enumerate(longer):
+                      ids=ids, mask=mask, logits=logits)
+    for j, w in enumerate(waiting):
         w.prefill, w.index = prefill, j
 
 
@@ -310,6 +304,7 @@ class _Rollout:
         self.out = torch.full((queue.rows, max_new + 1), pad_id, dtype=torch.long, device=device)
         self.lengths = torch.zeros(queue.rows, dtype=torch.long, device=device)  # (N,) tokens kept per row
         self.slots: Optional[Slots] = None
+        self.first_logits: Optional[Tensor] = None  # (S, V): a new batch's first tokens come from its prefills
 
     def _start(self, n: int) -> list[Entry]:
         return self.queue.take(n, lambda waiting: _prefill(self.model, waiting, pad_id=self.pad_id, device=self.device,
@@ -327,12 +322,13 @@ class _Rollout:
                 return False
             entries = self._start(self.micro_batch)
             self.slots = Slots(self.model, len(entries), self.pad_id, self.device)
-            self.slots.place(list(range(len(entries))), entries)
+            self.slots.place(list(range(len(entries))), entries, whole_prompt=True)
+            self.first_logits = torch.stack([e.prefill.logits[e.index] for e in entries])  # (S, V)
             stats.micro_batches += 1
             return True
         if self.refill and self.queue and free:
             entries = self._start(len(free))
-            slots.place(free[:len(entries)], entries)
+            slots.place(free[:len(entries)], entries, whole_prompt=False)
             stats.refills += len(entries)
             free = free[len(entries):]
         if (not self.refill or not self.queue) and free and len(free) >= _COMPACT_FRACTION * len(done):
@@ -349,16 +345,19 @@ class _Rollout:
         attention = slots.padded  # likewise
         queued = bool(self.queue)  # likewise
         for _ in range(steps):
-            slots.append_input()  # history, mask: (S, L + 1)
-            logits, slots.cache = _forward(self.model, self.keep_logits, input_ids=slots.inp[:, None],
-                                           attention_mask=slots.attention if attention else None,
-                                           position_ids=slots.pos[:, None], past_key_values=slots.cache)  # (S, V)
-            slots.pos += 1
-            self.stats.decode_steps += 1
-            self.stats.decode_row_steps += len(slots)
-            if queued:
-                self.stats.decode_steps_queued += 1
-                self.stats.decode_row_steps_queued += len(slots)
+            if self.first_logits is not None:  # a new batch: its prompts' logits are known
+                logits, self.first_logits = self.first_logits, None
+            else:
+                slots.append_input()  # history, mask: (S, L + 1)
+                logits, slots.cache = _forward(self.model, self.keep_logits, input_ids=slots.inp[:, None],
+                                               attention_mask=slots.attention if attention else None,
+                                               position_ids=slots.pos[:, None], past_key_values=slots.cache)  # (S, V)
+                slots.pos += 1
+                self.stats.decode_steps += 1
+                self.stats.decode_row_steps += len(slots)
+                if queued:
+                    self.stats.decode_steps_queued += 1
+                    self.stats.decode_row_steps_queued += len(slots)
             scores = procs(slots.history, logits)  # (S, V) fp32
             if s.greedy:
                 nxt = torch.argmax(scores, dim=-1)  # (S,)

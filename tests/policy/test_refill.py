@@ -74,8 +74,9 @@ def test_reading_stop_flags_every_k_steps_gives_the_same_tokens():
     k_steps = sample(model, distinct, G, cfg, stats=sparse, read_every=read_every, **kw)
     slow = generate_completions(model, [p for p in distinct for _ in range(G)], cfg, eos)
     assert torch.equal(each_step, slow) and torch.equal(k_steps, slow)
-    assert every.host_reads == every.decode_steps
-    assert sparse.host_reads * read_every == sparse.decode_steps
+    # a read after every k samplings; a new batch samples its first tokens from the prefill, not a decode step
+    assert every.host_reads == every.decode_steps + every.micro_batches
+    assert sparse.host_reads * read_every == sparse.decode_steps + sparse.micro_batches
     assert sparse.host_reads < every.host_reads and sparse.refills > 0
     assert sparse.decode_row_steps > every.decode_row_steps  # the dead steps between reads
     with pytest.raises(ValueError, match="read_every"):

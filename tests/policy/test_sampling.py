@@ -243,7 +243,7 @@ def test_sampled_distribution_matches_generate(name, micro_batch):
         stats = SamplingStats()
         completions = sample(model, distinct, N_PER_PROMPT, cfg, stats=stats, **kw)
         fast = Batch(*left_pad(prompts, pad), completions, *eos_mask(completions, [EOS]))
-        assert stats.refills > 10 * micro_batch and stats.mean_rows_per_step_queued == micro_batch
+        assert stats.refills > 4 * micro_batch and stats.mean_rows_per_step_queued == micro_batch
     power = {m: 0.0 for m, _, _ in mistakes}  # the largest TV(exact, mistaken) / (2 tol) over the comparisons
     for i, prompt in enumerate(distinct):
         rows = slice(i * N_PER_PROMPT, (i + 1) * N_PER_PROMPT)
