@@ -1,11 +1,17 @@
-"""Rollout speed: completion tokens per second of rollout.generate, generate() path vs the fast sampler.
+"""Rollout speed: completion tokens per second of transformers' generate() vs the fast sampler, without
+and with continuous refill.
 
-    python benchmarks/rollout_speed.py --arch SmolLM2-135M --prompts 4 --G 8 --prompt-len 60 --max-new 64 \
-        --eos-hazard 0.03 --repeats 3 --json runs/rollout_speed.json
+    python benchmarks/rollout_speed.py --arch SmolLM2-135M --prompts 8 --G 8 --max-new 64 --eos-hazard 0.05 \
+        --micro-batch 16 --repeats 3 --json runs/rollout_speed.json
 
-Both paths are `lowmem_grpo.policy.rollout.generate` on the same inputs, with generation.fast_rollout
-false ("generate": transformers' generate() on micro-batches of left-padded rows) and true ("fast":
-policy/sampling.py: one prefill per prompt, finished rows leave the batch).
+Three paths on the same inputs:
+  generate  `lowmem_grpo.policy.rollout.generate` with generation.fast_rollout false: transformers'
+            generate() on micro-batches of left-padded rows;
+  fast      policy/sampling.py's `sample` with refill=False: one prefill per prompt, finished rows leave
+            the batch, but a new micro-batch starts only when the last row of the previous one has
+            finished (the loop before issue 27);
+  refill    `sample` as rollout.generate runs it: a finished row's slot takes the next waiting sample.
+Only the paths named in --paths run (default all three).
 
 Set-up: a random-weight model of the architecture preset (lowmem_grpo/memory/presets.py; speed does not
 depend on weight values, no download), fp32 weights, `--prompts` prompts of random ids, lengths spread
@@ -15,11 +21,12 @@ prompts so that EOS has probability ~`--eos-hazard` per step (geometric lengths,
 --max-new), as a trained policy's varied lengths would be; a random model alone almost never stops.
 
 Timing: one short warm-up run per path, then `--repeats` runs per path, the paths alternating and each
-run seeded the same for both paths; wall time around the whole call. "tokens" are the useful completion
-tokens (completion_mask: up to and including EOS), the quantity a rollout exists to produce; the two
-paths draw different random streams, so their lengths differ a little and tokens/s is the fair rate.
-Afterwards one untimed fast run reports what the sampler did (prefills, decode row-steps, compactions)
-next to the row-steps generate() runs (every row until its micro-batch's longest row ends).
+run seeded the same for every path; wall time around the whole call. "tokens" are the useful completion
+tokens (up to and including EOS), the quantity a rollout exists to produce; the paths draw different
+random streams, so their lengths differ a little and tokens/s is the fair rate. For the two sampler
+paths the sampler's own counts (SamplingStats) are summed over the timed runs: mean rows per decode
+step overall and while samples still waited for a slot (the micro-batch, when refill keeps it full);
+generate()'s row-steps are counted from its lengths (every row until its micro-batch's longest ends).
 CPU timings move with anything else running on the machine: run it on a quiet one.
 """
 
@@ -36,7 +43,7 @@ import torch
 from bench_utils import machine_info, write_json
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.policy.rollout import generate
+from lowmem_grpo.policy.rollout import eos_mask, generate
 from lowmem_grpo.policy.sampling import SamplingStats, sample
 
 
@@ -72,19 +79,30 @@ def add_eos_bias(model, prompts: list[list[int]], eos: int, hazard: float, devic
     return bias
 
 
-def run(model, prompts, cfg, *, eos, pad, device, seed):
+def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed):
+    """One rollout by `path`: (seconds, completion tokens, mean length over rows, truncated fraction, stats)."""
+    stats = SamplingStats()
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    batch = generate(model, prompts, cfg, eos_ids=[eos], pad_id=pad, device=device)
+    if path == "generate":
+        completions = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos],
+                               pad_id=pad, device=device).completion_ids
+    else:
+        completions = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=pad, device=device, stats=stats,
+                             refill=path == "refill")
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, batch
+    seconds = time.perf_counter() - t0
+    mask, truncated = eos_mask(completions, [eos])
+    return seconds, mask, truncated, stats
 
 
-def generate_row_steps(batch, micro_batch: int) -> int:
+def generate_row_steps(lengths, micro_batch: int) -> int:
     """Decode forwards x rows generate() runs: every row of a micro-batch until its longest row ends."""
-    lengths = batch.completion_mask.sum(1)
     return sum(len(chunk) * (int(chunk.max()) - 1) for chunk in lengths.split(micro_batch))
+
+
+PATHS = ("generate", "fast", "refill")
 
 
 def main() -> None:
@@ -97,56 +115,72 @@ def main() -> None:
     parser.add_argument("--eos-hazard", type=float, default=0.03, help="P(EOS) per step; 0 = never stop early")
     parser.add_argument("--micro-batch", type=int, default=64, help="generation_micro_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
+    paths = [p for p in args.paths.split(",") if p]
+    if not paths or any(p not in PATHS for p in paths):
+        parser.error(f"--paths: choose from {', '.join(PATHS)}, got {args.paths!r}")
 
     device = torch.device(args.device)
     model, eos, pad = build_model(args.arch, device)
     distinct = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, eos)
     bias = add_eos_bias(model, distinct, eos, args.eos_hazard, device) if args.eos_hazard > 0 else None
     prompts = [p for p in distinct for _ in range(args.G)]
-    base = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch)
-    cfgs = {"generate": dataclasses.replace(base, fast_rollout=False),
-            "fast": dataclasses.replace(base, fast_rollout=True)}
+    cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch)
     print(f"{args.arch} random weights on {device}: {args.prompts} prompts ({[len(p) for p in distinct]} tokens) "
-          f"x G={args.G}, max {args.max_new} new tokens, EOS logit bias {bias}")
+          f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
 
-    for name, cfg in cfgs.items():  # warm-up
-        run(model, prompts, dataclasses.replace(cfg, max_completion_length=4), eos=eos, pad=pad, device=device, seed=0)
-    runs: dict[str, list[dict]] = {name: [] for name in cfgs}
+    kw = dict(G=args.G, eos=eos, pad=pad, device=device)
+    for path in paths:  # warm-up
+        run(model, prompts, distinct, dataclasses.replace(cfg, max_completion_length=4), path, seed=0, **kw)
+    runs: dict[str, list[dict]] = {path: [] for path in paths}
+    stats = {path: SamplingStats() for path in paths if path != "generate"}
     for r in range(args.repeats):
-        for name, cfg in cfgs.items():
-            seconds, batch = run(model, prompts, cfg, eos=eos, pad=pad, device=device, seed=1000 + r)
-            tokens = int(batch.completion_mask.sum())
-            runs[name].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                               "mean_length": tokens / len(prompts),
-                               "truncated": float(batch.is_truncated.float().mean()),
-                               "generate_row_steps": generate_row_steps(batch, args.micro_batch)})
-            print(f"  repeat {r} {name:8s} {seconds:7.2f} s  {tokens:5d} tokens  {tokens / seconds:7.1f} tok/s  "
-                  f"mean length {tokens / len(prompts):.1f}, truncated {runs[name][-1]['truncated']:.2f}")
+        for path in paths:
+            seconds, mask, truncated, st = run(model, prompts, distinct, cfg, path, seed=1000 + r, **kw)
+            tokens = int(mask.sum())
+            runs[path].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                               "mean_length": tokens / len(prompts), "truncated": float(truncated.float().mean()),
+                               "generate_row_steps": generate_row_steps(mask.sum(1), args.micro_batch),
+                               "sampler": dataclasses.asdict(st)})
+            if path in stats:
+                for f in dataclasses.fields(SamplingStats):
+                    setattr(stats[path], f.name, getattr(stats[path], f.name) + getattr(st, f.name))
+            print(f"  repeat {r} {path:8s} {seconds:7.2f} s  {tokens:5d} tokens  {tokens / seconds:7.1f} tok/s  "
+                  f"mean length {tokens / len(prompts):.1f}, truncated {runs[path][-1]['truncated']:.2f}")
 
-    stats = SamplingStats()
-    torch.manual_seed(1000)
-    sample(model, distinct, args.G, base, eos_ids=[eos], pad_id=pad, device=device, stats=stats)
     summary = {}
-    for name, rs in runs.items():
+    for path, rs in runs.items():
         total_t, total_n = sum(x["seconds"] for x in rs), sum(x["tokens"] for x in rs)
-        summary[name] = {"median_seconds": statistics.median(x["seconds"] for x in rs), "tokens": total_n,
+        summary[path] = {"median_seconds": statistics.median(x["seconds"] for x in rs), "tokens": total_n,
                          "seconds": total_t, "tokens_per_s": total_n / total_t,
                          "mean_length": total_n / (len(prompts) * len(rs))}
-    speedup = summary["fast"]["tokens_per_s"] / summary["generate"]["tokens_per_s"]
-    for name, x in summary.items():
-        print(f"{name:8s} {x['tokens_per_s']:7.1f} tok/s, median {x['median_seconds']:.2f} s per rollout, "
-              f"mean length {x['mean_length']:.1f}")
-    print(f"speed-up (tokens/s): {speedup:.2f}x")
-    print(f"fast sampler, one rollout: {stats.prefill_rows} prompt prefills (generate(): {len(prompts)}), "
-          f"{stats.decode_row_steps} decode row-steps (generate() on its own draw: "
-          f"{runs['generate'][0]['generate_row_steps']}), {stats.compactions} compactions")
+        if path in stats:
+            summary[path].update(mean_rows_per_step=stats[path].mean_rows_per_step,
+                                 mean_rows_per_step_queued=stats[path].mean_rows_per_step_queued,
+                                 decode_row_steps=stats[path].decode_row_steps, refills=stats[path].refills,
+                                 compactions=stats[path].compactions, prefill_rows=stats[path].prefill_rows)
+        else:
+            row_steps = sum(x["generate_row_steps"] for x in rs)
+            summary[path].update(decode_row_steps=row_steps)
+    for path, x in summary.items():
+        rows = (f", {x['mean_rows_per_step']:.1f} rows per decode step ({x['mean_rows_per_step_queued']:.1f} while "
+                f"samples waited), {x['decode_row_steps']} row-steps, {x['refills']} refills, "
+                f"{x['compactions']} compactions, {x['prefill_rows']} prefills"
+                if path in stats else f", {x['decode_row_steps']} row-steps (counted from its lengths)")
+        print(f"{path:8s} {x['tokens_per_s']:7.1f} tok/s, median {x['median_seconds']:.2f} s per rollout, "
+              f"mean length {x['mean_length']:.1f}{rows}")
+    ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
+              for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"))
+              if a in summary and b in summary}
+    for name, value in ratios.items():
+        print(f"speed-up {name} (tokens/s): {value:.2f}x")
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": machine_info(device.type), "eos_logit_bias": bias,
                                "prompt_lengths": [len(p) for p in distinct], "runs": runs, "summary": summary,
-                               "speedup_tokens_per_s": speedup, "fast_sampler_stats": dataclasses.asdict(stats)})
+                               "speedups_tokens_per_s": ratios})
 
 
 if __name__ == "__main__":

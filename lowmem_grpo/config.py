@@ -193,8 +193,10 @@ class GenerationConfig:
                                               "(bytes ~ this x (prompt + completion) x layers x 2 x kv_dim x dtype).",
                                               check=POSITIVE)
     fast_rollout: bool = _f(True, "Sample with lowmem-grpo's decode loop instead of transformers' generate(): each "
-                                  "prompt is prefilled once and its KV cache shared by its G samples, and rows that "
-                                  "have produced EOS leave the batch. Same sampling distribution and settings; "
+                                  "prompt is prefilled once and its KV cache shared by its G samples, rows that "
+                                  "have produced EOS leave the batch, and their slots go to the next waiting "
+                                  "samples (at most generation_micro_batch_size rows decode at once, so the KV "
+                                  "cache bound is the same). Same sampling distribution and settings; "
                                   "false = generate().")
 
 

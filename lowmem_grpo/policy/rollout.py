@@ -108,7 +108,8 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
     """One completion per entry of `prompts` (repeat a prompt G times to get G samples).
 
     generation.fast_rollout: runs of identical consecutive prompts (a prompt's G copies) are prefilled
-    once and finished rows stop costing compute (policy/sampling.py); same distribution as generate(),
+    once, finished rows stop costing compute and their slots go to waiting samples (policy/sampling.py);
+    same distribution as generate(),
     which is used where sampling.py cannot match it (the reason is logged once).
     """
     from transformers import GenerationConfig as HFGenerationConfig

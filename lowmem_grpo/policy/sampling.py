@@ -1,34 +1,40 @@
-"""Fast rollout sampling: one prefill per prompt, and rows that have finished leave the batch.
+"""Fast rollout sampling: one prefill per prompt, finished rows leave the batch, free slots are refilled.
 
-`generate()` as rollout.generate used it pays twice for things GRPO does not need:
+`generate()` as rollout.generate used it pays for things GRPO does not need:
 
 * each prompt is repeated G times, so its prefill (the longest forward of a rollout) runs G times;
 * a row that has produced EOS keeps decoding (its tokens are replaced by padding) until the last
-  row of its micro-batch finishes, so with spread-out lengths most late steps compute dead rows.
+  row of its micro-batch finishes, so with spread-out lengths most late steps compute dead rows;
+* the next micro-batch waits for that last row, so the batch runs ever smaller at the end of each.
 
-`sample` prefills each distinct prompt once (left-padded batch of the distinct prompts, last-position
-logits only, so no (B, L, V) tensor), copies the KV cache to the prompt's samples with the Cache's own
-batch methods, and decodes step by step. Finished rows are dropped from the cache with
-`batch_select_indices` once a quarter of the batch is dead (see `_COMPACT_FRACTION`).
+`sample` keeps up to `micro_batch` rows decoding in slots (policy/decode_slots.py). Each distinct
+prompt's prefix (all but its last token) is prefilled once, and each of its samples starts in a slot
+with a copy of that prefix's K/V and the last prompt token as its first decode input. When a row
+finishes, its slot is refilled with the next waiting sample (continuous refill); once nothing waits,
+finished rows are dropped from the batch once a quarter of it is dead (see `_COMPACT_FRACTION`).
+The stop flags stay on the device; the host reads them every `_READ_EVERY` steps and refills or
+compacts only then, so there is no device -> host read per token where that would stall a GPU.
 
 The sampling distribution is generate()'s: the settings are resolved as generate() resolves them
 (rollout.sampling_kwargs, with values left None taken from the model's own generation_config), the
 logits go to fp32 and through transformers' own processors in generate()'s order (repetition penalty,
 then temperature, top-k, top-p, min-p), then softmax + multinomial (argmax when greedy). Position ids
-skip left padding and the 2D attention mask grows by one per step, as in generate(). The random
-stream is generate()'s until the first row finishes (then finished rows draw no numbers here), so
-samples match in distribution, greedy exactly (up to floating-point differences from batch shapes).
+skip left padding and the 2D attention mask grows by one per step, as in generate(). Every row draws
+its own numbers each step (finished rows too, until the next read), so samples match generate() in
+distribution, greedy exactly (up to floating-point differences from batch shapes and padding).
 
 Not supported, checked up front by `fast_sampling_problem`: generation settings whose processors are
 not implemented here (n-gram bans, bad words, min length, typical-p, ...; a model's
-generation_config can set them), encoder-decoder models, and caches whose layers cannot select batch
-rows (linear-attention / recurrent layers). rollout.generate then falls back to generate() and logs why.
+generation_config can set them), encoder-decoder models, and caches whose layers are not plain
+growing key/value layers (sliding-window, linear-attention / recurrent layers). rollout.generate then
+falls back to generate() and logs why.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -36,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import GenerationConfig
+from .decode_slots import Entry, Prefill, Slots, cache_layers_problem, new_cache
 from .model import position_ids_for
 from .rollout import left_pad, sampling_kwargs  # rollout.generate imports this module when called
 
@@ -47,6 +54,15 @@ log = logging.getLogger(__name__)
 # Waiting for a quarter bounds the wasted compute at 25% of a step and the number of copies at
 # log_{4/3}(rows) (about 15 for 64 rows) however the lengths are spread.
 _COMPACT_FRACTION = 0.25
+
+# Decode steps between two host reads of the stop flags (the only device -> host read of the loop; the
+# refill and compaction decisions happen there). On the CPU a read costs nothing (every op has already
+# run when Python moves on), so every step: a finished row's slot is refilled at once. On a GPU a read
+# blocks the host until the queued steps have run, so the device idles while the host launches the next
+# step; reading every 8 steps lets the host queue up to 8 steps ahead, and costs a finished row at most
+# 7 dead steps before its slot is refilled (3.5 on average, ~1.4% of a 256-token completion's steps).
+_READ_EVERY = {"cpu": 1}
+_READ_EVERY_ELSEWHERE = 8
 
 # generate() settings that add a logits processor this module does not implement, with the test
 # for "active" that generate() applies (a model's generation_config.json can set any of them).
@@ -80,11 +96,25 @@ _UNSUPPORTED_WHEN_SAMPLING = {
 class SamplingStats:
     """What a `sample` call did (for tests, logs and benchmarks); counts add up over calls."""
 
-    micro_batches: int = 0
+    micro_batches: int = 0  # batches started with every slot empty
     prefill_rows: int = 0  # distinct prompts prefilled
+    decode_steps: int = 0  # decode forwards
     decode_row_steps: int = 0  # rows summed over decode forwards: the decode compute
-    compactions: int = 0  # batch_select_indices calls that dropped finished rows
+    refills: int = 0  # rows started in the slot of a finished row while others decode
+    decode_steps_queued: int = 0  # decode_steps taken while samples were still waiting for a slot
+    decode_row_steps_queued: int = 0  # decode_row_steps of those steps
+    compactions: int = 0  # times finished rows were dropped from the batch
+    host_reads: int = 0  # device -> host reads of the stop flags
     generated_tokens: int = 0  # completion tokens kept (up to and including EOS)
+
+    @property
+    def mean_rows_per_step(self) -> float:
+        return self.decode_row_steps / max(self.decode_steps, 1)
+
+    @property
+    def mean_rows_per_step_queued(self) -> float:
+        """Rows per decode step while samples waited: the micro-batch, if every finished slot is refilled."""
+        return self.decode_row_steps_queued / max(self.decode_steps_queued, 1)
 
 
 @dataclass(frozen=True)
@@ -122,19 +152,14 @@ def _resolve(model: nn.Module, cfg: GenerationConfig, greedy: bool) -> tuple[_Se
     return settings, problem
 
 
-def _new_cache(model: nn.Module):
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() builds it
-
-
 def _cache_problem(model: nn.Module) -> Optional[str]:
     try:
-        cache = _new_cache(model)
+        cache = new_cache(model)
     except Exception as e:  # noqa: BLE001 - any failure means "not this path"; the reason is logged
         return f"cannot build a DynamicCache for it ({e})"
-    for layer in cache.layers:
-        if not all(callable(getattr(layer, m, None)) for m in ("batch_select_indices", "batch_repeat_interleave")):
-            return f"its cache layers ({type(layer).__name__}) cannot select batch rows"
+    for layer in cache.layers:  # (built from the config; some releases add layers only at the first update)
+        if type(layer).__name__ != "DynamicLayer":
+            return f"its cache layers ({type(layer).__name__}) are not plain growing key/value layers"
     return None
 
 
@@ -179,31 +204,6 @@ def _processors(s: _Settings, pad_lengths: Tensor):
     return procs
 
 
-def plan_micro_batches(counts: list[int], micro_batch: int) -> list[list[tuple[int, int]]]:
-    """Split (prompt index, samples) into micro-batches of at most `micro_batch` rows.
-
-    A prompt's samples stay together unless they do not fit in an empty micro-batch; then they fill
-    the current one and continue in the next (each piece is prefilled once).
-    """
-    batches: list[list[tuple[int, int]]] = []
-    cur: list[tuple[int, int]] = []
-    room = micro_batch
-    for i, c in enumerate(counts):
-        if cur and room < c <= micro_batch:
-            batches.append(cur)
-            cur, room = [], micro_batch
-        while c > 0:
-            if room == 0:
-                batches.append(cur)
-                cur, room = [], micro_batch
-            take = min(c, room)
-            cur.append((i, take))
-            c, room = c - take, room - take
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 def group_runs(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
     """Consecutive identical prompts -> (distinct prompts, run lengths): callers repeat a prompt G times."""
     distinct: list[list[int]] = []
@@ -225,110 +225,202 @@ def _forward(model: nn.Module, keep_logits: bool, **kwargs) -> tuple[Tensor, obj
     return out.logits[:, -1].to(copy=True, dtype=torch.float32), out.past_key_values
 
 
-def _decode(model: nn.Module, prompts: list[list[int]], counts: list[int], s: _Settings, *, eos: Tensor,
-            pad_id: int, device: torch.device, max_new: int, keep_logits: bool, stats: SamplingStats) -> Tensor:
-    """One micro-batch: completions (sum(counts), C) right-padded with pad_id, C <= max_new."""
-    ids, mask = left_pad(prompts, pad_id)  # (k, P) each
-    ids, mask = ids.to(device), mask.to(device)
-    # generate() drops an all-ones mask (no padding): same attention path, same numbers
-    attention = None if bool(mask.all()) else mask.long()  # (k, P)
-    positions = position_ids_for(mask)  # (k, P), skips left padding
-    logits, cache = _forward(model, keep_logits, input_ids=ids, attention_mask=attention, position_ids=positions,
-                             past_key_values=_new_cache(model))  # (k, V)
-    stats.prefill_rows += len(prompts)
+@dataclass
+class _Waiting:
+    """A prompt whose samples have not all started; the next one becomes output row `out_row`."""
 
-    owner = torch.repeat_interleave(torch.arange(len(prompts), device=device),
-                                    torch.tensor(counts, device=device))  # (n,) prompt of each row
-    if len(set(counts)) == 1 and counts[0] > 1:
-        cache.batch_repeat_interleave(counts[0])  # (k, ...) -> (k * G, ...)
-    elif len(set(counts)) > 1:
-        cache.batch_select_indices(owner)  # a gather: repeated indices copy a prompt's rows
-    logits = logits[owner]  # (n, V)
-    attention = None if attention is None else attention[owner]  # (n, P)
-    next_pos = positions[owner, -1] + 1  # (n,)
-    history = ids[owner]  # (n, P): the repetition penalty's view (prompt, then generated tokens)
-    pad_lengths = (~mask).sum(1)[owner]  # (n,) generate(): (mask != 0).argmax(1), the same for left padding
-    n = len(owner)
-    rows = torch.arange(n, device=device)  # (live,) output row of each live row
-    done = torch.zeros(n, dtype=torch.bool, device=device)  # (live,) produced EOS (still in the batch)
-    out = torch.full((n, max_new), pad_id, dtype=torch.long, device=device)  # (n, max_new)
-    lengths = torch.zeros(n, dtype=torch.long, device=device)  # (n,) tokens kept per row
-    steps = 0
-    for t in range(max_new):
-        scores = _processors(s, pad_lengths)(history, logits)  # (live, V) fp32
-        if s.greedy:
-            nxt = torch.argmax(scores, dim=-1)  # (live,)
-        else:
-            probs = nn.functional.softmax(scores, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1).squeeze(1)  # (live,)
-        out[rows, t] = nxt.masked_fill(done, pad_id)  # no boolean indexing: no device sync here
-        lengths.index_add_(0, rows, (~done).long())
-        done = done | torch.isin(nxt, eos)
-        steps = t + 1
-        n_done = int(done.sum())
-        if n_done == len(rows) or t == max_new - 1:
-            break
-        if n_done >= _COMPACT_FRACTION * len(rows):
-            keep = (~done).nonzero().squeeze(1)  # (live',)
-            cache.batch_select_indices(keep)
-            rows, nxt, next_pos, history, pad_lengths = (x[keep] for x in (rows, nxt, next_pos, history, pad_lengths))
-            attention = None if attention is None else attention[keep]
-            done = done[keep]
+    prompt: list[int]
+    out_row: int
+    count: int
+    prefill: Optional[Prefill] = None  # where its K/V are, once prefilled
+    index: int = 0  # its row in prefill
+
+
+class _Queue:
+    """The samples still to start, in output-row order (prompt 0's samples, then prompt 1's, ...)."""
+
+    def __init__(self, prompts: list[list[int]], counts: list[int]):
+        self.waiting: deque[_Waiting] = deque()
+        self.rows = 0
+        for p, c in zip(prompts, counts):
+            if c:
+                self.waiting.append(_Waiting(list(p), self.rows, c))
+                self.rows += c
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting)
+
+    def take(self, n: int, prefill) -> list[Entry]:
+        """Up to n rows to start. Prompts are prefilled when their first sample starts, together with the
+        following prompts this take also reaches; the rest of a prompt's samples wait with its prefill."""
+        entries: list[Entry] = []
+        while len(entries) < n and self.waiting:
+            if self.waiting[0].prefill is None:  # prefilled prompts are always a prefix of the queue
+                need, batch = n - len(entries), []
+                for w in self.waiting:
+                    if need <= 0:
+                        break
+                    batch.append(w)
+                    need -= w.count
+                prefill(batch)
+            w = self.waiting[0]
+            m = min(w.count, n - len(entries))
+            entries += [Entry(w.prefill, w.index, w.prompt[-1], len(w.prompt), w.out_row + i) for i in range(m)]
+            w.out_row, w.count = w.out_row + m, w.count - m
+            if w.count == 0:
+                self.waiting.popleft()
+        return entries
+
+
+def _prefill(model: nn.Module, waiting: list[_Waiting], *, pad_id: int, device: torch.device, keep_logits: bool,
+             stats: SamplingStats) -> None:
+    """Run these prompts once, as one left-padded batch: (k, W) tokens, last-position logits only."""
+    stats.prefill_rows += len(waiting)
+    ids, mask = left_pad([w.prompt for w in waiting], pad_id)  # (k, W) each
+    # generate() drops an all-ones mask (no padding): same attention path, same numbers
+    attention = None if bool(mask.all()) else mask.long().to(device)
+    ids, mask = ids.to(device), mask.to(device)
+    logits, cache = _forward(model, keep_logits, input_ids=ids, attention_mask=attention,
+                             position_ids=position_ids_for(mask), past_key_values=new_cache(model))  # (k, V)
+    problem = cache_layers_problem(cache)
+    if problem:
+        raise RuntimeError(f"fast sampling: {problem}")
+    prefill = Prefill(keys=[layer.keys for layer in cache.layers], values=[layer.values for layer in cache.layers],
+                      ids=ids, mask=mask, logits=logits)
+    for j, w in enumerate(waiting):
+        w.prefill, w.index = prefill, j
+
+
+class _Rollout:
+    """One `sample` call: the queue of samples, the slots decoding, the output rows."""
+
+    def __init__(self, model: nn.Module, queue: _Queue, s: _Settings, *, eos: Tensor, pad_id: int,
+                 device: torch.device, max_new: int, micro_batch: int, refill: bool, read_every: int,
+                 keep_logits: bool, stats: SamplingStats):
+        self.model, self.queue, self.s, self.eos, self.pad_id, self.device = model, queue, s, eos, pad_id, device
+        self.max_new, self.micro_batch, self.refill, self.read_every = max_new, micro_batch, refill, read_every
+        self.keep_logits, self.stats = keep_logits, stats
+        # (N, max_new + 1): the last column takes the tokens that finished rows draw until the next read
+        self.out = torch.full((queue.rows, max_new + 1), pad_id, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(queue.rows, dtype=torch.long, device=device)  # (N,) tokens kept per row
+        self.slots: Optional[Slots] = None
+        self.first_logits: Optional[Tensor] = None  # (S, V): a new batch's first tokens come from its prefills
+
+    def _start(self, n: int) -> list[Entry]:
+        return self.queue.take(n, lambda waiting: _prefill(self.model, waiting, pad_id=self.pad_id, device=self.device,
+                                                             keep_logits=self.keep_logits, stats=self.stats))
+
+    def schedule(self) -> bool:
+        """A host read: rows that have finished leave their slots, refilled from the queue (`refill`), or
+        compacted away once the queue is empty; a new batch when every row has finished. False: all done."""
+        slots, stats = self.slots, self.stats
+        done = [] if slots is None else slots.done.tolist()  # the one device -> host read
+        stats.host_reads += slots is not None
+        free = [i for i, d in enumerate(done) if d]
+        if len(free) == len(done):  # every row finished (or nothing started yet)
+            if not self.queue:
+                return False
+            entries = self._start(self.micro_batch)
+            self.slots = Slots(self.model, len(entries), self.pad_id, self.device)
+            self.slots.place(list(range(len(entries))), entries, whole_prompt=True)
+            self.first_logits = torch.stack([e.prefill.logits[e.index] for e in entries])  # (S, V)
+            stats.micro_batches += 1
+            return True
+        if self.refill and self.queue and free:
+            entries = self._start(len(free))
+            slots.place(free[:len(entries)], entries, whole_prompt=False)
+            stats.refills += len(entries)
+            free = free[len(entries):]
+        if (not self.refill or not self.queue) and free and len(free) >= _COMPACT_FRACTION * len(done):
+            gone = set(free)
+            slots.select([i for i in range(len(done)) if i not in gone])
             stats.compactions += 1
-        if attention is not None:
-            attention = torch.cat([attention, attention.new_ones((len(rows), 1))], 1)  # (live, P + t + 1)
-        history = torch.cat([history, nxt[:, None]], 1)  # (live, P + t + 1)
-        logits, cache = _forward(model, keep_logits, input_ids=nxt[:, None], attention_mask=attention,
-                                 position_ids=next_pos[:, None], past_key_values=cache)  # (live, V)
-        next_pos = next_pos + 1
-        stats.decode_row_steps += len(rows)
-    stats.generated_tokens += int(lengths.sum())
-    return out[:, :steps]
+        slots.trim()
+        return True
+
+    def decode(self, steps: int) -> None:
+        """`steps` decode steps of every slot, with no device -> host read: stop flags stay on the device."""
+        slots, s = self.slots, self.s
+        procs = _processors(s, torch.tensor(slots.left_pad, device=self.device))  # the padding changes only at reads
+        attention = slots.padded  # likewise
+        queued = bool(self.queue)  # likewise
+        for _ in range(steps):
+            if self.first_logits is not None:  # a new batch: its prompts' logits are known
+                logits, self.first_logits = self.first_logits, None
+            else:
+                slots.append_input()  # history, mask: (S, L + 1)
+                logits, slots.cache = _forward(self.model, self.keep_logits, input_ids=slots.inp[:, None],
+                                               attention_mask=slots.attention if attention else None,
+                                               position_ids=slots.pos[:, None], past_key_values=slots.cache)  # (S, V)
+                slots.pos += 1
+                self.stats.decode_steps += 1
+                self.stats.decode_row_steps += len(slots)
+                if queued:
+                    self.stats.decode_steps_queued += 1
+                    self.stats.decode_row_steps_queued += len(slots)
+            scores = procs(slots.history, logits)  # (S, V) fp32
+            if s.greedy:
+                nxt = torch.argmax(scores, dim=-1)  # (S,)
+            else:
+                nxt = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # (S,)
+            self.out[slots.out_row, torch.where(slots.done, self.max_new, slots.ngen)] = nxt
+            slots.ngen += (~slots.done).long()
+            self.lengths[slots.out_row] = slots.ngen
+            slots.done |= torch.isin(nxt, self.eos) | (slots.ngen >= self.max_new)
+            slots.inp = nxt
+
+    def run(self) -> Tensor:
+        """Completions (N, C) right-padded with pad_id, C <= max_new."""
+        while self.schedule():
+            self.decode(self.read_every)
+        self.stats.generated_tokens += int(self.lengths.sum())
+        width = max(int(self.lengths.max()), 1) if len(self.lengths) else 1
+        return self.out[:, :width]
 
 
 @torch.no_grad()
 def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, list[int]], cfg: GenerationConfig, *,
            eos_ids: list[int], pad_id: int, device: torch.device, greedy: bool = False,
            micro_batch: Optional[int] = None, autocast_bf16: bool = False, max_new_tokens: Optional[int] = None,
-           stats: Optional[SamplingStats] = None) -> Tensor:
+           stats: Optional[SamplingStats] = None, refill: bool = True, read_every: Optional[int] = None) -> Tensor:
     """Completions of each prompt: (sum of samples, C) long on the CPU, right-padded with pad_id.
 
     Rows are prompt 0's samples, then prompt 1's, ... `num_samples` is one count for all prompts or one
     per prompt. A row holds its tokens up to and including its first EOS (any of eos_ids), then pad_id;
     C is the longest row (<= max_new_tokens, default cfg.max_completion_length). At most `micro_batch`
-    rows (default cfg.generation_micro_batch_size) decode at once, which bounds the KV cache. Raises
-    ValueError where `fast_sampling_problem` finds a reason this would not match generate().
+    rows (default cfg.generation_micro_batch_size) decode at once, which bounds the KV cache. `refill`:
+    a finished row's slot goes to the next waiting sample (False: a new batch starts only when every
+    row of the last one has finished, the loop before issue 27). `read_every`: decode steps between
+    host reads of the stop flags (default `_READ_EVERY`). Raises ValueError where
+    `fast_sampling_problem` finds a reason this would not match generate().
     """
     counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)
     if len(counts) != len(prompts) or any(c < 0 for c in counts):
         raise ValueError(f"num_samples: need one count >= 0 per prompt, got {num_samples!r} for {len(prompts)} prompts")
     if any(len(p) == 0 for p, c in zip(prompts, counts) if c):
         raise ValueError("sample() needs non-empty prompts")
+    if read_every is not None and read_every < 1:
+        raise ValueError(f"read_every must be >= 1 decode step, got {read_every}")
     settings, problem = _resolve(model, cfg, greedy)
     problem = problem or _cache_problem(model)
     if problem:
         raise ValueError(f"fast sampling cannot reproduce generate() here: {problem}")
+    queue = _Queue(prompts, counts)
+    if not queue.rows:
+        return torch.empty((0, 1), dtype=torch.long)
     stats = stats if stats is not None else SamplingStats()
-    micro_batch = micro_batch or cfg.generation_micro_batch_size
-    max_new = max_new_tokens or cfg.max_completion_length
-    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    pieces: list[Tensor] = []
+    rollout = _Rollout(model, queue, settings, eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
+                       pad_id=pad_id, device=device, max_new=max_new_tokens or cfg.max_completion_length,
+                       micro_batch=micro_batch or cfg.generation_micro_batch_size, refill=refill,
+                       read_every=read_every or _READ_EVERY.get(device.type, _READ_EVERY_ELSEWHERE),
+                       keep_logits="logits_to_keep" in inspect.signature(model.forward).parameters, stats=stats)
     was_training = model.training
     model.eval()  # checkpointing only acts in training mode, so the KV cache is used here
     try:
-        for plan in plan_micro_batches(counts, micro_batch):
-            stats.micro_batches += 1
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                pieces.append(_decode(model, [prompts[i] for i, _ in plan], [c for _, c in plan], settings, eos=eos,
-                                      pad_id=pad_id, device=device, max_new=max_new, keep_logits=keep_logits,
-                                      stats=stats).cpu())
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            return rollout.run().cpu()
     finally:
         model.train(was_training)
-    if not pieces:
-        return torch.empty((0, 1), dtype=torch.long)
-    width = max(max(p.shape[1] for p in pieces), 1)
-    return torch.cat([nn.functional.pad(p, (0, width - p.shape[1]), value=pad_id) for p in pieces])
 
 
 _fallbacks_logged: set[str] = set()

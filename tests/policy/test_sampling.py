@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from lowmem_grpo.config import GenerationConfig
-from lowmem_grpo.policy.rollout import generate
-from lowmem_grpo.policy.sampling import (SamplingStats, fast_sampling_problem, group_runs, plan_micro_batches,
-                                         repetition_penalty_problem, sample)
+from lowmem_grpo.policy.rollout import Batch, eos_mask, generate, left_pad
+from lowmem_grpo.policy.sampling import (SamplingStats, fast_sampling_problem, group_runs, repetition_penalty_problem,
+                                         sample)
 
 CPU = torch.device("cpu")
 PAD = 0
@@ -77,8 +77,9 @@ def test_greedy_matches_generate(arch, autocast_bf16, G, micro_batch):
     stats = SamplingStats()
     sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True,
            autocast_bf16=autocast_bf16, stats=stats)
+    assert stats.refills > 0, "prompts' rows finished at different steps while others waited: slots were refilled"
     assert stats.compactions > 0, "rows finished at different steps, so the batch must have been compacted"
-    assert stats.prefill_rows == len(distinct) + (len(distinct) if G > micro_batch else 0)
+    assert stats.prefill_rows == len(distinct)  # a prompt split over refills is still prefilled once
     assert stats.generated_tokens == int(lengths.sum())
     # finished rows stopped costing compute: fewer row-steps than every row decoding to the longest
     assert stats.decode_row_steps < len(prompts) * (fast.completion_ids.shape[1] - 1)
@@ -139,15 +140,7 @@ def test_sampled_batch_format_and_max_new_tokens():
         assert (batch.prompt_ids[i * G:(i + 1) * G, -len(p):] == torch.tensor(p)).all()
 
 
-def test_plan_micro_batches_and_group_runs():
-    assert plan_micro_batches([3, 3, 3], 8) == [[(0, 3), (1, 3)], [(2, 3)]]
-    assert plan_micro_batches([10], 4) == [[(0, 4)], [(0, 4)], [(0, 2)]]
-    assert plan_micro_batches([2, 7], 4) == [[(0, 2), (1, 2)], [(1, 4)], [(1, 1)]]
-    for counts, mb in [([5, 1, 8, 2, 3], 4), ([1] * 9, 2), ([16], 16)]:
-        plan = plan_micro_batches(counts, mb)
-        assert all(sum(c for _, c in b) <= mb for b in plan)
-        flat = [i for b in plan for i, c in b for _ in range(c)]
-        assert flat == [i for i, c in enumerate(counts) for _ in range(c)]  # order kept, nothing lost
+def test_group_runs():
     assert group_runs([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
 
 
@@ -222,8 +215,12 @@ SETTINGS = {
 }
 
 
+@pytest.mark.parametrize("micro_batch", [None, 1024], ids=["one_batch", "refill"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_sampled_distribution_matches_generate(name):
+def test_sampled_distribution_matches_generate(name, micro_batch):
+    """micro_batch None: every row in one batch, generate() and the fast path checked. 1024: the fast path
+    refills slots all along (rows end after 1 or 2 tokens), prompt 1's longer prefix widens the cache
+    under prompt 0's rows, and refilled rows sit behind extra left padding: same distribution."""
     if "repetition_penalty" in name and repetition_penalty_problem():
         pytest.skip(repetition_penalty_problem())
     settings, mistakes = SETTINGS[name]
@@ -234,13 +231,19 @@ def test_sampled_distribution_matches_generate(name):
     pad = next(t for t in first.argsort(descending=True).tolist() if t != EOS and all(t not in p for p in distinct))
     prefix = [pad] * (len(distinct[1]) - len(distinct[0]))
     prompts = [p for p in distinct for _ in range(N_PER_PROMPT)]
-    cfg = GenerationConfig(max_completion_length=2, generation_micro_batch_size=len(prompts),
+    cfg = GenerationConfig(max_completion_length=2, generation_micro_batch_size=micro_batch or len(prompts),
                            **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **settings})
     kw = dict(eos_ids=[EOS], pad_id=pad, device=CPU)
     torch.manual_seed(0)
-    slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw)
+    slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw) if micro_batch is None else None
     torch.manual_seed(1)
-    fast = generate(model, prompts, cfg, **kw)
+    if micro_batch is None:
+        fast = generate(model, prompts, cfg, **kw)
+    else:
+        stats = SamplingStats()
+        completions = sample(model, distinct, N_PER_PROMPT, cfg, stats=stats, **kw)
+        fast = Batch(*left_pad(prompts, pad), completions, *eos_mask(completions, [EOS]))
+        assert stats.refills > 4 * micro_batch and stats.mean_rows_per_step_queued == micro_batch
     power = {m: 0.0 for m, _, _ in mistakes}  # the largest TV(exact, mistaken) / (2 tol) over the comparisons
     for i, prompt in enumerate(distinct):
         rows = slice(i * N_PER_PROMPT, (i + 1) * N_PER_PROMPT)
@@ -248,6 +251,8 @@ def test_sampled_distribution_matches_generate(name):
         for pos, p in enumerate(exact):
             tol = tv_tolerance(p, N_PER_PROMPT)
             for path, batch in (("generate", slow), ("fast", fast)):
+                if batch is None:
+                    continue
                 got = empirical_first_two(batch, rows)[pos]
                 err = tv(got, p)
                 assert err <= tol, f"{name}, prompt {i}, token {pos + 1}, {path}: TV {err:.4f} > {tol:.4f}"
