@@ -106,11 +106,12 @@ def _row_chunks(n: int):
         yield slice(start, min(start + REF_ROWS, n))
 
 
-def reference_logp(hidden: Tensor, weight: Tensor, ids: Tensor) -> Tensor:
-    """fp64 log-probs (B, T) of hidden/weight as given (already rounded to the path dtype), in row chunks."""
+def reference_logp(hidden: Tensor, weight: Tensor, ids: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Log-probs (B, T) of hidden/weight as given (already rounded to the path dtype), computed in `dtype`
+    (fp64 for the reference; fp32 where they only seed old/ref log-probs) in row chunks."""
     B, T, H = hidden.shape
-    h, w, flat = hidden.reshape(-1, H).double(), weight.double(), ids.reshape(-1)
-    out = torch.empty(B * T, dtype=torch.float64, device=hidden.device)
+    h, w, flat = hidden.reshape(-1, H).to(dtype), weight.to(dtype), ids.reshape(-1)
+    out = torch.empty(B * T, dtype=dtype, device=hidden.device)
     for rows in _row_chunks(B * T):
         out[rows] = torch.log_softmax(h[rows] @ w.T, -1).gather(1, flat[rows, None]).squeeze(1)
     return out.view(B, T)
@@ -267,8 +268,12 @@ def measure(path: str, run: Callable, leaves: dict, consts: tuple, ref64, s: Set
         return loss
 
     gc.collect()
+    _sync(device)
+    start = time.perf_counter()
     with track(device) as tracked:  # the warm-up, measured for memory
         loss = step()
+    if repeats == 0:  # --repeats 0 (a long CPU run): the warm-up is the one timed run, profiler on
+        row.seconds.append(time.perf_counter() - start)
     row.peak_bytes = tracked.peak_bytes
     if ref64 is not None:
         loss64, dh64, dw64 = ref64
@@ -287,7 +292,8 @@ def measure(path: str, run: Callable, leaves: dict, consts: tuple, ref64, s: Set
 
 
 def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, device: str, with_reference: bool,
-                log) -> list[Row]:
+                log, rows: list[Row], save: Callable[[], None]) -> None:
+    """Measure every path at setting `s`, appending to `rows` and calling save() after each."""
     dtype = getattr(torch, s.dtype)
     hidden = base["hidden"].to(dtype, copy=True).requires_grad_()
     weight = base["weight"].to(dtype, copy=True).requires_grad_()
@@ -300,7 +306,6 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
         ref64 = reference_loss_and_grads(hidden.detach(), weight.detach(), base["ids"], base["advantages"], old, ref,
                                          logp64, s)
         log(f"    fp64 reference [{time.perf_counter() - start:.0f} s]")
-    rows = []
     for path in paths:
         why = missing_package(path)
         if why is None and path == "naive" and naive_bytes(s) > 0.8 * available_bytes(device):
@@ -309,6 +314,7 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
         if why is not None:
             rows.append(Row(s, path, status=why))
             log(f"    {path:5s} {why}")
+            save()
             continue
         status = "ok"
         if path == "liger":
@@ -320,8 +326,8 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
         row.status = status
         rows.append(row)
         log(f"    {path:5s} {format_row(row)}  [{time.perf_counter() - start:.0f} s]")
+        save()  # a long run stopped early keeps what it measured
         gc.collect()
-    return rows
 
 
 def _liger_runner(s: Setting, device: str):
@@ -385,7 +391,8 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--loss-types", nargs="+", default=["dapo", "grpo"], choices=["dapo", "grpo", "bnpo", "dr_grpo"])
     parser.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (median reported)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs after the warm-up (median reported); 0: time the warm-up itself")
     parser.add_argument("--no-reference", action="store_true", help="skip the fp64 reference (no error columns)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
@@ -408,16 +415,15 @@ def main(argv=None) -> list[Row]:
             for dtype in args.dtypes:
                 d = getattr(torch, dtype)
                 start = time.perf_counter()
-                logp64 = reference_logp(base["hidden"].to(d), base["weight"].to(d), base["ids"])
+                logp64 = reference_logp(base["hidden"].to(d), base["weight"].to(d), base["ids"],
+                                        torch.float32 if args.no_reference else torch.float64)
                 log(f"N={n} H={H} V={args.vocab} {dtype}: exact log-probs [{time.perf_counter() - start:.0f} s]")
                 for loss_type in args.loss_types:
                     for beta in args.betas:
                         s = Setting(n, H, args.vocab, dtype, loss_type, beta)
                         log(f"  loss_type={loss_type} beta={beta}")
-                        rows += run_setting(s, base, logp64, args.paths, args.repeats, args.device,
-                                            not args.no_reference, log)
-                        if args.json:  # after every setting: a long run stopped early keeps what it measured
-                            write_json(args.json, args, rows)
+                        run_setting(s, base, logp64, args.paths, args.repeats, args.device, not args.no_reference,
+                                    log, rows, lambda: args.json and write_json(args.json, args, rows))
             del base
             gc.collect()
     log("")
