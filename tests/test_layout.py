@@ -17,6 +17,7 @@ PACKAGE = ROOT / "lowmem_grpo"
 BELOW = {
     "ranges": set(),  # the value ranges both the kernels and the config check (one copy of each rule)
     "kernels": {"ranges"},
+    "integrations": {"ranges", "kernels"},  # other trainers (TRL) on our kernels; nothing imports it
     "config": {"ranges"},
     "phases": set(),
     "shipped_recipes": set(),

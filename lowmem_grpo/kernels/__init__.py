@@ -6,10 +6,12 @@
     linear_grpo_loss       hidden (B, T, H), W       -> scalar loss, metrics  (op 4 + loss)
 
 CUDA tensors run Triton kernels; CPU tensors run a chunked torch path with the same memory bound.
-`reference` holds the plain fp32 torch spec every op is tested against.
+`reference` holds the plain fp32 torch spec every op is tested against. `FusedLinearGRPOLoss` is
+linear_grpo_loss behind Liger-Kernel's `LigerFusedLinearGRPOLoss` interface (fused_linear_grpo.py).
 """
 
 from ._backend import HAS_TRITON, get_backend, set_backend, use_backend
+from .fused_linear_grpo import FusedLinearGRPOLoss
 from .grpo_loss import GRPOTokenLoss, grpo_token_loss, grpo_token_terms
 from .linear import linear_token_logprobs
 from .linear_loss import ISLevel, LossType, linear_grpo_loss
@@ -17,6 +19,6 @@ from .logprobs import token_logprobs
 
 __all__ = [
     "token_logprobs", "grpo_token_loss", "linear_token_logprobs", "linear_grpo_loss",
-    "grpo_token_terms", "GRPOTokenLoss", "LossType", "ISLevel",
+    "grpo_token_terms", "GRPOTokenLoss", "FusedLinearGRPOLoss", "LossType", "ISLevel",
     "HAS_TRITON", "get_backend", "set_backend", "use_backend",
 ]

@@ -46,9 +46,19 @@ def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: 
     return epsilon_low, epsilon_high, beta
 
 
-def _torch_token_terms(logp, adv, mask, old, ref, *, eps_low, eps_high, beta):
-    """Closed-form per-token terms in plain torch: (loss, kl, code, dloss, dkl)."""
-    rho = (logp - (logp if old is None else old)).exp()
+def ppo_clip_k3(log_ratio: Tensor, adv: Tensor, logp: Tensor, ref: Optional[Tensor], *, eps_low: float,
+                eps_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The PPO-clip + k3 per-token math, the one torch copy of it (the Triton copy is
+    grpo_loss_triton.grpo_token_terms; both are tested against reference.grpo_token_terms).
+
+        rho  = exp(log_ratio)                     log_ratio = logp - old (token) or a sequence mean (GSPO)
+        loss = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta k3,  k3 = exp(ref - logp) - (ref - logp) - 1
+
+    Returns (loss, kl, low, high, dloss, dkl): `low`/`high` flag the active clipped branch (bool),
+    `dloss` = d clip-term / d log_ratio + beta dk3/dlogp and `dkl` = dk3/dlogp in closed form, which is
+    dloss/dlogp where log_ratio = logp - old (the token level). Plain differentiable torch ops, so a
+    caller whose log_ratio is not per token (GSPO) lets autograd differentiate `loss` instead."""
+    rho = log_ratio.exp()
     low = (rho < 1.0 - eps_low) & (adv < 0)
     high = (rho > 1.0 + eps_high) & (adv > 0)
     loss = -torch.minimum(rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
@@ -60,12 +70,32 @@ def _torch_token_terms(logp, adv, mask, old, ref, *, eps_low, eps_high, beta):
         loss, dloss = loss + beta * kl, dloss + beta * dkl
     else:
         kl, dkl = torch.zeros_like(loss), torch.zeros_like(loss)
+    return loss, kl, low, high, dloss, dkl
+
+
+def _torch_token_terms(logp, adv, mask, old, ref, *, eps_low, eps_high, beta):
+    """Op 2's torch path, token-level ratio: (loss, kl, code, dloss, dkl), zero where the mask is 0."""
+    log_ratio = logp - (logp if old is None else old)
+    loss, kl, low, high, dloss, dkl = ppo_clip_k3(log_ratio, adv, logp, ref, eps_low=eps_low, eps_high=eps_high,
+                                                  beta=beta)
     code = low.to(torch.int8) + 2 * high.to(torch.int8)
     if mask is not None:
         keep = mask.bool()
         loss, kl, dloss, dkl = (torch.where(keep, v, 0.0) for v in (loss, kl, dloss, dkl))
         code = torch.where(keep, code, 0).to(torch.int8)
     return loss, kl, code, dloss, dkl
+
+
+def sequence_level_terms(logp: Tensor, adv: Tensor, maskf: Tensor, old: Optional[Tensor], ref: Optional[Tensor],
+                         eps_low: float, eps_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO: one ratio per sequence from the mean token log-ratio; (loss, kl, clip code), each (B, T).
+    Differentiable w.r.t. logp by autograd (the closed-form derivatives are per token only)."""
+    log_ratio = logp - (logp.detach() if old is None else old)
+    seq_log_ratio = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)  # (B,)
+    loss, kl, low, high, _, _ = ppo_clip_k3(seq_log_ratio[:, None], adv, logp, ref,  # ratio broadcast over tokens
+                                            eps_low=eps_low, eps_high=eps_high, beta=beta)
+    code = (low.to(torch.int8) + 2 * high.to(torch.int8)) * maskf.to(torch.int8)
+    return loss * maskf, kl * maskf, code
 
 
 # ---- op 2: per-token terms on log-probs ---------------------------------------------------------

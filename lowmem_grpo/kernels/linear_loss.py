@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ._backend import debug_checks
 from ._checks import _tracing, check_ids, check_mask, check_shape
-from .grpo_loss import _expand_advantages, check_grpo_hparams, grpo_token_terms
+from .grpo_loss import _expand_advantages, check_grpo_hparams, grpo_token_terms, sequence_level_terms
 from .linear import check_linear_args, linear_token_logprobs
 
 
@@ -87,24 +87,6 @@ def kept_rows(mask: Tensor, mask_count: Optional[int] = None) -> Tensor:
             raise ValueError(f"mask_count={mask_count} but the mask has {actual} True entries: pass the mask's "
                              "own count (e.g. int(mask.sum()) before moving it to the GPU), or leave it None")
     return torch.nonzero_static(flat, size=mask_count).squeeze(1)
-
-
-def _sequence_level_terms(logp, adv, maskf, old, ref, eps_low, eps_high, beta):
-    """GSPO: one ratio per sequence from the mean token log-ratio; (loss, kl, clip code), each (B, T)."""
-    log_ratio = logp - (logp.detach() if old is None else old)
-    seq_log_ratio = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)  # (B,)
-    rho = seq_log_ratio.exp()[:, None]  # (B, 1), broadcast over the sequence's tokens
-    loss = -torch.minimum(rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    low = (rho < 1.0 - eps_low) & (adv < 0)
-    high = (rho > 1.0 + eps_high) & (adv > 0)
-    if ref is not None:
-        d = ref - logp
-        kl = d.exp() - d - 1.0
-        loss = loss + beta * kl
-    else:
-        kl = torch.zeros_like(loss)
-    code = (low.to(torch.int8) + 2 * high.to(torch.int8)) * maskf.to(torch.int8)
-    return loss * maskf, kl * maskf, code
 
 
 def linear_grpo_loss(
@@ -182,7 +164,7 @@ def linear_grpo_loss(
         per_token, kl, code = grpo_token_terms(logp, adv, mask=mask, old_logp=old, ref_logp=ref,
                                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta)
     else:
-        per_token, kl, code = _sequence_level_terms(logp, adv, maskf, old, ref, epsilon_low, epsilon_high, beta)
+        per_token, kl, code = sequence_level_terms(logp, adv, maskf, old, ref, epsilon_low, epsilon_high, beta)
     loss = reduce_loss(per_token, maskf, loss_type, max_completion_length=max_completion_length,
                        num_items_in_batch=num_items_in_batch)
     metrics = {
