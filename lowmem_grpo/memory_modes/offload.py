@@ -608,11 +608,13 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if self._worker is None or not self._worker.is_alive():
             # The thread holds the optimizer only through a weak reference, so an optimizer nobody uses any
             # more (a notebook's finished trainer) is collected with its host RAM and pinned blocks; its
-            # finalizer then ends the thread.
+            # finalizer then ends the thread. The finalizer also runs at interpreter exit (atexit), and it
+            # joins the thread there: a daemon thread still inside the C++ update when Python finalizes is
+            # torn down mid-call, which aborts the process ("terminate called without an active exception").
             self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._jobs),
                                             name="lowmem-grpo-host-update", daemon=True)
             self._worker.start()
-            weakref.finalize(self, self._jobs.put, None)
+            weakref.finalize(self, _stop_worker, self._jobs, self._worker)
         ready = {index: threading.Event() for index in order}
         self._ready.update(ready)
         self._handed = True
@@ -724,6 +726,13 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
             with torch.no_grad():
                 for p, m in zip(self.params, state["master"]):
                     self.host[p].copy_(m)
+
+
+def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
+    """End the update thread after the job it is running (the optimizer's finalizer, at collection or exit)."""
+    jobs.put(None)
+    if worker is not threading.current_thread():  # (collected on the worker itself: it ends on its own)
+        worker.join()
 
 
 def _work(optimizer_ref: "weakref.ref[OffloadedOptimizerInBackward]", jobs: queue.SimpleQueue) -> None:

@@ -289,3 +289,39 @@ def test_an_optimizer_nobody_holds_is_collected_and_its_thread_ends(kind):
     assert gone() is None, "the offloaded optimizer outlived every reference to it"
     worker.join(timeout=10)
     assert not worker.is_alive()
+
+
+_EXIT_RIGHT_AFTER_END_STEP = """
+import sys, time
+import torch
+from tests.memory_modes.test_offload_update_thread import _optimizer_step, _setup
+model, opt = _setup("build_adamw_8bit", tied=False, update_thread=True)
+update = opt._update
+def slowed(index, *args):
+    time.sleep(0.05)
+    update(index, *args)
+    with open(sys.argv[1], "a") as log:
+        log.write(f"{index}\\n")
+opt._update = slowed
+_optimizer_step(model, opt, 0, forward=False)
+print(len(opt.params), flush=True)
+"""
+
+
+def test_the_process_exits_after_the_handed_over_step_is_done(tmp_path):
+    # A script that ends right after end_step (a benchmark, a notebook cell run as a script): the update
+    # thread is a daemon, and Python tears daemon threads down mid-call at exit, which aborted the process
+    # ("terminate called without an active exception", exit -6; seen in CI's rehearsal of trainer_step.py).
+    # The optimizer's finalizer runs at exit and joins the thread after the step it holds: every update is
+    # done, and the exit is clean.
+    pytest.importorskip("bitsandbytes")
+    import subprocess
+    import sys
+    from pathlib import Path
+    log = tmp_path / "updated.txt"
+    done = subprocess.run([sys.executable, "-c", _EXIT_RIGHT_AFTER_END_STEP, str(log)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    n_params = int(done.stdout.split()[-1])
+    assert sorted(map(int, log.read_text().split())) == list(range(n_params)), "updates lost at exit"
