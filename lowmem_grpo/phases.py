@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 PREFIX = "lowmem::"
 GRAD_MARK = PREFIX + "grad@"
-PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backward", "optimizer")
+PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backward", "optimizer", "evaluation")
 SCOPES = ("optimizer",)  # labels that hold whatever the phase (e.g. optimizer steps taken inside backward)
 
 

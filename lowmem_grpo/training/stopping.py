@@ -96,6 +96,10 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                     (t.per_device_train_batch_size > 1,
                      f"per_device_train_batch_size={_halve(t.per_device_train_batch_size)} with "
                      f"gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (the same optimizer step)")],
+        "evaluation": [(cfg.eval.eval_batch_size > 1,
+                        f"eval_batch_size={_halve(cfg.eval.eval_batch_size)} (evaluation decodes that many prompts "
+                        f"at once: its KV cache scales with it)"),
+                       (True, f"max_completion_length={max(1, int(g.max_completion_length * 0.75))}")],
         "optimizer": [(o.optimizer == "adamw", "optimizer=adamw_8bit (2 bytes of state per parameter instead of 8)"),
                       (not (t.optimizer_in_backward or o.offload_optimizer), "optimizer_in_backward=true with gradient_accumulation_steps=1 "
                                                     "(no full-model gradient)"),
@@ -109,9 +113,13 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
 
 
 def out_of_memory_message(error: BaseException, cfg: Config, step: int, checkpoint: Optional[str]) -> str:
-    where = f"the {phase_of(error)} phase" if phase_of(error) else "a step (outside the marked phases)"
+    phase = phase_of(error)
+    if phase == "evaluation":  # (between steps: `step` of them are done)
+        where = f"the evaluation after step {step}" if step else "the evaluation before training"
+    else:
+        where = (f"the {phase} phase" if phase else "a step (outside the marked phases)") + f" of step {step + 1}"
     saved = (f"Checkpoint {checkpoint} holds the run so far; continue with resume_from=latest after the change."
              if checkpoint else "No checkpoint exists yet (the run had not finished a step).")
-    return (f"out of memory in {where} of step {step + 1}. Cheapest fix: {_cheapest_fix(phase_of(error), cfg)}. "
+    return (f"out of memory in {where}. Cheapest fix: {_cheapest_fix(phase, cfg)}. "
             f"`lowmem-grpo plan RECIPE` predicts the peak of every phase for these settings and lists the changes "
             f"that fit, cheapest first. {saved}\n  (torch: {str(error).splitlines()[0] if str(error) else 'OOM'})")

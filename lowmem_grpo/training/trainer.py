@@ -431,7 +431,7 @@ class Trainer:
                       run_name=out.run_name, project=out.project, config=cfg.to_dict()) if main else NullLog())
         if main:
             Path(out.output_dir, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        before = (self._on_main(evaluation_before, self.evaluate, out.output_dir, self.resumed_from is not None)
+        before = (self._evaluation_outside_the_loop(evaluation_before, out.output_dir, self.resumed_from is not None)
                   if cfg.eval.eval_on_start else None)
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, disable=not (out.progress_bar and main), desc="grpo")
         last = {}
@@ -466,10 +466,7 @@ class Trainer:
         except torch.OutOfMemoryError as e:  # saved by save_on_error; say where and what to change
             if main:
                 save_run_plot(out.output_dir)
-            if isinstance(e, RunOutOfMemory):
-                raise
-            saved = ckpt.list_checkpoints(out.output_dir)
-            raise RunOutOfMemory(out_of_memory_message(e, cfg, self.step, str(saved[-1][1]) if saved else None)) from e
+            raise self._explained(e) from e
         except BaseException:
             if main:
                 save_run_plot(out.output_dir)  # a crash or a stop on non-finite steps still leaves a picture
@@ -481,10 +478,25 @@ class Trainer:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
         if cfg.eval.eval_on_end and not self.world.any(self.stop.reason is not None):
-            result["eval_end"] = self._on_main(evaluation_after, self.evaluate, out.output_dir, before)
+            result["eval_end"] = self._evaluation_outside_the_loop(evaluation_after, out.output_dir, before)
         if main:
             save_run_plot(out.output_dir)
         return result
+
+    def _explained(self, error: torch.OutOfMemoryError) -> RunOutOfMemory:
+        """The error that names the phase, the cheapest fix and the last checkpoint (saved before this)."""
+        if isinstance(error, RunOutOfMemory):
+            return error
+        saved = ckpt.list_checkpoints(self.cfg.output.output_dir)
+        return RunOutOfMemory(out_of_memory_message(error, self.cfg, self.step, str(saved[-1][1]) if saved else None))
+
+    def _evaluation_outside_the_loop(self, when, *args):
+        """The evaluation before the first step or after the last: outside the loop's save-on-error (nothing
+        unsaved), but an out-of-memory error is explained as one inside it is."""
+        try:
+            return self._on_main(when, self.evaluate, *args)
+        except torch.OutOfMemoryError as e:
+            raise self._explained(e) from e
 
     def _on_main(self, fn, *args):
         """fn(*args) on rank 0 only (evaluations), None elsewhere. The other ranks go on to their next
@@ -516,10 +528,11 @@ class Trainer:
         if self.eval_set is None:
             raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
         e = self.cfg.eval
-        return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
-                        eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
-                        max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
-                        output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
-                        trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
-                                                         epoch=self.sampler.epoch,
-                                                         num_input_tokens_seen=self.num_input_tokens_seen))
+        with phase("evaluation"):
+            return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
+                            eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
+                            max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
+                            output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
+                            trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
+                                                             epoch=self.sampler.epoch,
+                                                             num_input_tokens_seen=self.num_input_tokens_seen))

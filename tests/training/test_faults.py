@@ -286,6 +286,29 @@ def test_out_of_memory_names_the_phase_and_the_cheapest_fix_and_saves(toy_config
     _assert_loads(out)
 
 
+@pytest.mark.parametrize("when", ["during", "start", "end"])
+def test_out_of_memory_in_evaluation_names_it_and_the_eval_batch_size(toy_config, monkeypatch, when):
+    # Evaluation decodes eval_batch_size prompts at once (64 by default): its KV cache can be the run's
+    # largest. Its error names the evaluation and eval_batch_size, during the run (after the save) and
+    # at either end of it (outside the loop: before the first step nothing is saved yet).
+    import lowmem_grpo.training.evaluate as evaluate_module
+    extra = {"during": ["eval_steps=2", "save_steps=0"], "start": ["eval_on_start=true"],
+             "end": ["eval_on_end=true"]}[when]
+    trainer = Trainer(toy_config("max_steps=3", "eval_batch_size=8", *extra))
+
+    def generate_oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+    monkeypatch.setattr(evaluate_module, "generate", generate_oom)
+    out = Path(trainer.cfg.output.output_dir)
+    where = {"during": "the evaluation after step 2", "start": "the evaluation before training",
+             "end": "the evaluation after step 3"}[when]
+    saved = {"during": rf"Checkpoint {re.escape(str(out / 'checkpoint-2'))} holds the run",
+             "start": "No checkpoint exists yet", "end": rf"Checkpoint {re.escape(str(out / 'checkpoint-3'))}"}[when]
+    with pytest.raises(RunOutOfMemory, match=rf"out of memory in {where}\. Cheapest fix: eval_batch_size=4 .*"
+                                             rf"lowmem-grpo plan RECIPE.*{saved}"):
+        trainer.train()
+
+
 def test_out_of_memory_is_still_a_torch_out_of_memory_error():
     assert issubclass(RunOutOfMemory, torch.OutOfMemoryError)
 
