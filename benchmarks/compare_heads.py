@@ -309,8 +309,8 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
     for path in paths:
         why = missing_package(path)
         if why is None and path == "naive" and naive_bytes(s) > 0.8 * available_bytes(device):
-            why = (f"skipped: needs ~{naive_bytes(s) / 2**30:.1f} GiB, {available_bytes(device) / 2**30:.1f} GiB "
-                   "available")
+            why = (f"skipped: needs ~{naive_bytes(s) / 2**30:.1f} GiB, more than 80% of the "
+                   f"{available_bytes(device) / 2**30:.1f} GiB available")
         if why is not None:
             rows.append(Row(s, path, status=why))
             log(f"    {path:5s} {why}")
