@@ -64,11 +64,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # ---- workers: one training run each, in its own process ---------------------------------------------
-def run_trl(cfg: dict) -> dict:
+def run_trl(cfg: dict, dropin: bool = False) -> dict:
+    """TRL's GRPOTrainer; with `dropin`, lowmem_grpo.integrations.trl's (TRL's trainer with our fused head
+    in place of TRL's; everything else TRL's own)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    if dropin:
+        from lowmem_grpo.integrations.trl import GRPOTrainer
 
     from lowmem_grpo.rewards.builtins import numeric_answer
 
@@ -169,7 +174,7 @@ def run_eval(cfg: dict) -> dict:
     return {"accuracy": result["pass_rate/numeric_answer"], "samples": result["samples"]}
 
 
-WORKERS = {"trl": run_trl, "ours": run_ours, "eval": run_eval}
+WORKERS = {"trl": run_trl, "trl-dropin": lambda cfg: run_trl(cfg, dropin=True), "ours": run_ours, "eval": run_eval}
 
 
 def worker_main(kind: str, cfg_path: str) -> int:
@@ -212,12 +217,15 @@ def report(result: dict) -> str:
         s = r["summary"]
         lines.append(f"| {r['trainer']} | {r['seed']} | {s['median_step_s']:.1f} | {s['median_generation_s']:.1f} | "
                      f"{s['median_training_s']:.1f} | {s['peak_rss_gib']:.2f} | {s['accuracy_after']:.3f} |")
-    lines += ["", "| ratio lowmem-grpo / TRL (same seed) | step | generation | training | peak RSS |",
-              "|---|---:|---:|---:|---:|"]
-    for seed in result["seeds"]:
-        by = {r["trainer"]: r["summary"] for r in result["runs"] if r["seed"] == seed}
-        if {"ours", "trl"} <= by.keys():
-            o, t = by["ours"], by["trl"]
+    for name in ("ours", "trl-dropin"):
+        pairs = [(seed, {r["trainer"]: r["summary"] for r in result["runs"] if r["seed"] == seed})
+                 for seed in result["seeds"]]
+        pairs = [(seed, by[name], by["trl"]) for seed, by in pairs if {name, "trl"} <= by.keys()]
+        if not pairs:
+            continue
+        lines += ["", f"| ratio {name} / TRL (same seed) | step | generation | training | peak RSS |",
+                  "|---|---:|---:|---:|---:|"]
+        for seed, o, t in pairs:
             lines.append(f"| seed {seed} | {o['median_step_s'] / t['median_step_s']:.2f}x | "
                          f"{o['median_generation_s'] / t['median_generation_s']:.2f}x | "
                          f"{o['median_training_s'] / t['median_training_s']:.2f}x | "
@@ -232,7 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=5e-6)
     ap.add_argument("--max-completion-length", type=int, default=64)
-    ap.add_argument("--trainers", nargs="+", choices=["ours", "trl"], default=["trl", "ours"])
+    ap.add_argument("--trainers", nargs="+", choices=["ours", "trl", "trl-dropin"], default=["trl", "ours"],
+                    help="trl-dropin: lowmem_grpo.integrations.trl.GRPOTrainer (TRL's trainer, our fused head)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per run")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the medians")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every run)")
