@@ -1,0 +1,218 @@
+"""The static-shape decode step (policy/static_decode.py, issue 27): preallocated cache, buckets, compiled.
+
+Greedy tokens are compared with transformers' generate() (through rollout.generate with
+fast_rollout=false) on the tiny random models of test_sampling.py, with refill and compaction active;
+the compiled step with the eager static step. Compiled tests on the CPU use Inductor only where the
+test is about what Inductor produces (weights read at run time); counting compilations is dynamo's
+business, so that test traces with the "eager" backend (seconds, not a minute of C++ compiles).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lowmem_grpo.config import ConfigError, GenerationConfig, load_config
+from lowmem_grpo.policy import static_decode
+from lowmem_grpo.policy.sampling import SamplingStats, decode_mode, sample
+from lowmem_grpo.policy.static_decode import StaticKV, bucket_for, buckets, static_decode_problem
+
+from .test_refill import generate_completions
+from .test_sampling import CPU, PAD, frequent_token, random_prompts, tiny_model
+
+# max_prompt_length sets the static cache's length (prompt limit + completion limit): kept small here
+CFG = dict(max_prompt_length=16)
+
+
+def test_buckets():
+    assert buckets(64) == [8, 16, 32, 64] and buckets(16) == [2, 4, 8, 16]
+    assert buckets(3) == [1, 2, 3] and buckets(1) == [1]
+    assert [bucket_for(n, 64) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+
+
+@pytest.mark.parametrize("arch, attn, autocast_bf16", [("llama", "sdpa", False), ("qwen2", "sdpa", False),
+                                                       ("llama", "eager", False), ("qwen2", "sdpa", True)])
+@pytest.mark.parametrize("G, micro_batch, read_every", [(3, 8, None), (6, 4, 3)])
+def test_static_greedy_matches_generate(arch, attn, autocast_bf16, G, micro_batch, read_every):
+    """Token for token with generate(), with refills (prefix K/V copied into a static row), compaction into
+    smaller buckets, and (read_every 3) finished rows decoding past their end until the host reads."""
+    model = tiny_model(arch)
+    model.set_attn_implementation(attn)
+    distinct = random_prompts([3, 7, 5, 9, 4, 6], 64)
+    cfg = GenerationConfig(max_completion_length=20, generation_micro_batch_size=micro_batch, **CFG)
+    eos = frequent_token(model, distinct, cfg)
+    slow = generate(model, [p for p in distinct for _ in range(G)], cfg, eos, autocast_bf16)
+    stats = SamplingStats()
+    fast = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, stats=stats,
+                  autocast_bf16=autocast_bf16, read_every=read_every, decode="static")
+    assert fast.shape == slow.shape and torch.equal(fast, slow), f"\n{fast}\n{slow}"
+    lengths = (slow != PAD).sum(1)
+    assert lengths.min() < lengths.max()
+    assert stats.refills > 0 and stats.prefill_rows == len(distinct)
+    assert stats.compactions > 0 or micro_batch == 4  # (at 4 the last rows end together here)
+    # every decode step ran a whole bucket
+    assert stats.decode_row_steps % min(buckets(micro_batch)) == 0
+
+
+def generate(model, prompts, cfg, eos, autocast_bf16=False):
+    """generate()'s greedy completions (rollout.generate, fast_rollout false): (N, C)."""
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    return rollout_generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos], pad_id=PAD,
+                            device=CPU, greedy=True, autocast_bf16=autocast_bf16).completion_ids
+
+
+def test_static_edge_cases_match_generate():
+    """One-token prompts (nothing to copy into the row), a prompt with no samples, uneven counts, prompts
+    longer than max_prompt_length (the cache is widened for the call), fewer rows than the micro-batch."""
+    model = tiny_model("llama", seed=5)
+    distinct = random_prompts([1, 6, 2, 1, 11, 4], 64, seed=6)
+    counts = [2, 3, 0, 1, 4, 2]
+    prompts = [p for p, c in zip(distinct, counts) for _ in range(c)]
+    for micro_batch in (3, 16):
+        cfg = GenerationConfig(max_completion_length=16, generation_micro_batch_size=micro_batch, max_prompt_length=8)
+        eos = frequent_token(model, distinct, cfg)
+        fast = sample(model, distinct, counts, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True,
+                      decode="static")
+        slow = generate_completions(model, prompts, cfg, eos)
+        assert fast.shape == slow.shape and torch.equal(fast, slow), f"micro_batch {micro_batch}\n{fast}\n{slow}"
+
+
+def test_static_cache_bytes_are_the_planned_preallocation():
+    """The buffers are micro-batch rows x (max_prompt_length + completion limit) x layers x K and V, allocated
+    once (memory/plan.py's "KV cache" term); fewer rows than the micro-batch take the bucket that holds them."""
+    model = tiny_model("qwen2")
+    cfg = GenerationConfig(max_completion_length=12, generation_micro_batch_size=16, max_prompt_length=10)
+    made = []
+    real = StaticKV.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+    c = model.config
+    per_row_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StaticKV, "__init__", spy)
+        for prompts, G, rows in (([[5, 6, 7]] * 1, 40, 16), ([[5, 6, 7], [8, 9]], 3, 8)):
+            sample(model, prompts, G, cfg, eos_ids=[1], pad_id=PAD, device=CPU, decode="static")
+            assert made[-1].rows == rows and made[-1].nbytes == rows * (10 + 12) * per_row_token
+    assert len(made) == 2  # one allocation per rollout
+
+
+def count_graphs(fn):
+    """dynamo's compiled graphs and graph breaks while fn runs."""
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["unique_graphs"]
+    fn()
+    return counters["stats"]["unique_graphs"] - before, dict(counters["graph_break"])
+
+
+def test_compilations_bounded_by_buckets(monkeypatch):
+    """Item 5: prompts of other lengths, other numbers of samples (batch sizes), sampled and greedy, and
+    repeated rollouts compile the step at most once per bucket, with no graph break."""
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")  # dynamo's tracing, counted; no Inductor
+    torch._dynamo.reset()
+    model = tiny_model("llama", seed=11)
+    cfg = GenerationConfig(max_completion_length=10, generation_micro_batch_size=8, **CFG)
+    calls = [(random_prompts([3, 9], 64, seed=1), 4, True), (random_prompts([12, 2, 5], 64, seed=2), 3, False),
+             (random_prompts([7], 64, seed=3), 2, True), (random_prompts([4, 4, 6, 1, 16], 64, seed=4), 5, False),
+             (random_prompts([3, 9], 64, seed=1), 4, True)]
+
+    def rollouts():
+        torch.manual_seed(0)
+        for prompts, G, greedy in calls:
+            sample(model, prompts, G, cfg, eos_ids=[7, 11, 13], pad_id=PAD, device=CPU, greedy=greedy,
+                   decode="compiled")
+    graphs, breaks = count_graphs(rollouts)
+    assert not breaks, f"graph breaks split the step: {breaks}"
+    assert 1 < graphs <= len(buckets(8)), f"{graphs} compilations for buckets {buckets(8)}"
+    assert count_graphs(rollouts)[0] == 0  # and none on later steps
+
+
+def test_compiled_step_sees_weights_changed_in_place():
+    """Items 2 and 4 with Inductor on the CPU: greedy tokens identical to the eager static step; a weight
+    changed in place (as the optimizers update them) changes the next rollout, which again equals eager,
+    without compiling again. One bucket (micro-batch 1) keeps it to a single compilation."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=13)
+    cfg = GenerationConfig(max_completion_length=8, generation_micro_batch_size=1, **CFG)
+    prompts = random_prompts([5, 3], 64, seed=14)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+
+    def both():
+        return sample(model, prompts, 1, cfg, decode="static", **kw), sample(model, prompts, 1, cfg, decode="compiled",
+                                                                             **kw)
+    results = []
+    graphs, _ = count_graphs(lambda: results.append(both()))
+    eager, compiled = results[0]
+    assert graphs == 1 and torch.equal(compiled, eager), f"\n{compiled}\n{eager}"
+    with torch.no_grad():  # in place, inside the decoder (an optimizer step's kind of change, only larger)
+        model.model.layers[1].mlp.down_proj.weight.mul_(4.0)
+    graphs, _ = count_graphs(lambda: results.append(both()))
+    eager2, compiled2 = results[1]
+    assert graphs == 0 and torch.equal(compiled2, eager2), f"\n{compiled2}\n{eager2}"
+    assert not torch.equal(eager2, eager), "the change should move the greedy tokens"
+
+
+def test_compile_decode_setting():
+    """auto: compiled on CUDA, the dynamic step on the CPU; true/false; anything else is an error naming the words."""
+    model = tiny_model("llama")
+    cuda, gen = torch.device("cuda"), GenerationConfig
+    assert decode_mode(model, gen(), CPU) == "dynamic" and decode_mode(model, gen(), cuda) == "compiled"
+    assert decode_mode(model, gen(compile_decode=True), CPU) == "compiled"
+    assert decode_mode(model, gen(compile_decode=False), cuda) == "dynamic"
+    assert load_config(None, ["compile_decode=true"], check=False).generation.compile_decode is True
+    assert load_config(None, ["generation.compile_decode=auto"], check=False).generation.compile_decode == "auto"
+    with pytest.raises(ConfigError, match="compile_decode must be one of auto, true, false; got 'yes'"):
+        load_config(None, ["compile_decode=yes"], check=False)
+    model.config._attn_implementation = "flash_attention_2"  # takes no ready mask: the dynamic step, logged
+    assert "flash_attention_2" in static_decode_problem(model)
+    assert decode_mode(model, gen(compile_decode=True), cuda) == "dynamic"
+    with pytest.raises(ValueError, match="decode='static'.*flash_attention_2"):
+        sample(model, [[1, 2]], 1, gen(), eos_ids=[], pad_id=PAD, device=CPU, decode="static")
+
+
+# ---- on a GPU: the graphed step (torch.compile mode="reduce-overhead", CUDA graphs per bucket) ----------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_step_matches_eager_on_cuda(dtype):
+    """Greedy tokens of the graphed step equal the eager static step's and generate()'s on the GPU, through
+    refills and compactions, with every bucket's CUDA graph used (no cudagraph skip), at most one
+    compilation per bucket; then a weight changed in place is seen by the next rollout."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    cuda = torch.device("cuda")
+    model = tiny_model("qwen2", seed=21).to(cuda, dtype)
+    distinct = random_prompts([3, 7, 5, 9, 4, 6], 64, seed=22)
+    G = 4
+    cfg = GenerationConfig(max_completion_length=24, generation_micro_batch_size=8, **CFG)
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    kw = dict(eos_ids=[], pad_id=PAD, device=cuda, greedy=True)
+    free = rollout_generate(model, distinct, dataclasses.replace(cfg, fast_rollout=False), **kw).completion_ids
+    eos = int(free.flatten().mode().values)  # a token the greedy model emits: rows end at different steps
+    kw["eos_ids"] = [eos]
+    prompts = [p for p in distinct for _ in range(G)]
+
+    def run():
+        slow = rollout_generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw).completion_ids
+        eager = sample(model, distinct, G, cfg, decode="static", **kw)
+        stats = SamplingStats()
+        graphed = sample(model, distinct, G, cfg, decode="compiled", stats=stats, **kw)
+        return slow, eager, graphed, stats
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    out = []
+    graphs, breaks = count_graphs(lambda: out.append(run()))
+    slow, eager, graphed, stats = out[0]
+    assert torch.equal(graphed, eager), f"\n{graphed}\n{eager}"
+    if dtype == torch.float32:  # (bf16: generate()'s own batch shapes round differently)
+        assert torch.equal(graphed, slow), f"\n{graphed}\n{slow}"
+    assert stats.refills > 0 and stats.compactions > 0
+    assert counters["inductor"]["cudagraph_skips"] == skips, "a bucket ran without its CUDA graph"
+    assert not breaks and 1 <= graphs <= len(buckets(8))
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(4.0)
+    graphs, _ = count_graphs(lambda: out.append(run()))
+    _, eager2, graphed2, _ = out[1]
+    assert graphs == 0 and torch.equal(graphed2, eager2) and not torch.equal(graphed2, graphed)
