@@ -98,6 +98,28 @@ def test_static_cache_bytes_are_the_planned_preallocation():
     assert len(made) == 2  # one allocation per rollout
 
 
+def test_planner_counts_the_static_cache_of_the_bucket():
+    """Item 6: with the compiled static step (auto: on CUDA) the rollout holds the bucket's rows of cache,
+    allocated whole: 40 rows decoding at micro-batch 64 hold 64 rows (buckets 8, 16, 32, 64); the dynamic
+    step (the CPU, or compile_decode=false) 40. A micro-batch that is a bucket plans as before."""
+    from lowmem_grpo.memory.layer_probe import layer_costs
+    from lowmem_grpo.memory.plan import Arch, plan
+    tiny = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+    arch = Arch.from_config(tiny)
+    common = ["model.name_or_path=x", "reward_funcs=[numeric_answer]", "generation_micro_batch_size=64",
+              "per_device_train_batch_size=8", "steps_per_generation=5", "max_prompt_length=100",
+              "max_completion_length=28"]  # a generation batch of 40 rows, sequences of 128
+
+    def kv(device, *more):
+        return plan(load_config(None, common + list(more)), arch, device=device)["phase_categories"]["rollout"][
+            "KV cache"]
+    per_row = 128 * 2 * layer_costs(tiny, torch.float32, True).kv_cache  # (prompt + completion) x layers x K, V
+    assert kv("cuda") - kv("cuda", "compile_decode=false") == (64 - 40) * per_row
+    assert kv("cpu") == kv("cuda", "compile_decode=false") and kv("cpu", "compile_decode=true") == kv("cuda")
+    assert kv("cuda", "steps_per_generation=8") == kv("cuda", "steps_per_generation=8", "compile_decode=false")
+
+
 def count_graphs(fn):
     """dynamo's compiled graphs and graph breaks while fn runs."""
     from torch._dynamo.utils import counters
