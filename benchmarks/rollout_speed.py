@@ -135,6 +135,9 @@ def main() -> None:
     parser.add_argument("--G", type=int, default=8, help="completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=60, help="mean prompt length (spread +-25%%)")
     parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--max-prompt-length", type=int, default=None,
+                        help="generation.max_prompt_length (default: the longest prompt); with --max-new it sets the "
+                             "static paths' cache length, which their attention reads whole every step")
     parser.add_argument("--eos-hazard", type=float, default=0.03, help="P(EOS) per step; 0 = never stop early")
     parser.add_argument("--micro-batch", type=int, default=64, help="generation_micro_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
@@ -155,7 +158,8 @@ def main() -> None:
     distinct = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, eos)
     bias = add_eos_bias(model, distinct, eos, args.eos_hazard, device) if args.eos_hazard > 0 else None
     prompts = [p for p in distinct for _ in range(args.G)]
-    cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch)
+    cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch,
+                           max_prompt_length=args.max_prompt_length or max(len(p) for p in distinct))
     print(f"{args.arch}{' (tiny)' if args.tiny else ''} random {args.dtype} weights on {device}: {args.prompts} prompts ({[len(p) for p in distinct]} tokens) "
           f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
 

@@ -15,6 +15,10 @@ finished rows are dropped from the batch once a quarter of it is dead (see `_COM
 The stop flags stay on the device; the host reads them every `_READ_EVERY` steps and refills or
 compacts only then, so there is no device -> host read per token where that would stall a GPU.
 
+`sample(decode="static" | "compiled")` keeps the same slots over a preallocated cache and a static-shape
+step at batch-size buckets instead of the growing DynamicCache (policy/static_decode.py;
+generation.compile_decode); everything else here is shared.
+
 The sampling distribution is generate()'s: the settings are resolved as generate() resolves them
 (rollout.sampling_kwargs, with values left None taken from the model's own generation_config), the
 logits go to fp32 and through transformers' own processors in generate()'s order (repetition penalty,

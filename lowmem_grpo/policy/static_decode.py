@@ -32,6 +32,13 @@ policy/sampling.py decodes with a growing DynamicCache by default. With `decode=
   step contains no random op (nothing for a CUDA graph to replay with a stale seed), and eager and
   compiled steps draw the same numbers from the same seed.
 
+Costs to know: every step attends over the whole preallocated length (masked columns included), and
+transformers' sdpa path repeats grouped K/V heads into a copy when a mask is given (repeat_kv), so each
+step reads and copies (heads / kv_heads + 1) x the whole cache of its bucket, where the growing cache
+of the dynamic step reads only the columns in use. Early in a rollout, with short contexts, that is the
+larger part of a small model's step on the CPU (RESULTS.md, "Rollout: the static-shape decode step").
+Buckets of the attended length (one graph per batch x length bucket) would remove most of it; not done.
+
 Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per bucket); on CUDA with
 mode="reduce-overhead", i.e. CUDA graphs per bucket, the buffers marked static addresses (as
 transformers' StaticCache does) so the graphs write the cache in place instead of skipping. Parameters

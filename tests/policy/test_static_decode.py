@@ -120,6 +120,31 @@ def test_planner_counts_the_static_cache_of_the_bucket():
     assert kv("cuda", "steps_per_generation=8") == kv("cuda", "steps_per_generation=8", "compile_decode=false")
 
 
+def test_profiler_counts_the_static_cache_as_the_rollouts_kv_cache(tmp_path, monkeypatch):
+    """Item 6: a trainer step with generation.compile_decode=true on the CPU: the preallocated buffers are
+    made in the rollout phase and counted there as "KV cache", whole (not grown)."""
+    import json
+    from lowmem_grpo.memory.profile import profile_trainer
+    from lowmem_grpo.training.trainer import Trainer
+    from tests.training.conftest import TINY_LLAMA, toy_rows, write_jsonl
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")  # the compiled path, without Inductor's wait
+    made = []
+    real = StaticKV.__init__
+    monkeypatch.setattr(StaticKV, "__init__", lambda self, *a, **k: (real(self, *a, **k), made.append(self))[0])
+    train = write_jsonl(tmp_path / "train.jsonl", toy_rows(16))
+    cfg = load_config(None, [
+        f"model.config={json.dumps(TINY_LLAMA)}", "model.tokenizer=none", f"data.train_file={train}",
+        "num_generations=4", "max_prompt_length=8", "max_completion_length=6", "per_device_train_batch_size=4",
+        "steps_per_generation=2", "generation_micro_batch_size=8", "compile_decode=true", "optimizer=adamw",
+        "reward_funcs=[tests.training.conftest:label_reward]", f"output_dir={tmp_path / 'run'}",
+        "progress_bar=false", "device=cpu"])
+    prof, _, _ = profile_trainer(Trainer(cfg), steps=1)
+    assert len(made) == 1 and made[0].rows == 8
+    assert made[0].nbytes == 8 * (8 + 6) * 2 * 2 * 2 * 16 * 4  # rows x length x layers x K, V x heads x dim x fp32
+    kv = prof.result.devices["host"].summary()["phases"]["rollout"]["categories"]["KV cache"]
+    assert kv >= made[0].nbytes
+
+
 def count_graphs(fn):
     """dynamo's compiled graphs and graph breaks while fn runs."""
     from torch._dynamo.utils import counters
