@@ -451,6 +451,8 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
             return rollout.run().cpu()
     finally:
         model.train(was_training)
+        if rollout.static is not None:
+            rollout.static.release()
 
 
 _fallbacks_logged: set[str] = set()

@@ -153,6 +153,7 @@ class StaticKV:
         self.values = [torch.zeros((rows, v.shape[1], length, v.shape[3]), dtype=v.dtype, device=device)
                        for v in like.values]
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
         self.graphed = compiled and device.type == "cuda" and COMPILE_BACKEND == "inductor"
         if self.graphed:  # CUDA graphs write these in place (else they would skip: mutated inputs)
             for t in self.keys + self.values:
@@ -161,9 +162,16 @@ class StaticKV:
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+    def release(self) -> None:
+        """End of the rollout: the buffers go (the training step needs the memory); the next rollout allocates
+        afresh. The compiled graphs stay (compiled once per process). CUDA graphs, recorded against these
+        buffers' addresses, re-record when the next rollout's buffers have other addresses: torch >= 2.13
+        does not count that against cudagraph_unexpected_rerecord_limit (mark_static_address inputs);
+        torch 2.11 (the GPU image) may, and after 128 rollouts would run the buckets unGraphed (a logged
+        "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
+        limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
+        but it also strands the compiled functions' handles on the old graph tree: not an option."""
+        self.keys, self.values = [], []
 
     def __call__(self, model, input_ids: Tensor, positions: Tensor) -> Tensor:
         if self.graphed:
