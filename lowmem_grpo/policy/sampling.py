@@ -467,11 +467,33 @@ def use_fast_sampling(model: nn.Module, cfg: GenerationConfig, greedy: bool = Fa
     return problem is None
 
 
+_compile_failures: list[str] = []  # why torch.compile failed on the step in this process (then: the dynamic step)
+
+
+def compile_errors() -> tuple[type, ...]:
+    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own)."""
+    import torch._dynamo.exc
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
+        return (torch._dynamo.exc.TorchDynamoException,)
+    return (torch._dynamo.exc.TorchDynamoException, InductorError)
+
+
+def compile_failed(error: Exception) -> None:
+    """The compiled step failed to compile: this process decodes with the dynamic step from now on (logged)."""
+    _compile_failures.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    log.warning("generation.compile_decode: torch.compile failed on the decode step (%s); this rollout and the "
+                "next ones use the dynamic step. Set generation.compile_decode=false to skip the attempt.",
+                _compile_failures[-1])
+
+
 def decode_mode(model: nn.Module, cfg: GenerationConfig, device: torch.device) -> str:
     """generation.compile_decode as `sample`'s decode: "compiled" when true, or auto on CUDA (the compiled
     step did not pay on the CPU: benchmarks/RESULTS.md); else "dynamic". A model the static step cannot
-    run keeps the dynamic step (logged once per reason)."""
+    run keeps the dynamic step (logged once per reason), as does a process where compiling it failed."""
     on = cfg.compile_decode is True or (cfg.compile_decode == "auto" and device.type == "cuda")
+    on = on and not _compile_failures
     problem = static_decode_problem(model) if on else None
     if problem and problem not in _fallbacks_logged:
         _fallbacks_logged.add(problem)

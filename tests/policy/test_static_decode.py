@@ -218,6 +218,33 @@ def test_compile_decode_setting():
         sample(model, [[1, 2]], 1, gen(), eos_ids=[], pad_id=PAD, device=CPU, decode="static")
 
 
+def test_a_step_that_fails_to_compile_falls_back_to_the_dynamic_step(monkeypatch, caplog):
+    """generation.compile_decode must not stop a run where torch.compile cannot compile the step: the rollout
+    is sampled with the dynamic step, the reason logged once, and later rollouts skip the attempt."""
+    import logging
+    import torch._dynamo.exc
+    from lowmem_grpo.policy import sampling
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    calls = []
+
+    def broken(self, *args):
+        calls.append(1)
+        raise torch._dynamo.exc.TorchDynamoException("no backend for this step")
+    monkeypatch.setattr(StaticKV, "__call__", broken)
+    monkeypatch.setattr(sampling, "_compile_failures", [])
+    model = tiny_model("llama", seed=3)
+    prompts = [p for p in random_prompts([3, 6], 64) for _ in range(2)]
+    cfg = GenerationConfig(max_completion_length=6, compile_decode=True, **CFG)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    plain = rollout_generate(model, prompts, dataclasses.replace(cfg, compile_decode=False), **kw).completion_ids
+    with caplog.at_level(logging.WARNING, logger="lowmem_grpo.policy.sampling"):
+        first = rollout_generate(model, prompts, cfg, **kw).completion_ids
+        second = rollout_generate(model, prompts, cfg, **kw).completion_ids
+    assert torch.equal(first, plain) and torch.equal(second, plain)
+    assert len(calls) == 1 and decode_mode(model, cfg, CPU) == "dynamic"
+    assert sum("torch.compile failed" in r.getMessage() for r in caplog.records) == 1
+
+
 # ---- on a GPU: the graphed step (torch.compile mode="reduce-overhead", CUDA graphs per bucket) ----------
 
 
