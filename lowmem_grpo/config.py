@@ -204,10 +204,12 @@ class GenerationConfig:
                                                   "held only while generating), at batch-size buckets (the "
                                                   "micro-batch and its halves down to an eighth), compiled with "
                                                   "torch.compile; on CUDA with CUDA graphs per bucket (one "
-                                                  "compilation and graph capture per bucket on the first "
-                                                  "rollouts). Same tokens and distribution. auto = on for CUDA, off "
-                                                  "on the CPU (measured not to pay there: benchmarks/RESULTS.md); "
-                                                  "true | false.", check=("auto", True, False))
+                                                  "compilation per bucket on the first rollout, a graph capture per "
+                                                  "bucket per rollout). Same tokens and distribution; a step "
+                                                  "torch.compile cannot compile falls back to the dynamic one "
+                                                  "(logged). auto = on for CUDA, off on the CPU (measured not to "
+                                                  "pay there: benchmarks/RESULTS.md); true | false.",
+                                          check=("auto", True, False))
 
 
 @dataclass
