@@ -52,6 +52,21 @@ def _trainer_steps(arch: str, recipe: str, prompt_len: int, completion_len: int,
                   "--memory-cap-gib", str(cap), *lengths], timeout_s=120 if tiny else 260) for cap in (8, 7.5)]
 
 
+def _rollout_steps(arch: str, rows: list[int], tiny: bool) -> list[Step]:
+    """rollout_speed.py eager vs compiled (CUDA graphs per bucket): `rows` rows decoding at once (G = 8
+    samples of rows / 8 prompts), every row 512 tokens (no early EOS), bf16 random weights (issue 27)."""
+    if tiny:  # one bucket, a few tokens: the CPU compiles one graph with Inductor
+        return [Step(f"rollout speed {arch} (tiny)",
+                     [PY, "benchmarks/rollout_speed.py", "--arch", arch, "--tiny", "--prompts", "2", "--G", "2",
+                      "--micro-batch", "2", "--max-new", "8", "--prompt-len", "8", "--eos-hazard", "0",
+                      "--repeats", "1", "--paths", "refill,static,compiled"], 60)]
+    return [Step(f"rollout speed {arch}, {n} rows x 512 tokens: eager vs graphed",
+                 [PY, "benchmarks/rollout_speed.py", "--arch", arch, "--prompts", str(n // 8), "--G", "8",
+                  "--micro-batch", str(n), "--max-new", "512", "--prompt-len", "128", "--eos-hazard", "0",
+                  "--repeats", "2", "--paths", "refill,static,compiled", "--dtype", "bf16", "--device", "cuda"],
+                 260 if len(rows) > 1 else 500) for n in rows]
+
+
 def parts(tiny: bool) -> dict[str, list[Step]]:
     """Every part's steps; `tiny` is the CPU rehearsal (same scripts, same code paths, toy sizes)."""
     kernel_tokens = ["64"] if tiny else ["4096", "8192"]
@@ -88,6 +103,10 @@ def parts(tiny: bool) -> dict[str, list[Step]]:
         "pinned": [Step("pinned host memory vs the planner, 1.5B recipe",
                         [PY, "benchmarks/pinned_host_memory.py", "--arch", "Qwen2.5-1.5B",
                          "--recipe", f"{RECIPES}/qwen2.5-1.5b_gsm8k_8gb.yaml", *(["--tiny"] if tiny else [])], 240)],
+        # Decode tokens/s, eager (today's dynamic step, and the static step) vs compiled and graphed.
+        "rollout-0.5b": _rollout_steps("Qwen2.5-0.5B", [16, 64], tiny),
+        # (its tiny version would repeat rollout-0.5b's: at toy width both are the same Qwen2 model)
+        "rollout-1.5b": [] if tiny else _rollout_steps("Qwen2.5-1.5B", [64], tiny),
         "memory": [
             Step("planner tables", [PY, "benchmarks/memory_accounting.py"], 120),
             Step("planner vs profiler, 8 GB recipes", [PY, "benchmarks/plan_accuracy.py", "--gpu-recipes",
@@ -119,7 +138,7 @@ def check_env(json_path: str | None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     modules = ["lowmem_grpo.kernels", "lowmem_grpo.training.trainer", "lowmem_grpo.memory.profile",
                "lowmem_grpo.memory.plan", "lowmem_grpo.memory_modes.sr_adamw", "lowmem_grpo.cli",
-               "bitsandbytes", "triton", "matplotlib", "bench_utils", "trainer_step", "plan_accuracy"]
+               "bitsandbytes", "triton", "matplotlib", "bench_utils", "trainer_step", "plan_accuracy", "rollout_speed"]
     for name in modules:
         try:
             importlib.import_module(name)

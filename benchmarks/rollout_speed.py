@@ -1,5 +1,5 @@
 """Rollout speed: completion tokens per second of transformers' generate() vs the fast sampler, without
-and with continuous refill.
+and with continuous refill, and with the static-shape decode step, eager and compiled (issue 27).
 
     python benchmarks/rollout_speed.py --arch SmolLM2-135M --prompts 8 --G 8 --max-new 64 --eos-hazard 0.05 \
         --micro-batch 16 --repeats 3 --json runs/rollout_speed.json
@@ -11,7 +11,18 @@ Three paths on the same inputs:
             the batch, but a new micro-batch starts only when the last row of the previous one has
             finished (the loop before issue 27);
   refill    `sample` as rollout.generate runs it: a finished row's slot takes the next waiting sample.
-Only the paths named in --paths run (default all three).
+  static    refill with the static-shape step (policy/static_decode.py), eager: the preallocated cache,
+            the step at batch-size buckets;
+  compiled  the same step under torch.compile, as generation.compile_decode runs it (on CUDA: CUDA graphs
+            per bucket, torch.compile's reduce-overhead mode).
+Only the paths named in --paths run (default generate, fast, refill).
+
+On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
+row runs --max-new tokens) --dtype bf16. The compiled path's warm-up (one whole rollout, which compiles and
+captures each bucket it meets) is timed apart ("warmup_seconds"). "weight_gb_per_s" is the decode steps'
+weight reads alone (decode steps x parameter bytes / seconds): a lower bound on the bandwidth used, to set
+against the card's roofline (H100 SXM: 3.35 TB/s).
+--tiny: the architecture at toy width and depth (the CPU rehearsal of the GPU session).
 
 Set-up: a random-weight model of the architecture preset (lowmem_grpo/memory/presets.py; speed does not
 depend on weight values, no download), fp32 weights, `--prompts` prompts of random ids, lengths spread
@@ -47,13 +58,24 @@ from lowmem_grpo.policy.rollout import eos_mask, generate
 from lowmem_grpo.policy.sampling import SamplingStats, sample
 
 
-def build_model(arch: str, device: torch.device):
+TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024}  # as trainer_step.py's
+
+
+def build_model(arch: str, device: torch.device, dtype: torch.dtype = torch.float32, tiny: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     spec = preset(arch)
+    if tiny:
+        spec.update(TINY)
+        spec.pop("head_dim", None)
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # ids inside the tiny vocabulary
+            if key in spec:
+                spec[key] = TINY["vocab_size"] - 1
     model_type = spec.pop("model_type")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec))
-    return model.to(device).eval(), spec["eos_token_id"], spec.get("pad_token_id", spec["eos_token_id"])
+    return (model.to(device, dtype).eval(), spec["eos_token_id"],
+            spec.get("pad_token_id", spec["eos_token_id"]))
 
 
 def make_prompts(n: int, length: int, vocab: int, eos: int) -> list[list[int]]:
@@ -89,7 +111,7 @@ def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed):
                                pad_id=pad, device=device).completion_ids
     else:
         completions = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=pad, device=device, stats=stats,
-                             refill=path == "refill")
+                             refill=path != "fast", decode=DECODE.get(path, "dynamic"))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -102,7 +124,8 @@ def generate_row_steps(lengths, micro_batch: int) -> int:
     return sum(len(chunk) * (int(chunk.max()) - 1) for chunk in lengths.split(micro_batch))
 
 
-PATHS = ("generate", "fast", "refill")
+PATHS = ("generate", "fast", "refill", "static", "compiled")
+DECODE = {"static": "static", "compiled": "compiled"}  # sample()'s decode per path (else "dynamic")
 
 
 def main() -> None:
@@ -112,10 +135,15 @@ def main() -> None:
     parser.add_argument("--G", type=int, default=8, help="completions per prompt")
     parser.add_argument("--prompt-len", type=int, default=60, help="mean prompt length (spread +-25%%)")
     parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--max-prompt-length", type=int, default=None,
+                        help="generation.max_prompt_length (default: the longest prompt); with --max-new it sets the "
+                             "static paths' cache length, which their attention reads whole every step")
     parser.add_argument("--eos-hazard", type=float, default=0.03, help="P(EOS) per step; 0 = never stop early")
     parser.add_argument("--micro-batch", type=int, default=64, help="generation_micro_batch_size")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--paths", default="generate,fast,refill", help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the model's weights")
+    parser.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
@@ -124,17 +152,24 @@ def main() -> None:
         parser.error(f"--paths: choose from {', '.join(PATHS)}, got {args.paths!r}")
 
     device = torch.device(args.device)
-    model, eos, pad = build_model(args.arch, device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model, eos, pad = build_model(args.arch, device, dtype, args.tiny)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     distinct = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, eos)
     bias = add_eos_bias(model, distinct, eos, args.eos_hazard, device) if args.eos_hazard > 0 else None
     prompts = [p for p in distinct for _ in range(args.G)]
-    cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch)
-    print(f"{args.arch} random weights on {device}: {args.prompts} prompts ({[len(p) for p in distinct]} tokens) "
+    cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch,
+                           max_prompt_length=args.max_prompt_length or max(len(p) for p in distinct))
+    print(f"{args.arch}{' (tiny)' if args.tiny else ''} random {args.dtype} weights on {device}: {args.prompts} prompts ({[len(p) for p in distinct]} tokens) "
           f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
 
     kw = dict(G=args.G, eos=eos, pad=pad, device=device)
-    for path in paths:  # warm-up
-        run(model, prompts, distinct, dataclasses.replace(cfg, max_completion_length=4), path, seed=0, **kw)
+    warmup = {}
+    for path in paths:  # warm-up; the static paths' shapes depend on the length limit: a whole rollout
+        short = path not in DECODE
+        warmup[path] = run(model, prompts, distinct, dataclasses.replace(cfg, max_completion_length=4) if short else cfg,
+                           path, seed=0, **kw)[0]
+        print(f"  warm-up  {path:8s} {warmup[path]:7.2f} s")
     runs: dict[str, list[dict]] = {path: [] for path in paths}
     stats = {path: SamplingStats() for path in paths if path != "generate"}
     for r in range(args.repeats):
@@ -156,24 +191,27 @@ def main() -> None:
         total_t, total_n = sum(x["seconds"] for x in rs), sum(x["tokens"] for x in rs)
         summary[path] = {"median_seconds": statistics.median(x["seconds"] for x in rs), "tokens": total_n,
                          "seconds": total_t, "tokens_per_s": total_n / total_t,
-                         "mean_length": total_n / (len(prompts) * len(rs))}
+                         "mean_length": total_n / (len(prompts) * len(rs)), "warmup_seconds": warmup[path]}
         if path in stats:
             summary[path].update(mean_rows_per_step=stats[path].mean_rows_per_step,
                                  mean_rows_per_step_queued=stats[path].mean_rows_per_step_queued,
                                  decode_row_steps=stats[path].decode_row_steps, refills=stats[path].refills,
-                                 compactions=stats[path].compactions, prefill_rows=stats[path].prefill_rows)
+                                 compactions=stats[path].compactions, prefill_rows=stats[path].prefill_rows,
+                                 weight_gb_per_s=stats[path].decode_steps * param_bytes / total_t / 1e9)
         else:
             row_steps = sum(x["generate_row_steps"] for x in rs)
             summary[path].update(decode_row_steps=row_steps)
     for path, x in summary.items():
         rows = (f", {x['mean_rows_per_step']:.1f} rows per decode step ({x['mean_rows_per_step_queued']:.1f} while "
                 f"samples waited), {x['decode_row_steps']} row-steps, {x['refills']} refills, "
-                f"{x['compactions']} compactions, {x['prefill_rows']} prefills"
+                f"{x['compactions']} compactions, {x['prefill_rows']} prefills, weights read at "
+                f"{x['weight_gb_per_s']:.1f} GB/s"
                 if path in stats else f", {x['decode_row_steps']} row-steps (counted from its lengths)")
         print(f"{path:8s} {x['tokens_per_s']:7.1f} tok/s, median {x['median_seconds']:.2f} s per rollout, "
               f"mean length {x['mean_length']:.1f}{rows}")
     ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
-              for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"))
+              for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"), ("static", "refill"),
+                           ("compiled", "refill"), ("compiled", "static"))
               if a in summary and b in summary}
     for name, value in ratios.items():
         print(f"speed-up {name} (tokens/s): {value:.2f}x")

@@ -198,6 +198,18 @@ class GenerationConfig:
                                   "samples (at most generation_micro_batch_size rows decode at once, so the KV "
                                   "cache bound is the same). Same sampling distribution and settings; "
                                   "false = generate().")
+    compile_decode: Union[bool, str] = _f("auto", "The fast rollout's decode step with a KV cache preallocated "
+                                                  "for generation_micro_batch_size rows x (max_prompt_length + "
+                                                  "max_completion_length) tokens (the planner's KV-cache bytes, "
+                                                  "held only while generating), at batch-size buckets (the "
+                                                  "micro-batch and its halves down to an eighth), compiled with "
+                                                  "torch.compile; on CUDA with CUDA graphs per bucket (one "
+                                                  "compilation per bucket on the first rollout, a graph capture per "
+                                                  "bucket per rollout). Same tokens and distribution; a step "
+                                                  "torch.compile cannot compile falls back to the dynamic one "
+                                                  "(logged). auto = on for CUDA, off on the CPU (measured not to "
+                                                  "pay there: benchmarks/RESULTS.md); true | false.",
+                                          check=("auto", True, False))
 
 
 @dataclass
@@ -571,9 +583,10 @@ def load_config(recipe: Optional[str | Path] = None, overrides: Optional[list[st
     return cfg
 
 
-def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
+def _choice(value: str, choices: tuple, name: str) -> None:
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}{_nearest(value, list(choices))}")
+        words = [str(c).lower() if isinstance(c, bool) else c for c in choices]  # a choice may be true/false
+        raise ConfigError(f"{name} must be one of {', '.join(words)}; got {value!r}{_nearest(str(value), words)}")
 
 
 @dataclass(frozen=True)

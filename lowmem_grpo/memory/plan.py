@@ -254,16 +254,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     forward, backward = {**base, **forward}, {**base, **backward}
     backward["optimizer states"] += in_backward_step  # each tensor's update runs as its gradient is ready
 
-    def generation(rows: int) -> int:
+    def generation(rows: int, micro_batch: int) -> int:
         """Generation's memory for `rows` rows at once, all under "KV cache" as the profiler counts it: the
         cache, the prefill's transient or the sampling logits, and autocast's bf16 weight copies (cached in
         no-grad passes too)."""
-        kv = rows * seq * layers * costs.kv_cache
+        kv = generation_cache_rows(cfg, rows, micro_batch, device) * seq * layers * costs.kv_cache
         prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
         logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
         return kv + max(prefill, logits) + layers * casts
 
-    phases = {"rollout": {**base, "KV cache": generation(gen_b)}}
+    phases = {"rollout": {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
     lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp + mask_call_lp,
                                                    costs.norm_saved * T_lp)
@@ -283,7 +283,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         phases["optimizer"]["optimizer states"] += optimizer_step_bytes(cfg, arch, device)
     rows = evaluation_rows(cfg)
     if rows:  # between steps: the gradients are gone (zero_grad(set_to_none)), weights and states stay
-        phases["evaluation"] = {**base, "KV cache": generation(rows)}
+        phases["evaluation"] = {**base, "KV cache": generation(rows, cfg.eval.eval_batch_size)}
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
@@ -293,6 +293,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
+
+
+def generation_cache_rows(cfg: Config, rows: int, micro_batch: int, device: str = "cuda") -> int:
+    """Rows of KV cache a generation call holds for `rows` rows decoding at once (at most `micro_batch`): those
+    rows, growing with the completions (the dynamic step, the planner counts them grown to the length limit),
+    or with the compiled static step (generation.compile_decode; auto = on CUDA) the smallest batch-size
+    bucket that holds them, preallocated whole at the length limit (policy/static_decode.py)."""
+    from ..policy.static_decode import bucket_for
+    compiled = cfg.generation.compile_decode is True or (cfg.generation.compile_decode == "auto" and device != "cpu")
+    return bucket_for(rows, micro_batch) if compiled and cfg.generation.fast_rollout else rows
 
 
 def evaluation_rows(cfg: Config) -> int:

@@ -110,18 +110,27 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
     generation.fast_rollout: runs of identical consecutive prompts (a prompt's G copies) are prefilled
     once, finished rows stop costing compute and their slots go to waiting samples (policy/sampling.py);
     same distribution as generate(),
-    which is used where sampling.py cannot match it (the reason is logged once).
+    which is used where sampling.py cannot match it (the reason is logged once). generation.compile_decode
+    picks its decode step (`decode_mode`).
     """
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from .sampling import group_runs, sample, use_fast_sampling  # sampling.py imports this module
+    from .sampling import (compile_errors, compile_failed, decode_mode, group_runs, sample,  # (sampling.py imports
+                           use_fast_sampling)  # this module)
     micro_batch = micro_batch or cfg.generation_micro_batch_size
     max_new = max_new_tokens or cfg.max_completion_length
     if cfg.fast_rollout and use_fast_sampling(model, cfg, greedy):
         distinct, counts = group_runs(prompts)
-        completion_ids = sample(model, distinct, counts, cfg, eos_ids=eos_ids, pad_id=pad_id, device=device,
-                                greedy=greedy, micro_batch=micro_batch, autocast_bf16=autocast_bf16,
-                                max_new_tokens=max_new)  # (N, C)
+        kw = dict(eos_ids=eos_ids, pad_id=pad_id, device=device, greedy=greedy, micro_batch=micro_batch,
+                  autocast_bf16=autocast_bf16, max_new_tokens=max_new)
+        decode = decode_mode(model, cfg, device)
+        try:
+            completion_ids = sample(model, distinct, counts, cfg, decode=decode, **kw)  # (N, C)
+        except compile_errors() as e:  # generation.compile_decode: a step torch.compile cannot compile
+            if decode != "compiled":
+                raise
+            compile_failed(e)
+            completion_ids = sample(model, distinct, counts, cfg, decode="dynamic", **kw)
     else:
         was_training = model.training
         model.eval()  # checkpointing only acts in training mode, so the KV cache is used here

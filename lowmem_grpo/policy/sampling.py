@@ -15,6 +15,10 @@ finished rows are dropped from the batch once a quarter of it is dead (see `_COM
 The stop flags stay on the device; the host reads them every `_READ_EVERY` steps and refills or
 compacts only then, so there is no device -> host read per token where that would stall a GPU.
 
+`sample(decode="static" | "compiled")` keeps the same slots over a preallocated cache and a static-shape
+step at batch-size buckets instead of the growing DynamicCache (policy/static_decode.py;
+generation.compile_decode); everything else here is shared.
+
 The sampling distribution is generate()'s: the settings are resolved as generate() resolves them
 (rollout.sampling_kwargs, with values left None taken from the model's own generation_config), the
 logits go to fp32 and through transformers' own processors in generate()'s order (repetition penalty,
@@ -45,6 +49,7 @@ from ..config import GenerationConfig
 from .decode_slots import Entry, Prefill, Slots, cache_layers_problem, new_cache
 from .model import position_ids_for
 from .rollout import left_pad, sampling_kwargs  # rollout.generate imports this module when called
+from .static_decode import DECODE_MODES, StaticKV, StaticSlots, bucket_for, static_decode_problem
 
 log = logging.getLogger(__name__)
 
@@ -296,13 +301,15 @@ class _Rollout:
 
     def __init__(self, model: nn.Module, queue: _Queue, s: _Settings, *, eos: Tensor, pad_id: int,
                  device: torch.device, max_new: int, micro_batch: int, refill: bool, read_every: int,
-                 keep_logits: bool, stats: SamplingStats):
+                 keep_logits: bool, stats: SamplingStats, decode: str = "dynamic", static_length: int = 0):
         self.model, self.queue, self.s, self.eos, self.pad_id, self.device = model, queue, s, eos, pad_id, device
         self.max_new, self.micro_batch, self.refill, self.read_every = max_new, micro_batch, refill, read_every
-        self.keep_logits, self.stats = keep_logits, stats
-        # (N, max_new + 1): the last column takes the tokens that finished rows draw until the next read
-        self.out = torch.full((queue.rows, max_new + 1), pad_id, dtype=torch.long, device=device)
-        self.lengths = torch.zeros(queue.rows, dtype=torch.long, device=device)  # (N,) tokens kept per row
+        self.keep_logits, self.stats, self.decode_mode, self.static_length = keep_logits, stats, decode, static_length
+        self.static: Optional[StaticKV] = None  # decode "static"/"compiled": the rollout's preallocated cache
+        # (N + 1, max_new + 1): the last column takes the tokens that finished rows draw until the next read,
+        # the last row those of empty slots (a static bucket larger than its rows)
+        self.out = torch.full((queue.rows + 1, max_new + 1), pad_id, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(queue.rows + 1, dtype=torch.long, device=device)  # (N + 1,) tokens kept per row
         self.slots: Optional[Slots] = None
         self.first_logits: Optional[Tensor] = None  # (S, V): a new batch's first tokens come from its prefills
 
@@ -321,9 +328,10 @@ class _Rollout:
             if not self.queue:
                 return False
             entries = self._start(self.micro_batch)
-            self.slots = Slots(self.model, len(entries), self.pad_id, self.device)
+            self.slots = self._new_slots(entries)
             self.slots.place(list(range(len(entries))), entries, whole_prompt=True)
-            self.first_logits = torch.stack([e.prefill.logits[e.index] for e in entries])  # (S, V)
+            first = torch.stack([e.prefill.logits[e.index] for e in entries])  # (n, V)
+            self.first_logits = nn.functional.pad(first, (0, 0, 0, len(self.slots) - len(entries)))  # (S, V)
             stats.micro_batches += 1
             return True
         if self.refill and self.queue and free:
@@ -331,27 +339,38 @@ class _Rollout:
             slots.place(free[:len(entries)], entries, whole_prompt=False)
             stats.refills += len(entries)
             free = free[len(entries):]
-        if (not self.refill or not self.queue) and free and len(free) >= _COMPACT_FRACTION * len(done):
+        if (not self.refill or not self.queue) and free:
             gone = set(free)
-            slots.select([i for i in range(len(done)) if i not in gone])
-            stats.compactions += 1
+            keep = slots.compaction([i for i in range(len(done)) if i not in gone], free, _COMPACT_FRACTION)
+            if keep is not None:
+                slots.select(keep)
+                stats.compactions += 1
         slots.trim()
         return True
+
+    def _new_slots(self, entries: list[Entry]) -> Slots:
+        """Slots for a new batch: as many as entries (dynamic), or the smallest bucket that holds them (static)."""
+        if self.decode_mode == "dynamic":
+            return Slots(self.model, len(entries), self.pad_id, self.device)
+        if self.static is None:  # the first batch: its prefill gives the K/V shapes and dtype
+            # rows: the micro-batch, or the bucket that holds every row of this call if fewer (memory/plan.py)
+            rows = bucket_for(min(self.micro_batch, len(self.out) - 1), self.micro_batch)
+            self.static = StaticKV(self.model, self.micro_batch, rows, self.static_length, entries[0].prefill,
+                                   compiled=self.decode_mode == "compiled", keep_logits=self.keep_logits)
+        return StaticSlots(self.static, bucket_for(len(entries), self.micro_batch), self.pad_id, self.device,
+                           empty_row=len(self.out) - 1)
 
     def decode(self, steps: int) -> None:
         """`steps` decode steps of every slot, with no device -> host read: stop flags stay on the device."""
         slots, s = self.slots, self.s
         procs = _processors(s, torch.tensor(slots.left_pad, device=self.device))  # the padding changes only at reads
-        attention = slots.padded  # likewise
         queued = bool(self.queue)  # likewise
         for _ in range(steps):
             if self.first_logits is not None:  # a new batch: its prompts' logits are known
                 logits, self.first_logits = self.first_logits, None
             else:
                 slots.append_input()  # history, mask: (S, L + 1)
-                logits, slots.cache = _forward(self.model, self.keep_logits, input_ids=slots.inp[:, None],
-                                               attention_mask=slots.attention if attention else None,
-                                               position_ids=slots.pos[:, None], past_key_values=slots.cache)  # (S, V)
+                logits = slots.forward(self.model, self.keep_logits)  # (S, V) fp32
                 slots.pos += 1
                 self.stats.decode_steps += 1
                 self.stats.decode_row_steps += len(slots)
@@ -373,16 +392,18 @@ class _Rollout:
         """Completions (N, C) right-padded with pad_id, C <= max_new."""
         while self.schedule():
             self.decode(self.read_every)
-        self.stats.generated_tokens += int(self.lengths.sum())
-        width = max(int(self.lengths.max()), 1) if len(self.lengths) else 1
-        return self.out[:, :width]
+        lengths = self.lengths[:-1]  # (N,): the last row is the empty slots'
+        self.stats.generated_tokens += int(lengths.sum())
+        width = max(int(lengths.max()), 1) if len(lengths) else 1
+        return self.out[:-1, :width]
 
 
 @torch.no_grad()
 def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, list[int]], cfg: GenerationConfig, *,
            eos_ids: list[int], pad_id: int, device: torch.device, greedy: bool = False,
            micro_batch: Optional[int] = None, autocast_bf16: bool = False, max_new_tokens: Optional[int] = None,
-           stats: Optional[SamplingStats] = None, refill: bool = True, read_every: Optional[int] = None) -> Tensor:
+           stats: Optional[SamplingStats] = None, refill: bool = True, read_every: Optional[int] = None,
+           decode: str = "dynamic") -> Tensor:
     """Completions of each prompt: (sum of samples, C) long on the CPU, right-padded with pad_id.
 
     Rows are prompt 0's samples, then prompt 1's, ... `num_samples` is one count for all prompts or one
@@ -391,8 +412,11 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     rows (default cfg.generation_micro_batch_size) decode at once, which bounds the KV cache. `refill`:
     a finished row's slot goes to the next waiting sample (False: a new batch starts only when every
     row of the last one has finished, the loop before issue 27). `read_every`: decode steps between
-    host reads of the stop flags (default `_READ_EVERY`). Raises ValueError where
-    `fast_sampling_problem` finds a reason this would not match generate().
+    host reads of the stop flags (default `_READ_EVERY`). `decode`: "dynamic" (a growing DynamicCache),
+    "static" (policy/static_decode.py: a cache preallocated for micro_batch rows x (max(max_prompt_length,
+    longest prompt) + max_new_tokens) columns, the step at batch-size buckets) or "compiled" (that step
+    under torch.compile; CUDA graphs on a GPU); the same tokens (greedy) and distribution. Raises
+    ValueError where `fast_sampling_problem` finds a reason this would not match generate().
     """
     counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)
     if len(counts) != len(prompts) or any(c < 0 for c in counts):
@@ -401,16 +425,22 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
         raise ValueError("sample() needs non-empty prompts")
     if read_every is not None and read_every < 1:
         raise ValueError(f"read_every must be >= 1 decode step, got {read_every}")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
     settings, problem = _resolve(model, cfg, greedy)
     problem = problem or _cache_problem(model)
     if problem:
         raise ValueError(f"fast sampling cannot reproduce generate() here: {problem}")
+    if decode != "dynamic" and static_decode_problem(model):
+        raise ValueError(f"decode={decode!r}: {static_decode_problem(model)}; use decode='dynamic'")
     queue = _Queue(prompts, counts)
     if not queue.rows:
         return torch.empty((0, 1), dtype=torch.long)
     stats = stats if stats is not None else SamplingStats()
+    max_new = max_new_tokens or cfg.max_completion_length
+    static_length = max(cfg.max_prompt_length, max(len(p) for p, c in zip(prompts, counts) if c)) + max_new
     rollout = _Rollout(model, queue, settings, eos=torch.tensor(eos_ids, dtype=torch.long, device=device),
-                       pad_id=pad_id, device=device, max_new=max_new_tokens or cfg.max_completion_length,
+                       pad_id=pad_id, device=device, max_new=max_new, decode=decode, static_length=static_length,
                        micro_batch=micro_batch or cfg.generation_micro_batch_size, refill=refill,
                        read_every=read_every or _READ_EVERY.get(device.type, _READ_EVERY_ELSEWHERE),
                        keep_logits="logits_to_keep" in inspect.signature(model.forward).parameters, stats=stats)
@@ -421,6 +451,8 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
             return rollout.run().cpu()
     finally:
         model.train(was_training)
+        if rollout.static is not None:
+            rollout.static.release()
 
 
 _fallbacks_logged: set[str] = set()
@@ -433,3 +465,37 @@ def use_fast_sampling(model: nn.Module, cfg: GenerationConfig, greedy: bool = Fa
         _fallbacks_logged.add(problem)
         log.warning("generation.fast_rollout: using transformers' generate() instead: %s", problem)
     return problem is None
+
+
+_compile_failures: list[str] = []  # why torch.compile failed on the step in this process (then: the dynamic step)
+
+
+def compile_errors() -> tuple[type, ...]:
+    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own)."""
+    import torch._dynamo.exc
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
+        return (torch._dynamo.exc.TorchDynamoException,)
+    return (torch._dynamo.exc.TorchDynamoException, InductorError)
+
+
+def compile_failed(error: Exception) -> None:
+    """The compiled step failed to compile: this process decodes with the dynamic step from now on (logged)."""
+    _compile_failures.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+    log.warning("generation.compile_decode: torch.compile failed on the decode step (%s); this rollout and the "
+                "next ones use the dynamic step. Set generation.compile_decode=false to skip the attempt.",
+                _compile_failures[-1])
+
+
+def decode_mode(model: nn.Module, cfg: GenerationConfig, device: torch.device) -> str:
+    """generation.compile_decode as `sample`'s decode: "compiled" when true, or auto on CUDA (the compiled
+    step did not pay on the CPU: benchmarks/RESULTS.md); else "dynamic". A model the static step cannot
+    run keeps the dynamic step (logged once per reason), as does a process where compiling it failed."""
+    on = cfg.compile_decode is True or (cfg.compile_decode == "auto" and device.type == "cuda")
+    on = on and not _compile_failures
+    problem = static_decode_problem(model) if on else None
+    if problem and problem not in _fallbacks_logged:
+        _fallbacks_logged.add(problem)
+        log.warning("generation.compile_decode: decoding without the compiled static step: %s", problem)
+    return "compiled" if on and problem is None else "dynamic"

@@ -215,12 +215,14 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("micro_batch", [None, 1024], ids=["one_batch", "refill"])
+@pytest.mark.parametrize("micro_batch, decode", [(None, "dynamic"), (1024, "dynamic"), (1024, "static")],
+                         ids=["one_batch", "refill", "refill_static"])
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_sampled_distribution_matches_generate(name, micro_batch):
+def test_sampled_distribution_matches_generate(name, micro_batch, decode):
     """micro_batch None: every row in one batch, generate() and the fast path checked. 1024: the fast path
     refills slots all along (rows end after 1 or 2 tokens), prompt 1's longer prefix widens the cache
-    under prompt 0's rows, and refilled rows sit behind extra left padding: same distribution."""
+    under prompt 0's rows, and refilled rows sit behind extra left padding: same distribution. static: the
+    same with the preallocated cache and bucketed step of policy/static_decode.py (rows without padding)."""
     if "repetition_penalty" in name and repetition_penalty_problem():
         pytest.skip(repetition_penalty_problem())
     settings, mistakes = SETTINGS[name]
@@ -232,6 +234,7 @@ def test_sampled_distribution_matches_generate(name, micro_batch):
     prefix = [pad] * (len(distinct[1]) - len(distinct[0]))
     prompts = [p for p in distinct for _ in range(N_PER_PROMPT)]
     cfg = GenerationConfig(max_completion_length=2, generation_micro_batch_size=micro_batch or len(prompts),
+                           max_prompt_length=len(distinct[1]),
                            **{"temperature": 1.0, "top_k": 0, "top_p": 1.0, **settings})
     kw = dict(eos_ids=[EOS], pad_id=pad, device=CPU)
     torch.manual_seed(0)
@@ -241,7 +244,7 @@ def test_sampled_distribution_matches_generate(name, micro_batch):
         fast = generate(model, prompts, cfg, **kw)
     else:
         stats = SamplingStats()
-        completions = sample(model, distinct, N_PER_PROMPT, cfg, stats=stats, **kw)
+        completions = sample(model, distinct, N_PER_PROMPT, cfg, stats=stats, decode=decode, **kw)
         fast = Batch(*left_pad(prompts, pad), completions, *eos_mask(completions, [EOS]))
         assert stats.refills > 4 * micro_batch and stats.mean_rows_per_step_queued == micro_batch
     power = {m: 0.0 for m, _, _ in mistakes}  # the largest TV(exact, mistaken) / (2 tol) over the comparisons

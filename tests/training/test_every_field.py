@@ -21,9 +21,10 @@ from lowmem_grpo.ranges import Interval
 
 from .conftest import TINY_LLAMA
 
-# Values each annotation refuses: a bool takes only true/false, a number only a number, text refuses a
-# boolean and a list, a list takes a list, one name or one mapping, a mapping only a mapping.
-REFUSED_BY_TYPE = {bool: ["maybe", 5], int: ["many", True], float: ["lots", True], str: [True, [1]],
+# Values each annotation refuses: a bool takes only true/false (and refuses a list, which a true/false/auto
+# field refuses too), a number only a number, text refuses a boolean and a list, a list takes a list, one
+# name or one mapping, a mapping only a mapping.
+REFUSED_BY_TYPE = {bool: ["maybe", 5, [1]], int: ["many", True], float: ["lots", True], str: [True, [1]],
                    list: [True, 5], dict: [[1], "text"]}
 
 # Rules written as code in validate() rather than declared on the field: one refused value each.

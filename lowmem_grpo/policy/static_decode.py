@@ -1,0 +1,228 @@
+"""The static-shape decode step (issue 27): a preallocated KV cache, batch-size buckets, compilable and graphed.
+
+policy/sampling.py decodes with a growing DynamicCache by default. With `decode="static"` (eager) or
+`"compiled"` (generation.compile_decode) its slots keep their K/V here instead:
+
+* **The cache** is one buffer per layer, (rows, kv_heads, length, head_dim), allocated once per rollout:
+  rows = the generation micro-batch, length = max_prompt_length + the completion limit (a longer prompt
+  widens it for that call). So its bytes are the planner's "KV cache" term (memory/plan.py: micro-batch
+  x (prompt + completion) x layers x bytes per token) from the first step, never grown, never copied to
+  grow. It is freed when the rollout ends: on an 8 GB card it must not outlive generation.
+* **Row layout**: row r holds its own tokens at columns 0 .. n_r - 1, without padding, so its position id
+  is its column and its next K/V go to column `pos[r]`. A row that refills a slot copies its prompt's
+  prefix K/V into columns 0 .. W-1 of that row; nothing else moves. transformers' StaticCache does not
+  serve here: it writes every row of the batch at one shared column (one cache position per call), so
+  rows that start at different steps (refill) would need left padding that grows with every refill.
+* **The step** (`decode_step`) is a function of preallocated tensors: input ids (B,), positions (B,),
+  the K/V buffers. It builds the (B, 1, 1, length) mask from the positions, writes each row's new K/V
+  at its position (an index_put: no data-dependent shape) and returns fp32 logits (B, V). The model
+  sees a ready 4D mask (bool for sdpa, additive for eager), which transformers passes through.
+* **Buckets**: the step runs on the first B rows of the buffers, B one of `buckets(micro_batch)`: the
+  micro-batch and its halves down to an eighth (64 -> 64, 32, 16, 8). Each bucket is one compiled graph
+  (one CUDA graph on a GPU). A new batch takes the smallest bucket that holds its rows; once nothing
+  waits, finished rows are compacted into the front rows when the live ones fit a smaller bucket (a copy
+  of the live rows' K/V, as the dynamic path's compaction). Otherwise finished rows stay as masked
+  dead rows, and refills take their slots. Why halves and not every size: on a GPU a decode step of a
+  small model reads all weights whatever B is, so rows cost only their attention (their K/V reads);
+  a bucket at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of
+  the micro-batch the step is weight-bound anyway). Fewer graphs: less compile time and memory, and
+  dynamo's recompile limit (8 per function) is never reached by one model.
+* **Sampling stays outside the step**: the logits processors and the draw (multinomial or argmax) run
+  eagerly on the step's logits, from the same global generator as the dynamic path. So the graphed
+  step contains no random op (nothing for a CUDA graph to replay with a stale seed), and eager and
+  compiled steps draw the same numbers from the same seed.
+
+Costs to know: every step attends over the whole preallocated length (masked columns included), and
+transformers' sdpa path repeats grouped K/V heads into a copy when a mask is given (repeat_kv), so each
+step reads and copies (heads / kv_heads + 1) x the whole cache of its bucket, where the growing cache
+of the dynamic step reads only the columns in use. Early in a rollout, with short contexts, that is the
+larger part of a small model's step on the CPU (RESULTS.md, "Rollout: the static-shape decode step").
+Buckets of the attended length (one graph per batch x length bucket) would remove most of it; not done.
+
+Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per bucket); on CUDA with
+mode="reduce-overhead", i.e. CUDA graphs per bucket, the buffers marked static addresses (as
+transformers' StaticCache does) so the graphs write the cache in place instead of skipping. Parameters
+are read by address: weights changed in place (the optimizers here) are seen by the next step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .decode_slots import Entry, Prefill, Slots
+
+log = logging.getLogger(__name__)
+
+DECODE_MODES = ("dynamic", "static", "compiled")
+MASKED_IMPLEMENTATIONS = ("sdpa", "eager")  # attention that takes our ready 4D mask
+
+
+def buckets(micro_batch: int) -> list[int]:
+    """The batch sizes the step runs at: the micro-batch and its halves down to an eighth (rounded up)."""
+    return sorted({max(1, -(-micro_batch // 2 ** k)) for k in range(4)})
+
+
+def bucket_for(rows: int, micro_batch: int) -> int:
+    """The smallest bucket that holds `rows` rows."""
+    return next(b for b in buckets(micro_batch) if b >= rows)
+
+
+def static_decode_problem(model) -> Optional[str]:
+    """Why the static step cannot run this model, or None."""
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl not in MASKED_IMPLEMENTATIONS:
+        return f"attention implementation {impl!r} takes no ready 4D mask (static decode needs sdpa or eager)"
+    return None
+
+
+class _RowCache:
+    """What the model's attention layers call as their cache: each row's new K/V go to its own column."""
+
+    is_compileable = True
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], positions: Tensor):
+        self.keys, self.values, self.positions = keys, values, positions
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]  # (B, H, L, D) views of the buffers
+        k[self.rows, :, self.positions] = key_states[:, :, 0].to(k.dtype)  # (B, H, D) at (row, position)
+        v[self.rows, :, self.positions] = value_states[:, :, 0].to(v.dtype)
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # not used: position ids are always given
+        return 0
+
+
+def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor], *,
+                additive_mask: bool, cache_arg: str, keep_logits: bool) -> Tensor:
+    """One decode step of the first B = len(input_ids) rows: (B,) ids at (B,) positions -> (B, V) fp32 logits.
+
+    keys/values: per layer, the whole (rows, H, L, D) buffers (sliced here, inside a compiled graph, so a
+    CUDA graph sees the buffers' static addresses). A row attends to its columns 0 .. position; positions
+    past the end (finished rows decoding until the host's next read) write into the last column."""
+    B, L = input_ids.shape[0], keys[0].shape[2]
+    positions = positions.clamp(max=L - 1)
+    visible = torch.arange(L, device=positions.device)[None, :] <= positions[:, None]  # (B, L)
+    mask = visible[:, None, None, :]  # (B, 1, 1, L)
+    if additive_mask:  # eager attention adds the mask to its scores
+        dtype = model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    cache = _RowCache([k[:B] for k in keys], [v[:B] for v in values], positions)
+    kwargs = {"logits_to_keep": 1} if keep_logits else {}
+    out = model(input_ids=input_ids[:, None], attention_mask=mask, position_ids=positions[:, None],
+                use_cache=True, return_dict=True, **{cache_arg: cache}, **kwargs)
+    return out.logits[:, -1].float()  # (B, V)
+
+
+_compiled: dict[tuple, object] = {}
+
+
+def compiled_step(device_type: str, backend: str = "inductor"):
+    """decode_step under torch.compile: one graph per bucket (dynamic=False); CUDA graphs on a GPU."""
+    mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
+    key = (mode, backend)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(decode_step, backend=backend, mode=mode, dynamic=False)
+    return _compiled[key]
+
+
+# The backend `compiled` decoding uses; tests set "eager" to count dynamo's compilations without Inductor.
+COMPILE_BACKEND = "inductor"
+
+
+def cache_argument(model) -> str:
+    """The forward's name for the cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class StaticKV:
+    """The preallocated K/V buffers of one rollout and the step that runs on them."""
+
+    def __init__(self, model, micro_batch: int, rows: int, length: int, like: Prefill, *, compiled: bool,
+                 keep_logits: bool):
+        """rows: the buffers' (a bucket of micro_batch: the buckets, hence the graphs, depend on it alone)."""
+        device = like.keys[0].device
+        self.keys = [torch.zeros((rows, k.shape[1], length, k.shape[3]), dtype=k.dtype, device=device)
+                     for k in like.keys]  # per layer (rows, H, L, D)
+        self.values = [torch.zeros((rows, v.shape[1], length, v.shape[3]), dtype=v.dtype, device=device)
+                       for v in like.values]
+        self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
+        self.graphed = compiled and device.type == "cuda" and COMPILE_BACKEND == "inductor"
+        if self.graphed:  # CUDA graphs write these in place (else they would skip: mutated inputs)
+            for t in self.keys + self.values:
+                torch._dynamo.mark_static_address(t)
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
+        self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
+
+    def release(self) -> None:
+        """End of the rollout: the buffers go (the training step needs the memory); the next rollout allocates
+        afresh. The compiled graphs stay (compiled once per process). CUDA graphs, recorded against these
+        buffers' addresses, re-record when the next rollout's buffers have other addresses: torch >= 2.13
+        does not count that against cudagraph_unexpected_rerecord_limit (mark_static_address inputs);
+        torch 2.11 (the GPU image) may, and after 128 rollouts would run the buckets unGraphed (a logged
+        "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
+        limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
+        but it also strands the compiled functions' handles on the old graph tree: not an option."""
+        self.keys, self.values = [], []
+
+    def __call__(self, model, input_ids: Tensor, positions: Tensor) -> Tensor:
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        logits = self.step(model, input_ids, positions, self.keys, self.values, **self.kwargs)
+        return logits.clone() if self.graphed else logits  # a graph's output is overwritten by its next replay
+
+
+class StaticSlots(Slots):
+    """Slots (decode_slots.py) whose K/V live in a StaticKV, one row per slot, tokens from column 0.
+
+    The history and its left-padded columns stay as in Slots (the repetition penalty reads them); only
+    the cache differs: it never grows, never trims and never shifts, and a slot's length is its position."""
+
+    def __init__(self, kv: StaticKV, n: int, pad_id: int, device: torch.device, empty_row: int):
+        if n > kv.rows:
+            raise ValueError(f"{n} slots do not fit the static cache's {kv.rows} rows")
+        super().__init__(None, n, pad_id, device, empty_row=empty_row)
+        self.kv = kv
+
+    def _layers_ready(self) -> bool:
+        return True
+
+    def _cache_grow_left(self, n: int, like: Prefill) -> None:
+        pass  # rows start at column 0: a longer prefix only widens the (host-side) history
+
+    def _cache_trim(self, n: int) -> None:
+        pass
+
+    def _cache_place(self, idx: Tensor, slots: list[int], group: list[Entry], prefill: Prefill, W: int) -> None:
+        """Each entry's prompt tokens among the prefill's first W columns go to columns 0.. of its slot's row."""
+        by_prompt: dict[int, list[int]] = {}
+        for s, e in zip(slots, group):
+            by_prompt.setdefault(e.index, []).append(s)
+        for j, rows in by_prompt.items():
+            pad = prefill.width - next(e.prompt_len for e in group if e.index == j)  # its left padding
+            n = W - pad  # its cached tokens
+            if n <= 0:
+                continue
+            r = torch.tensor(rows, device=idx.device)
+            for buf, src in zip(self.kv.keys + self.kv.values, prefill.keys + prefill.values):
+                buf[r, :, :n] = src[j, :, pad:W]  # (len(rows), H, n, D) broadcast from one prompt
+
+    def _cache_select(self, idx: Tensor) -> None:
+        for buf in self.kv.keys + self.kv.values:
+            buf[:len(idx)] = buf[idx]  # a gather (copy), then into the front rows
+
+    def compaction(self, live: list[int], free: list[int], fraction: float) -> Optional[list[int]]:
+        """Only into a smaller bucket: the live rows, then finished ones (inert) up to the bucket's size."""
+        b = bucket_for(max(len(live), 1), self.kv.micro_batch)
+        return live + free[:b - len(live)] if b < len(self) else None
+
+    def forward(self, model, keep_logits: bool, cache_arg: str = "") -> Tensor:
+        return self.kv(model, self.inp, self.pos)  # (S, V)
