@@ -3,7 +3,6 @@ and update, its quantizer, unbiased stochastic rounding, the gradient scale, the
 
 import logging
 import math
-import os
 import threading
 import time
 
@@ -19,32 +18,6 @@ bnb = pytest.importorskip("bitsandbytes")
 F = bnb.functional
 
 STATE_KEYS = ("state1", "state2", "absmax1", "absmax2")
-
-
-@pytest.fixture
-def kernel():
-    lib = host_adamw.library()
-    if lib is None:
-        pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
-    return lib
-
-
-_AVX2_BUILD = {}
-
-
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def simd(request, monkeypatch, kernel):
-    """The kernel's three code paths: this CPU's (AVX-512 where it has it), the AVX2 loops (built for
-    -march=x86-64-v3: what most desktop CPUs run), the scalar loops (any other CPU)."""
-    if request.param == "avx2":
-        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-        if " avx2" not in flags or " fma" not in flags:
-            pytest.skip("this CPU cannot run AVX2 code")
-        if "lib" not in _AVX2_BUILD:
-            _AVX2_BUILD["lib"] = host_adamw._build("x86-64-v3")
-        monkeypatch.setattr(host_adamw, "_library", _AVX2_BUILD["lib"])
-    monkeypatch.setattr(host_adamw, "SIMD", request.param != "scalar")
-    return request.param
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ copy, torch's path for what the kernel does not do, and the fallback without the
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
@@ -14,32 +13,6 @@ from lowmem_grpo.memory_modes.host_adamw import HostAdamW
 
 STATES = ("exp_avg", "exp_avg_sq")
 TORCH_TAIL = 16  # torch's fused CPU AdamW (AVX-512) does the last n % 16 elements in its scalar loop
-
-
-@pytest.fixture
-def kernel():
-    lib = host_adamw.library()
-    if lib is None:
-        pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
-    return lib
-
-
-_AVX2_BUILD = {}
-
-
-@pytest.fixture(params=["native", "avx2", "scalar"])
-def simd(request, monkeypatch, kernel):
-    """The kernel's three code paths: this CPU's (AVX-512 where it has it), the AVX2 loops (built for
-    -march=x86-64-v3), the scalar loops."""
-    if request.param == "avx2":
-        flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-        if " avx2" not in flags or " fma" not in flags:
-            pytest.skip("this CPU cannot run AVX2 code")
-        if "lib" not in _AVX2_BUILD:
-            _AVX2_BUILD["lib"] = host_adamw._build("x86-64-v3")
-        monkeypatch.setattr(host_adamw, "_library", _AVX2_BUILD["lib"])
-    monkeypatch.setattr(host_adamw, "SIMD", request.param != "scalar")
-    return request.param
 
 
 @pytest.fixture
