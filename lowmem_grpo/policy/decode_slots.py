@@ -19,6 +19,7 @@ trims rows), so deciding whether the batch needs an attention mask costs no devi
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,6 +30,18 @@ from torch import Tensor
 def new_cache(model):
     from transformers import DynamicCache
     return DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() builds it
+
+
+def cache_argument(model) -> str:
+    """The forward's name for the cache: `cache` (transformers >= 5.2x, where `past_key_values` is
+    deprecated) or `past_key_values` (older)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a forward returned, under either name (see cache_argument)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def cache_layers_problem(cache) -> Optional[str]:
@@ -198,13 +211,13 @@ class Slots:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
 
-    def forward(self, model, keep_logits: bool, cache_arg: str = "past_key_values") -> Tensor:
+    def forward(self, model, keep_logits: bool, cache_arg: str) -> Tensor:
         """One decode step of every slot (after append_input): fp32 logits (S, V); the cache grows by a column."""
         kwargs = {"logits_to_keep": 1} if keep_logits else {}
         out = model(input_ids=self.inp[:, None], attention_mask=self.attention if self.padded else None,
                     position_ids=self.pos[:, None], use_cache=True, return_dict=True, **{cache_arg: self.cache},
                     **kwargs)
-        self.cache = out.past_key_values
+        self.cache = returned_cache(out)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (S, V), as generate() copies them
 
     def append_input(self) -> None:

@@ -27,17 +27,24 @@ policy/sampling.py decodes with a growing DynamicCache by default. With `decode=
   a bucket at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of
   the micro-batch the step is weight-bound anyway). Fewer graphs: less compile time and memory, and
   dynamo's recompile limit (8 per function) is never reached by one model.
-* **Sampling stays outside the step**: the logits processors and the draw (multinomial or argmax) run
+* **Sampling stays outside the step**: the logits processors and the draw (sampling.draw, or argmax) run
   eagerly on the step's logits, from the same global generator as the dynamic path. So the graphed
   step contains no random op (nothing for a CUDA graph to replay with a stale seed), and eager and
   compiled steps draw the same numbers from the same seed.
 
-Costs to know: every step attends over the whole preallocated length (masked columns included), and
-transformers' sdpa path repeats grouped K/V heads into a copy when a mask is given (repeat_kv), so each
-step reads and copies (heads / kv_heads + 1) x the whole cache of its bucket, where the growing cache
-of the dynamic step reads only the columns in use. Early in a rollout, with short contexts, that is the
-larger part of a small model's step on the CPU (RESULTS.md, "Rollout: the static-shape decode step").
-Buckets of the attended length (one graph per batch x length bucket) would remove most of it; not done.
+Attention without copies of the K/V heads: on sdpa models the step runs `grouped_decode_attention`, which
+puts the query heads of one K/V head side by side as that head's queries ((B, heads, 1, D) -> (B, kv_heads,
+heads / kv_heads, D), a view) so sdpa reads each K/V head once. transformers' sdpa path does the same for
+one query token, but not under torch.compile, where it repeats every K/V head heads / kv_heads times into a
+copy of the whole cache (repeat_kv): for Qwen2.5-0.5B (14 / 2 heads) 7x the cache written and read again
+per step, ~15 GB at 64 rows x 1280 columns (its 8 GB recipe) against 1 GB of weights. The model runs it under a name of its own in
+transformers' attention registry for the step's duration (`_grouped_attention`); prefills keep the model's.
+
+Cost to know: every step attends over the whole preallocated length (masked columns included), where the
+growing cache of the dynamic step reads only the columns in use. Early in a rollout, with short contexts,
+that is the larger part of a small model's step on the CPU (RESULTS.md, "Rollout: the static-shape decode
+step"). Buckets of the attended length (one graph per batch x length bucket) would remove most of it; not
+done.
 
 Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per bucket); on CUDA with
 mode="reduce-overhead", i.e. CUDA graphs per bucket, the buffers marked static addresses (as
@@ -47,14 +54,14 @@ are read by address: weights changed in place (the optimizers here) are seen by 
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import logging
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .decode_slots import Entry, Prefill, Slots
+from .decode_slots import Entry, Prefill, Slots, cache_argument
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,41 @@ def static_decode_problem(model) -> Optional[str]:
     return None
 
 
+GROUPED_ATTENTION = "lowmem_grouped_decode"  # its name in transformers' attention registry
+
+
+def grouped_decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                             dropout: float = 0.0, scaling: Optional[float] = None, **kwargs) -> tuple[Tensor, None]:
+    """sdpa for one query token per row, each K/V head read once: query (B, heads, 1, D), key/value (B, kv_heads,
+    L, D), mask (B, 1, 1, L) -> (B, 1, heads, D) as transformers' attention functions return it.
+
+    Query head h attends with K/V head h // (heads / kv_heads) (repeat_kv's order), so the query heads
+    reshape to (B, kv_heads, heads / kv_heads, D): each group is its K/V head's "queries", the mask
+    broadcasts over them, and no copy of K or V is made."""
+    B, heads, q_len, D = query.shape
+    if q_len != 1:
+        raise ValueError(f"grouped_decode_attention takes one query token per row, got {q_len}")
+    grouped = query.reshape(B, key.shape[1], heads // key.shape[1], D)  # (B, kv_heads, group, D)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(B, 1, heads, value.shape[-1]), None
+
+
+@contextlib.contextmanager
+def _grouped_attention(model):
+    """The model's attention is grouped_decode_attention inside the block (a config field its layers read)."""
+    from transformers import AttentionInterface
+    if GROUPED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = GROUPED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 class _RowCache:
     """What the model's attention layers call as their cache: each row's new K/V go to its own column."""
 
@@ -103,9 +145,10 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
                 additive_mask: bool, cache_arg: str, keep_logits: bool) -> Tensor:
     """One decode step of the first B = len(input_ids) rows: (B,) ids at (B,) positions -> (B, V) fp32 logits.
 
-    keys/values: per layer, the whole (rows, H, L, D) buffers (sliced here, inside a compiled graph, so a
-    CUDA graph sees the buffers' static addresses). A row attends to its columns 0 .. position; positions
-    past the end (finished rows decoding until the host's next read) write into the last column."""
+    keys/values: per layer, (B, H, L, D) views of the buffers' first B rows (StaticKV.bucket_views: the
+    same view objects every step, so a graph's inputs depend on its bucket alone and a CUDA graph sees
+    static addresses). A row attends to its columns 0 .. position; positions past the end (finished rows
+    decoding until the host's next read) write into the last column."""
     B, L = input_ids.shape[0], keys[0].shape[2]
     positions = positions.clamp(max=L - 1)
     visible = torch.arange(L, device=positions.device)[None, :] <= positions[:, None]  # (B, L)
@@ -113,7 +156,7 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
     if additive_mask:  # eager attention adds the mask to its scores
         dtype = model.get_input_embeddings().weight.dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    cache = _RowCache([k[:B] for k in keys], [v[:B] for v in values], positions)
+    cache = _RowCache(keys, values, positions)
     kwargs = {"logits_to_keep": 1} if keep_logits else {}
     out = model(input_ids=input_ids[:, None], attention_mask=mask, position_ids=positions[:, None],
                 use_cache=True, return_dict=True, **{cache_arg: cache}, **kwargs)
@@ -136,17 +179,13 @@ def compiled_step(device_type: str, backend: str = "inductor"):
 COMPILE_BACKEND = "inductor"
 
 
-def cache_argument(model) -> str:
-    """The forward's name for the cache: `cache` (transformers >= 5.2x) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class StaticKV:
     """The preallocated K/V buffers of one rollout and the step that runs on them."""
 
     def __init__(self, model, micro_batch: int, rows: int, length: int, like: Prefill, *, compiled: bool,
                  keep_logits: bool):
-        """rows: the buffers' (a bucket of micro_batch: the buckets, hence the graphs, depend on it alone)."""
+        """rows: the buffers' (a bucket of micro_batch; a call with fewer rows than the micro-batch allocates
+        fewer). The step's graphs depend on the bucket alone, not on `rows`: it gets views (bucket_views)."""
         device = like.keys[0].device
         self.keys = [torch.zeros((rows, k.shape[1], length, k.shape[3]), dtype=k.dtype, device=device)
                      for k in like.keys]  # per layer (rows, H, L, D)
@@ -155,11 +194,10 @@ class StaticKV:
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
         self.graphed = compiled and device.type == "cuda" and COMPILE_BACKEND == "inductor"
-        if self.graphed:  # CUDA graphs write these in place (else they would skip: mutated inputs)
-            for t in self.keys + self.values:
-                torch._dynamo.mark_static_address(t)
+        self._views: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
+        self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
         self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
@@ -171,12 +209,25 @@ class StaticKV:
         "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
         limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
         but it also strands the compiled functions' handles on the old graph tree: not an option."""
-        self.keys, self.values = [], []
+        self.keys, self.values, self._views = [], [], {}
+
+    def bucket_views(self, B: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer, the K and V buffers' first B rows: (B, H, L, D) views, made once per bucket and rollout.
+        Graphed, they are marked static addresses: CUDA graphs write them in place (else they would skip,
+        mutated inputs) and read them without copying them in."""
+        if B not in self._views:
+            views = [k[:B] for k in self.keys], [v[:B] for v in self.values]
+            if self.graphed:
+                for t in views[0] + views[1]:
+                    torch._dynamo.mark_static_address(t)
+            self._views[B] = views
+        return self._views[B]
 
     def __call__(self, model, input_ids: Tensor, positions: Tensor) -> Tensor:
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        logits = self.step(model, input_ids, positions, self.keys, self.values, **self.kwargs)
+        with _grouped_attention(model) if self.grouped else contextlib.nullcontext():
+            logits = self.step(model, input_ids, positions, *self.bucket_views(len(input_ids)), **self.kwargs)
         return logits.clone() if self.graphed else logits  # a graph's output is overwritten by its next replay
 
 
@@ -224,5 +275,5 @@ class StaticSlots(Slots):
         b = bucket_for(max(len(live), 1), self.kv.micro_batch)
         return live + free[:b - len(live)] if b < len(self) else None
 
-    def forward(self, model, keep_logits: bool, cache_arg: str = "") -> Tensor:
+    def forward(self, model, keep_logits: bool, cache_arg: str) -> Tensor:
         return self.kv(model, self.inp, self.pos)  # (S, V)

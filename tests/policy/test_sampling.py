@@ -15,8 +15,8 @@ import torch
 
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.policy.rollout import Batch, eos_mask, generate, left_pad
-from lowmem_grpo.policy.sampling import (SamplingStats, fast_sampling_problem, group_runs, repetition_penalty_problem,
-                                         sample)
+from lowmem_grpo.policy.sampling import (SamplingStats, draw, fast_sampling_problem, group_runs,
+                                         repetition_penalty_problem, sample)
 
 CPU = torch.device("cpu")
 PAD = 0
@@ -202,6 +202,26 @@ def tv_tolerance(p, n: int) -> float:
     """TV(empirical of n draws, p) exceeds this with probability <= DELTA: E[TV] <= 1/2 sum_i sqrt(p_i (1 - p_i) / n)
     (Jensen), and TV moves by <= 1/n per draw, so McDiarmid adds sqrt(ln(1/DELTA) / 2n)."""
     return 0.5 * (p * (1 - p) / n).sqrt().sum().item() + math.sqrt(math.log(1 / DELTA) / (2 * n))
+
+
+def test_draw_matches_the_softmax():
+    """The CPU draw (an exponential race) picks each token with its softmax probability: logits spread
+    over 12 nats (probabilities from ~0.5 down to ~5e-6) and tokens filtered to -inf, 200,000 draws
+    per row, TV within the bound above; filtered tokens never drawn; the race's randomness is the
+    global generator's (same seed, same tokens)."""
+    torch.manual_seed(3)
+    scores = torch.linspace(0.0, -12.0, V)[torch.randperm(V)].repeat(2, 1)  # (2, V)
+    scores[1, scores[1] < -6] = float("-inf")  # row 1: a top-p-like cut
+    n = 200_000
+    torch.manual_seed(0)
+    tokens = draw(scores.repeat_interleave(n, 0)).view(2, n)
+    torch.manual_seed(0)
+    assert torch.equal(draw(scores.repeat_interleave(n, 0)).view(2, n), tokens)
+    for row in range(2):
+        p = torch.softmax(scores[row].double(), -1)
+        got = torch.bincount(tokens[row], minlength=V).double() / n
+        assert tv(got, p) < tv_tolerance(p, n), (row, got, p)
+        assert not got[p == 0].any()
 
 
 SETTINGS = {

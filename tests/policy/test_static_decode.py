@@ -299,3 +299,30 @@ def test_graphed_step_matches_eager_on_cuda(dtype):
     assert graphs == 0 and not torch.equal(graphed2, graphed)  # no new compilation, and the change is seen
     assert torch.equal(graphed2[:, :3], eager2[:, :3]) and (dtype != torch.float32 or torch.equal(graphed2, eager2))
     assert counters["inductor"]["cudagraph_skips"] == skips  # the second rollout's new buffers: graphs re-recorded
+
+
+def test_compiled_step_reads_each_kv_head_without_copies(monkeypatch):
+    """The compiled step's graph holds no tensor with a K/V head per query head: transformers' sdpa path
+    repeats the cache heads / kv_heads times under torch.compile (repeat_kv), the grouped attention does
+    not. And its tokens stay the eager static step's."""
+    shapes = []
+
+    def recording(gm, example_inputs):  # a dynamo backend that keeps the traced shapes and runs the graph
+        shapes.extend(tuple(n.meta["example_value"].shape) for n in gm.graph.nodes
+                      if isinstance(n.meta.get("example_value"), torch.Tensor))
+        return gm.forward
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", recording)
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=17)  # 4 query heads, 2 K/V heads
+    assert model.config._attn_implementation == "sdpa"
+    cfg = GenerationConfig(max_completion_length=6, generation_micro_batch_size=2, **CFG)
+    prompts = random_prompts([5, 3], 64, seed=18)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    compiled = sample(model, prompts, 1, cfg, decode="compiled", **kw)
+    assert torch.equal(compiled, sample(model, prompts, 1, cfg, decode="static", **kw))
+    assert model.config._attn_implementation == "sdpa"  # restored after each step
+    length = CFG["max_prompt_length"] + 6  # the static cache's columns
+    heads, kv_heads, head_dim = 4, 2, 16
+    assert (2, kv_heads, length, head_dim) in shapes  # the cache itself was traced
+    repeated = [s for s in shapes if len(s) == 4 and s[1:] == (heads, length, head_dim)]
+    assert not repeated, f"K/V heads repeated per query head: {repeated[:3]}"
