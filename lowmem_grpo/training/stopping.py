@@ -77,6 +77,20 @@ def _halve(value: int) -> int:
     return max(1, value // 2)
 
 
+def _smaller_micro_batch(cfg: Config) -> str:
+    """Half the rows per forward and backward. Accumulating gradients keeps the optimizer step as it was;
+    on-device optimizer_in_backward cannot accumulate (an update per micro-batch), so there it takes twice
+    the micro-batches per generation batch, and twice the updates."""
+    t, half = cfg.train, _halve(cfg.train.per_device_train_batch_size)
+    if t.optimizer_in_backward and not cfg.optim.offload_optimizer:
+        spg = t.steps_per_generation or t.gradient_accumulation_steps
+        return (f"per_device_train_batch_size={half} with steps_per_generation={spg * 2} (optimizer_in_backward "
+                f"updates once per micro-batch: twice the updates per generation batch; optim.offload_optimizer=true "
+                f"would keep one, with gradient_accumulation_steps)")
+    return (f"per_device_train_batch_size={half} with gradient_accumulation_steps={t.gradient_accumulation_steps * 2} "
+            f"(the same optimizer step)")
+
+
 def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
     """The first change that applies, for the phase that ran out, cheapest (to quality and speed) first.
     A static table on purpose: the planner (memory/, a layer above the training loop) ranks changes by
@@ -93,9 +107,7 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                                 (logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
         "forward": [(not m.gradient_checkpointing, "gradient_checkpointing=true"),
                     (not m.offload_activations, "offload_activations=true"),
-                    (t.per_device_train_batch_size > 1,
-                     f"per_device_train_batch_size={_halve(t.per_device_train_batch_size)} with "
-                     f"gradient_accumulation_steps={t.gradient_accumulation_steps * 2} (the same optimizer step)")],
+                    (t.per_device_train_batch_size > 1, _smaller_micro_batch(cfg))],
         "evaluation": [(cfg.eval.eval_batch_size > 1,
                         f"eval_batch_size={_halve(cfg.eval.eval_batch_size)} (evaluation decodes that many prompts "
                         f"at once: its KV cache scales with it)"),

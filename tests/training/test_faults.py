@@ -250,6 +250,9 @@ def _raise_oom_on_second_call(real):
     ("optimizer", [], r"optimizer=adamw_8bit"),
     ("forward", ["offload_activations=true", "steps_per_generation=2", "generation_batch_size=null"],
      r"per_device_train_batch_size=4 with gradient_accumulation_steps=2"),
+    ("forward", ["offload_activations=true", "optimizer_in_backward=true", "steps_per_generation=2",
+                 "generation_batch_size=null"],
+     r"per_device_train_batch_size=4 with steps_per_generation=4 \(optimizer_in_backward updates once"),
 ])
 def test_out_of_memory_names_the_phase_and_the_cheapest_fix_and_saves(toy_config, monkeypatch, phase, extra, fix):
     import lowmem_grpo.training.generation as generation
