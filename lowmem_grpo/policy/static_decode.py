@@ -37,8 +37,9 @@ puts the query heads of one K/V head side by side as that head's queries ((B, he
 heads / kv_heads, D), a view) so sdpa reads each K/V head once. transformers' sdpa path does the same for
 one query token, but not under torch.compile, where it repeats every K/V head heads / kv_heads times into a
 copy of the whole cache (repeat_kv): for Qwen2.5-0.5B (14 / 2 heads) 7x the cache written and read again
-per step, ~15 GB at 64 rows x 1280 columns (its 8 GB recipe) against 1 GB of weights. The model runs it under a name of its own in
-transformers' attention registry for the step's duration (`_grouped_attention`); prefills keep the model's.
+per step, ~7.5 GB at 32 rows x 1280 columns (its 8 GB recipe) against 1 GB of weights. The model runs
+it under a name of its own in transformers' attention registry for the step's duration
+(`_grouped_attention`); prefills keep the model's attention.
 
 Cost to know: every step attends over the whole preallocated length (masked columns included), where the
 growing cache of the dynamic step reads only the columns in use. Early in a rollout, with short contexts,
