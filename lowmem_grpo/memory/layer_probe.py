@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import ConfigError
+from ..policy.decode_slots import returned_cache
 
 PROBE_LEN = 64
 
@@ -88,7 +89,7 @@ def _measure(decoder, norm, hidden: int, batch: int, dtype: torch.dtype, autocas
         bwd_peak = probe.peak - start
     del out
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), _LiveBytes() as probe:
-        kv = _cache_bytes(decoder(inputs_embeds=x.detach(), use_cache=True).past_key_values)
+        kv = _cache_bytes(returned_cache(decoder(inputs_embeds=x.detach(), use_cache=True)))
         no_grad_peak = probe.peak
     with _LiveBytes() as probe, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         normed = norm(x)
