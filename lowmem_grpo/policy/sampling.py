@@ -23,9 +23,10 @@ The sampling distribution is generate()'s: the settings are resolved as generate
 (rollout.sampling_kwargs, with values left None taken from the model's own generation_config), the
 logits go to fp32 and through transformers' own processors in generate()'s order (repetition penalty,
 then temperature, top-k, top-p, min-p), then a draw from the softmax (`draw`; argmax when greedy).
-Position ids skip left padding and the 2D attention mask grows by one per step, as in generate(). Every row draws
-its own numbers each step (finished rows too, until the next read), so samples match generate() in
-distribution, greedy exactly (up to floating-point differences from batch shapes and padding).
+Position ids skip left padding and the 2D attention mask grows by one per step, as in generate().
+Every row draws its own numbers each step (finished rows too, until the next read), so samples match
+generate() in distribution, greedy exactly (up to floating-point differences from batch shapes and
+padding).
 
 Not supported, checked up front by `fast_sampling_problem`: generation settings whose processors are
 not implemented here (n-gram bans, bad words, min length, typical-p, ...; a model's

@@ -113,10 +113,8 @@ def grouped_decode_attention(module, query: Tensor, key: Tensor, value: Tensor, 
 
 @contextlib.contextmanager
 def _grouped_attention(model):
-    """The model's attention is grouped_decode_attention inside the block (a config field its layers read)."""
-    from transformers import AttentionInterface
-    if GROUPED_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)
+    """The model's attention is grouped_decode_attention inside the block (a config field its layers read;
+    StaticKV has registered the function under that name)."""
     config = model.config
     before = config._attn_implementation
     config._attn_implementation = GROUPED_ATTENTION
@@ -202,6 +200,9 @@ class StaticKV:
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
+        if self.grouped:
+            from transformers import AttentionInterface
+            AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
         self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
