@@ -30,7 +30,7 @@ from trainer_step import build, cap_cuda_memory  # the random-weight set-up (a s
 HERE = Path(__file__).resolve().parent
 RECIPES = HERE.parent / "recipes"
 
-# name -> (architecture, recipe, prompt length, completion length, overrides)
+# name -> (architecture, recipe, prompt length, completion length, overrides[, decoder layers kept])
 CONFIGS = {
     "qwen0.5b-gsm8k": ("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb.yaml", 64, 64,
                        ["per_device_train_batch_size=4", "gradient_accumulation_steps=2", "num_generations=4",
@@ -41,6 +41,13 @@ CONFIGS = {
                                       ["gradient_checkpointing=false", "per_device_train_batch_size=16",
                                        "generation_micro_batch_size=32", "bf16=false"]),
     "smollm2-135m-demo": ("SmolLM2-135M", "smollm2-135m_arithmetic_cpu.yaml", 48, 48, []),
+    # The long-completion recipes' modes (issue 24): bf16_sr, the offloaded optimizer with accumulation,
+    # checkpointing with activation offload, the streamed reference, a generation micro-batch smaller
+    # than the generation batch, dapo. The 1.5B at its full width, 4 of its 28 layers, shorter sequences,
+    # 8 completions per generation batch instead of 32 (a few minutes on 2 cores).
+    "qwen1.5b-long-modes": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 64, 448,
+                            ["num_generations=4", "per_device_train_batch_size=2", "gradient_accumulation_steps=4",
+                             "steps_per_generation=4", "generation_micro_batch_size=4"], 4),
 }
 
 
@@ -60,18 +67,21 @@ LONG_GPU_CONFIGS = {
 
 
 def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
-    arch_name, recipe, prompt_len, completion_len, overrides = {**CONFIGS, **GPU_CONFIGS, **LONG_GPU_CONFIGS}[name]
+    arch_name, recipe, prompt_len, completion_len, overrides, *layers = {**CONFIGS, **GPU_CONFIGS,
+                                                                          **LONG_GPU_CONFIGS}[name]
+    layers = layers[0] if layers else None
     if tiny:  # a rehearsal: every code path at toy sizes (trainer_step.TINY, short sequences)
         prompt_len, completion_len = min(prompt_len, 16), min(completion_len, 8)
     args = argparse.Namespace(arch=arch_name, recipe=str(RECIPES / recipe), device=device, prompt_len=prompt_len,
-                              completion_len=completion_len, overrides=overrides, tiny=tiny)
+                              completion_len=completion_len, overrides=overrides, tiny=tiny, layers=layers)
     trainer = build(args)
     prof, times, _ = profile_trainer(trainer, steps)
     kind, summary = device_equivalent(prof, trainer)
     measured = summary["peak_bytes"]
     predicted = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
                      device=trainer.device.type)
-    row = {"config": name, "arch": arch_name, "recipe": recipe, "prompt_len": prompt_len,
+    row = {"config": name, "arch": arch_name, "layers": trainer.policy.config.num_hidden_layers, "recipe": recipe,
+           "prompt_len": prompt_len,
            "completion_len": completion_len, "overrides": overrides, "device": device, "steps": steps,
            "step_times_s": times, "measured_peak_bytes": measured, "measured_peak_phase": summary["peak_phase"],
            "measured_at_peak": summary["categories"], "measured_phases": {p: v["peak_bytes"] for p, v in
