@@ -100,6 +100,11 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
     print(f"{'phase peak (MiB)':<20} {'measured':>10} {'predicted':>10}")
     for p in predicted["phases"]:
         print(f"{p:<20} {row['measured_phases'].get(p, 0) / 2**20:>10.1f} {predicted['phases'][p] / 2**20:>10.1f}")
+    offloaded = prof.result.devices["host"].summary()["category_max"].get("activations (offloaded)", 0)
+    if offloaded or "activations (offloaded)" in predicted["host_categories"]:  # host RAM: most alive at once
+        row["measured_offloaded_bytes"] = offloaded
+        print(f"{'host: offloaded activations (MiB)':<36} {offloaded / 2**20:>10.1f} "
+              f"{predicted['host_categories'].get('activations (offloaded)', 0) / 2**20:>10.1f}")
     print(f"peak: measured {measured / GiB:.3f} GiB ({summary['peak_phase']}), predicted "
           f"{predicted['peak_bytes'] / GiB:.3f} GiB ({predicted['peak_phase']}): {row['error']:+.1%}")
     return row

@@ -72,3 +72,32 @@ def test_long_completion_modes_tracked_bytes_agree_with_the_plan_within_10_perce
         measured["peak_bytes"] / MiB, predicted["peak_bytes"] / MiB)
     for phase in ("rollout", "forward", "backward"):
         assert measured["phases"][phase]["peak_bytes"] == pytest.approx(predicted["phases"][phase], rel=0.10), phase
+
+
+def test_cpu_loss_head_bytes_are_the_profiled_ones_forward_and_backward():
+    # The fused head's torch fallback at Qwen's vocabulary (two vocab slices, three row chunks each): three
+    # fp32 row-chunk copies in the forward, one in the backward (the gradient is written into the chunk's
+    # own copy). The planner's figure includes the hidden states in the compute dtype, made outside the op
+    # here.
+    from lowmem_grpo.kernels import linear_grpo_loss
+    from lowmem_grpo.memory.plan import loss_head_bytes
+    from lowmem_grpo.memory.profile import MemoryProfile
+    from lowmem_grpo.phases import phase
+    n, h, v = 896, 64, 151_936
+    torch.manual_seed(0)
+    weight = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
+    hidden = torch.randn(2, n // 2, h, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.randint(0, v, (2, n // 2))
+    with MemoryProfile([weight]) as prof:
+        with phase("forward"):
+            loss, _ = linear_grpo_loss(hidden * 1, weight, ids, torch.tensor([1.0, -1.0]),
+                                       mask=torch.ones(2, n // 2, dtype=torch.bool), loss_type="dapo",
+                                       num_items_in_batch=n)
+        with phase("backward"):
+            loss.backward()
+    phases = prof.result.devices["host"].summary()["phases"]
+    arch = Arch(vocab=v, hidden=h, intermediate=0, layers=0, heads=1, kv_heads=1, head_dim=h, tied=True)
+    for name, backward in (("forward", False), ("backward", True)):
+        planned = loss_head_bytes(n, arch, 2, 2, backward, "cpu") - n * h * 2
+        measured = phases[name]["categories"]["loss head"]
+        assert measured == pytest.approx(planned, rel=0.05), (name, measured / MiB, planned / MiB)
