@@ -48,6 +48,15 @@ CONFIGS = {
     "qwen1.5b-long-modes": ("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 64, 448,
                             ["num_generations=4", "per_device_train_batch_size=2", "gradient_accumulation_steps=4",
                              "steps_per_generation=4", "generation_micro_batch_size=4"], 4),
+    # The same modes where the layer inputs weigh: a narrow Qwen2 with a small vocabulary, 1.25 MiB layer
+    # inputs (over activation offload's 1 MiB minimum), unpacked rows (tests/memory/test_plan_vs_profile.py
+    # runs these settings in CI).
+    "narrow-qwen2-long-modes": (dict(model_type="qwen2", vocab_size=2048, hidden_size=512, intermediate_size=512,
+                                     num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=2,
+                                     max_position_embeddings=512, tie_word_embeddings=True),
+                                "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 256, 64,
+                                ["num_generations=4", "per_device_train_batch_size=4", "gradient_accumulation_steps=2",
+                                 "steps_per_generation=2", "generation_micro_batch_size=4", "pack_prompts=false"]),
 }
 
 
@@ -80,6 +89,8 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
     measured = summary["peak_bytes"]
     predicted = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
                      device=trainer.device.type)
+    if not isinstance(arch_name, str):  # a config dict
+        arch_name = f"{arch_name['model_type']} (hidden {arch_name['hidden_size']}, vocab {arch_name['vocab_size']})"
     row = {"config": name, "arch": arch_name, "layers": trainer.policy.config.num_hidden_layers, "recipe": recipe,
            "prompt_len": prompt_len,
            "completion_len": completion_len, "overrides": overrides, "device": device, "steps": steps,
@@ -88,6 +99,7 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
                                                                          summary["phases"].items()},
            "predicted_peak_bytes": predicted["peak_bytes"], "predicted_peak_phase": predicted["peak_phase"],
            "predicted_categories": predicted["categories"], "predicted_phases": predicted["phases"],
+           "predicted_host_categories": predicted["host_categories"],
            "error": (predicted["peak_bytes"] - measured) / measured}
     print(f"\n== {name}: {arch_name}, {recipe} + {overrides}, prompt {prompt_len} / completion {completion_len}, "
           f"autocast {trainer.autocast}, {device}")

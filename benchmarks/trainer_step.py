@@ -52,7 +52,8 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 def build(args) -> Trainer:
-    arch = preset(args.arch)
+    """A Trainer for `args`: `arch` is a preset name or a transformers config dict (with model_type)."""
+    arch = preset(args.arch) if isinstance(args.arch, str) else dict(args.arch)
     if getattr(args, "tiny", False):
         arch.update(TINY)
         arch.pop("head_dim", None)  # derived from hidden_size / heads at the tiny width
