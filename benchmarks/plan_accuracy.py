@@ -10,7 +10,9 @@ applies a recipe's settings with the overrides listed, runs --steps real trainer
 `lowmem-grpo profile`'s profiler, and compares per category and at the peak with `lowmem-grpo plan`
 for the same settings (the same bf16 autocast decision, the same lengths and batch sizes).
 On a CPU run the measured figure is the device-equivalent peak: host tensors without the reference
-model (host RAM on any device) and the CPU reference's buffers. On CUDA it is the allocator's peak.
+model (host RAM on any device), the CPU reference's buffers, the offloaded optimizer's host buffers and
+activation offload's host copies (made for real on the CPU while profiling: memory/profile.py). On CUDA
+it is the allocator's peak.
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ def test_long_completion_modes_tracked_bytes_agree_with_the_plan_within_10_perce
     trainer = _long_modes_trainer(tmp_path)
     prof, _, widths = profile_trainer(trainer, steps=1)
     assert widths == (PROMPT, COMPLETION)  # full lengths, as the planner counts them
+    assert trainer.loss_module.offload_copy_on_cpu is False  # real copies while profiling only
     _, measured = device_equivalent(prof, trainer)
     predicted = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast, device="cpu")
 
