@@ -20,8 +20,9 @@ prompts at once, between steps), wherever the run has held-out prompts. Each pha
                         keeping nothing inside (a no-grad forward's transient) and recomputes one layer
                         at a time; with model.offload_activations the layer inputs and the final norm's
                         saves are host RAM, but for the one prefetched in backward (tensors under 1 MiB
-                        stay: activations_offloaded). Plus autocast's bf16 copies of fp32 weights: all of them while the
-                        forward runs (autocast caches them until it exits), one layer's in recompute.
+                        stay: activations_offloaded). Plus autocast's bf16 copies of fp32 weights: all
+                        of them while the forward runs (autocast caches them until it exits), one
+                        layer's in recompute.
                         Plus the attention mask of padded or packed rows, (rows, 1, L, L), all step,
                         and sdpa's additive copy of it in each attention call (decoder_positions).
     loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
@@ -44,13 +45,13 @@ whatever gradient_accumulation_steps is (the micro-batches are summed on the hos
 
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
 the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py; with
-gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the
-layer inputs of activation offload with the final norm's saves (one micro-batch's). Not counted: the Python process itself
-(torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a GPU
-some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
+gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the layer inputs of
+activation offload with the final norm's saves (one micro-batch's). Not counted: the Python process
+itself (torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a
+GPU some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
 and the offloaded optimizer's buffers are blocks of exactly the counted bytes (host_arena.py);
-activation offload's layer inputs go through torch's caching host allocator, which rounds each up
-to a power of two (not counted).
+activation offload's copies go through torch's caching host allocator, which rounds each up to a power
+of two (not counted).
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 def activations_offloaded(cfg: Config, layer_io: int) -> bool:
     """Whether model.offload_activations moves the layer inputs (`layer_io` bytes each, one micro-batch's):
     it leaves saved tensors under its minimum size where they are (memory_modes/activation_offload.py).
-    The final norm's saves are at least a layer input's size, so they go with them."""
+    The final norm's saves are at least a layer input's size, so they go with them (not counted: its fp32
+    ones alone moving, when a layer input is between half the minimum and the minimum)."""
     from ..memory_modes.activation_offload import MIN_BYTES
     return cfg.model.offload_activations and cfg.model.gradient_checkpointing and layer_io >= MIN_BYTES
 

@@ -14,8 +14,8 @@ event. A tensor unpacked before its prefetch was issued (the first, or an order 
 is copied back then. So the device holds at most one layer input more than without prefetch (the
 planner counts it: memory/plan.py). Parameters and 2-D tensors (weights, their autocast copies) are never
 moved. On a CPU-only machine it does nothing unless `copy_on_cpu` (tests: same hooks, same order, real
-copies; a CPU memory profile: memory/profile.py turns it on so the layer inputs leave the tensors a GPU
-would hold). The host copies are made under `scope("activation offload")`, so a profile counts them as
+copies; a CPU memory profile, memory/profile.py, turns it on, so that what stays is what a GPU would
+hold). The host copies are made under `scope("activation offload")`, so a profile counts them as
 host RAM ("activations (offloaded)"); the copies back are the phase's own (activations, as on a GPU).
 `prefetched`, `fetched_on_demand` count how each came back (the tests read them).
 """
