@@ -56,7 +56,7 @@ CONFIGS = {
     "narrow-qwen2-long-modes": (dict(model_type="qwen2", vocab_size=2048, hidden_size=512, intermediate_size=512,
                                      num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=2,
                                      max_position_embeddings=512, tie_word_embeddings=True),
-                                "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 256, 64,
+                                "qwen2.5-1.5b_gsm8k-4096_8gb.yaml", 288, 32,
                                 ["num_generations=4", "per_device_train_batch_size=4", "gradient_accumulation_steps=2",
                                  "steps_per_generation=2", "generation_micro_batch_size=4", "pack_prompts=false"]),
 }

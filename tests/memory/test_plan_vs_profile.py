@@ -26,7 +26,7 @@ MiB = 2**20
 ARCH = dict(model_type="qwen2", vocab_size=2048, hidden_size=512, intermediate_size=512, num_hidden_layers=10,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
             eos_token_id=2047, bos_token_id=2047, pad_token_id=2047)  # EOS: an id the random model rarely samples
-PROMPT, COMPLETION = 256, 64
+PROMPT, COMPLETION = 288, 32
 
 
 def _long_modes_trainer(tmp_path) -> Trainer:
