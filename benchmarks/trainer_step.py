@@ -52,10 +52,13 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
 
 
 def build(args) -> Trainer:
-    arch = preset(args.arch)
+    """A Trainer for `args`: `arch` is a preset name or a transformers config dict (with model_type)."""
+    arch = preset(args.arch) if isinstance(args.arch, str) else dict(args.arch)
     if getattr(args, "tiny", False):
         arch.update(TINY)
         arch.pop("head_dim", None)  # derived from hidden_size / heads at the tiny width
+    if getattr(args, "layers", None):  # the first N decoder layers: each costs what it does in the full model
+        arch["num_hidden_layers"] = args.layers
     vocab = arch["vocab_size"]
     arch["eos_token_id"] = vocab - 1  # an id a random model samples with probability ~1/V per token
     for key in ("bos_token_id", "pad_token_id"):  # the preset's ids can lie outside a --tiny vocabulary
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every step)")
     ap.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
+    ap.add_argument("--layers", type=int, default=None, help="only this many decoder layers (CPU runs of big models)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args(argv)
 

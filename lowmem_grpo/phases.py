@@ -17,7 +17,8 @@ from torch.profiler import record_function
 PREFIX = "lowmem::"
 GRAD_MARK = PREFIX + "grad@"
 PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backward", "optimizer", "evaluation")
-SCOPES = ("optimizer",)  # labels that hold whatever the phase (e.g. optimizer steps taken inside backward)
+# labels that hold whatever the phase: optimizer steps taken inside backward, activation offload's host copies
+SCOPES = ("optimizer", "activation offload")
 
 
 @contextlib.contextmanager

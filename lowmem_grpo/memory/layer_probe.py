@@ -36,6 +36,10 @@ class LayerCosts:
     kv_cache: float  # the KV cache it keeps when generating
     no_grad_peak: float  # most alive during a no-grad forward that fills the KV cache (cache included)
     norm_saved: float  # what the final RMSNorm keeps for backward (output included)
+    # under model.offload_activations: what the final norm's saves send to the host (a tensor saved twice
+    # goes twice), and what of norm_saved stays on the device (its output)
+    norm_offloaded: float = 0.0
+    norm_left_offloaded: float = 0.0
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -95,7 +99,15 @@ def _measure(decoder, norm, hidden: int, batch: int, dtype: torch.dtype, autocas
         normed = norm(x)
         norm_saved = probe.current()
         del normed
-    return saved, fwd_peak, bwd_peak, kv, no_grad_peak, norm_saved
+    # The same under activation offload's hooks, every saved tensor moved (the host copies are live tensors
+    # here too: told apart by the bytes the hooks moved)
+    from ..memory_modes.activation_offload import offload_activations
+    hooks = offload_activations(min_bytes=0, copy_on_cpu=True)
+    with _LiveBytes() as probe, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), hooks:
+        normed = norm(x)
+        norm_offloaded, norm_left = hooks.offloaded_bytes, probe.current() - hooks.offloaded_bytes
+        del normed
+    return saved, fwd_peak, bwd_peak, kv, no_grad_peak, norm_saved, norm_offloaded, norm_left
 
 
 @functools.lru_cache(maxsize=64)

@@ -16,14 +16,19 @@ prompts at once, between steps), wherever the run has held-out prompts. Each pha
                         head's contribution to the host at once and adds the two there: offload.py)
     activations         per token and layer, as measured on a one-layer model of the architecture
                         (layer_probe.py: what autograd keeps, the forward's and backward's transients);
-                        checkpointing keeps one layer input per layer and recomputes one layer at a
-                        time. Plus autocast's bf16 copies of fp32 weights: all of them while the
-                        forward runs (autocast caches them until it exits), one layer's in recompute.
+                        checkpointing keeps one layer input per layer, runs each layer's forward
+                        keeping nothing inside (a no-grad forward's transient) and recomputes one layer
+                        at a time; with model.offload_activations the layer inputs and the final norm's
+                        saves are host RAM, but for the one prefetched in backward (tensors under 1 MiB
+                        stay: activations_offloaded). Plus autocast's bf16 copies of fp32 weights: all
+                        of them while the forward runs (autocast caches them until it exits), one
+                        layer's in recompute.
                         Plus the attention mask of padded or packed rows, (rows, 1, L, L), all step,
                         and sdpa's additive copy of it in each attention call (decoder_positions).
     loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
                         completion hidden states in the compute dtype; backward adds the fp32 [n, H]
-                        gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies.
+                        gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies
+                        (three in the forward, one in the backward).
     KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
                         measured bytes/token,
                         + the prefill's transient or the last position's logits through sampling, +
@@ -40,13 +45,13 @@ whatever gradient_accumulation_steps is (the micro-batches are summed on the hos
 
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
 the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py; with
-gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the
-layer inputs of activation offload (one micro-batch's). Not counted: the Python process itself
-(torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a GPU
-some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
+gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the layer inputs of
+activation offload with the final norm's saves (one micro-batch's). Not counted: the Python process
+itself (torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a
+GPU some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
 and the offloaded optimizer's buffers are blocks of exactly the counted bytes (host_arena.py);
-activation offload's layer inputs go through torch's caching host allocator, which rounds each up
-to a power of two (not counted).
+activation offload's copies go through torch's caching host allocator, which rounds each up to a power
+of two (not counted).
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, batch_plan
-from ..kernels.linear import DEFAULT_WORKSPACE_BYTES, default_chunk_size
+from ..kernels.linear import default_chunk_size
+from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..memory_modes.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from .layer_probe import layer_costs
 
@@ -118,8 +124,11 @@ def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, b
         total += chunk * arch.hidden * compute_bytes  # one weight slice cast per GEMM
     if backward:
         total += 4 * n * arch.hidden  # fp32 d hidden accumulator
-    if device == "cpu":  # the torch fallback: row chunks of the slice in fp32, at most three (lowmem_grpo/kernels/logprobs.py)
-        total += min(3 * 4 * n * chunk, DEFAULT_WORKSPACE_BYTES)
+    if device == "cpu":  # the torch fallback: fp32 copies of row chunks of the slice (lowmem_grpo/kernels/logprobs.py):
+        # three in the forward (the entropy's two and logsumexp's transient); one in the backward, which
+        # writes the gradient into the chunk's own copy (the loss puts no gradient on the entropy)
+        rows = min(n, _rows_per_chunk(chunk))
+        total += (1 if backward else 3) * 4 * rows * chunk
     return total
 
 
@@ -214,17 +223,22 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 
     head_fwd = loss_head_bytes(n, arch, ab, wb, False, device)
     head_bwd = loss_head_bytes(n, arch, ab, wb, True, device)
-    norm = costs.norm_saved * T
     layer_io = T * H * wb  # one layer input (the residual stream is in the weight dtype)
+    offloading = activations_offloaded(cfg, layer_io)
+    # the final norm's saves; under activation offload only its output stays (the rest is host RAM)
+    norm = (costs.norm_left_offloaded if offloading else costs.norm_saved) * T
     # Backward runs from the head down: activations fall layer by layer while gradients grow, so the
     # peak is at the start (head, then first layer) or at the end (last layer, every gradient made).
     if m.gradient_checkpointing:
-        kept = 0 if m.offload_activations else layers * layer_io  # the layer inputs
+        kept = 0 if offloading else layers * layer_io  # the layer inputs
+        # A checkpointed layer's forward saves nothing inside (checkpoint's hooks drop it): a no-grad
+        # forward's transient, beside its input (one of `kept`, or the one on its way to the host).
+        fwd_layer = (layer_io if offloading else 0) + (costs.no_grad_peak - costs.kv_cache) * T + mask_call
         # one layer recomputed (with its mask copy), then its backward
         recompute = casts + (costs.saved + costs.backward_peak) * T + mask_call
-        fwd_layers, fwd_head = kept + costs.forward_peak * T + mask_call, kept + norm
+        fwd_layers, fwd_head = kept + fwd_layer, kept + norm
         bwd_head, bwd_first, bwd_last = kept + norm, kept + recompute, layer_io + recompute
-        if m.offload_activations:  # the next layer's input, prefetched during this layer's backward
+        if offloading:  # the next layer's input, prefetched during this layer's backward
             bwd_first += layer_io
     else:  # every layer keeps what it saved, its mask copy included
         saved = layers * (costs.saved * T + mask_call)
@@ -287,12 +301,21 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
-    host = host_categories(cfg, arch, layers * layer_io if m.offload_activations else 0, device)
+    host = host_categories(cfg, arch, layers * layer_io + costs.norm_offloaded * T if offloading else 0, device)
     pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
     return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
+
+
+def activations_offloaded(cfg: Config, layer_io: int) -> bool:
+    """Whether model.offload_activations moves the layer inputs (`layer_io` bytes each, one micro-batch's):
+    it leaves saved tensors under its minimum size where they are (memory_modes/activation_offload.py).
+    The final norm's saves are at least a layer input's size, so they go with them (not counted: its fp32
+    ones alone moving, when a layer input is between half the minimum and the minimum)."""
+    from ..memory_modes.activation_offload import MIN_BYTES
+    return cfg.model.offload_activations and cfg.model.gradient_checkpointing and layer_io >= MIN_BYTES
 
 
 def generation_cache_rows(cfg: Config, rows: int, micro_batch: int, device: str = "cuda") -> int:

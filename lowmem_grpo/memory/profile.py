@@ -9,6 +9,8 @@ it was made:
 
     inside a `lowmem_grpo::` op (forward or backward)   loss head
     inside `scope("optimizer")` or the optimizer phase   optimizer states (and the step's temporaries)
+    inside `scope("activation offload")`                activations (offloaded): the host copies of the
+                                                         layer inputs (model.offload_activations)
     whose storage a parameter's .grad holds              gradients   (post-accumulate-grad markers)
     rollout phase                                        KV cache    (all of generation's working
                                                                       memory: cache, logits, casts)
@@ -40,10 +42,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from ..phases import GRAD_MARK, PHASES, PREFIX, mark_gradient
 
 CATEGORIES = ("weights", "gradients", "optimizer states", "activations", "KV cache", "loss head",
-              "reference model", "reference buffers", "rollout batch", "weights copy", "gradient buffer", "other")
+              "reference model", "reference buffers", "rollout batch", "weights copy", "gradient buffer",
+              "activations (offloaded)", "other")
 _PHASE_CATEGORY = {"rollout": "KV cache", "old log-probs": "activations", "reference log-probs": "reference buffers",
                    "forward": "activations", "backward": "activations", "optimizer": "optimizer states"}
-_SCOPE_CATEGORY = {"optimizer": "optimizer states"}  # e.g. optimizer steps taken inside backward
+# e.g. optimizer steps taken inside backward; activation offload's host copies, whatever op saved them
+_SCOPE_CATEGORY = {"optimizer": "optimizer states", "activation offload": "activations (offloaded)"}
 _BATCH_PHASES = ("rollout", "old log-probs", "reference log-probs")  # their outputs live on as the batch
 GiB = 2**30
 
@@ -433,6 +437,12 @@ def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) ->
     if update_thread:
         trainer.optimizer.synchronize()
         trainer.optimizer.update_thread = False
+    # model.offload_activations on the CPU: copies made for real (a no-op outside profiling), so the layer
+    # inputs move to "activations (offloaded)" and the device-equivalent figure is a GPU's (loss.py).
+    policy_loss = getattr(trainer.loss_module, "module", trainer.loss_module)  # DDP wraps it
+    copy_on_cpu = trainer.device.type == "cpu" and trainer.cfg.model.offload_activations
+    if copy_on_cpu:
+        policy_loss.offload_copy_on_cpu = True
     try:
         with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot,
                            device=trainer.device) as prof:
@@ -447,6 +457,8 @@ def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) ->
     finally:
         if update_thread:
             trainer.optimizer.update_thread = True
+        if copy_on_cpu:
+            policy_loss.offload_copy_on_cpu = False
     return prof, times, widths
 
 
@@ -455,7 +467,8 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
 
     On CUDA that is the GPU timeline as it is. On a CPU run everything shares the host, so the
     reference model (host RAM on any device) and, when the reference computes on the CPU, its
-    buffers are left out, as they would be on a GPU.
+    buffers are left out, as they would be on a GPU; so are the offloaded optimizer's host buffers and
+    activation offload's host copies of the layer inputs (profile_trainer makes them on the CPU).
     """
     result = prof.result
     if "cuda" in result.devices and trainer.device.type == "cuda":
@@ -465,4 +478,5 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
         excluded.append("reference buffers")
     if trainer.cfg.optim.offload_optimizer:  # host RAM on any device (the planner's host categories)
         excluded += ["optimizer states", "weights copy", "gradient buffer"]
+    excluded.append("activations (offloaded)")  # host RAM on any device (the planner's host categories)
     return "host", result.devices["host"].summary(exclude=excluded)

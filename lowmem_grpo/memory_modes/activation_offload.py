@@ -14,7 +14,10 @@ event. A tensor unpacked before its prefetch was issued (the first, or an order 
 is copied back then. So the device holds at most one layer input more than without prefetch (the
 planner counts it: memory/plan.py). Parameters and 2-D tensors (weights, their autocast copies) are never
 moved. On a CPU-only machine it does nothing unless `copy_on_cpu` (tests: same hooks, same order, real
-copies). `prefetched`, `fetched_on_demand` count how each came back (the tests read them).
+copies; a CPU memory profile, memory/profile.py, turns it on, so that what stays is what a GPU would
+hold). The host copies are made under `scope("activation offload")`, so a profile counts them as
+host RAM ("activations (offloaded)"); the copies back are the phase's own (activations, as on a GPU).
+`prefetched`, `fetched_on_demand` count how each came back (the tests read them).
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..phases import scope
 
+
+MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are (the planner reads it: memory/plan.py)
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -49,7 +55,7 @@ class _Offloaded:
 
 
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
-    def __init__(self, min_bytes: int = 1 << 20, copy_on_cpu: bool = False, prefetch: bool = True):
+    def __init__(self, min_bytes: int = MIN_BYTES, copy_on_cpu: bool = False, prefetch: bool = True):
         self.min_bytes = min_bytes
         self.copy_on_cpu = copy_on_cpu
         self.prefetch = prefetch
@@ -71,11 +77,14 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             return t
         self.offloaded_bytes += t.numel() * t.element_size()
         if t.device.type == "cpu":
-            record = _Offloaded(t.clone(), None, t.device, len(self._packed))
+            with scope("activation offload"):  # host RAM on any machine (a CPU profile leaves it out)
+                host = t.clone()
+            record = _Offloaded(host, None, t.device, len(self._packed))
         else:
             stream = side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before we copy it
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with scope("activation offload"):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
                 host.copy_(t, non_blocking=True)
                 t.record_stream(stream)  # the allocator keeps t's memory until the copy has finished

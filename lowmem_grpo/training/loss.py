@@ -31,6 +31,10 @@ class PolicyLoss(nn.Module):
         self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
         # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
         self.head = Head(decoder=getattr(policy, policy.base_model_prefix), output=policy.get_output_embeddings())
+        # model.offload_activations on a CPU device: real host copies (a no-op otherwise). Set only while a
+        # memory profile runs (memory/profile.py: profile_trainer), so the CPU's tracked bytes show what a
+        # GPU would hold; plain CPU training has no device memory to save and skips the copies.
+        self.offload_copy_on_cpu = False
 
     def forward(self, mb: Batch, num_items: int, scale: float = 1.0, tokens: Optional[int] = None):
         """(loss, metrics) of micro-batch `mb` (on the device). `num_items`: dapo's denominator, the
@@ -40,7 +44,8 @@ class PolicyLoss(nn.Module):
         padding without a device sync)."""
         t, g = self.cfg.train, self.cfg.generation
         device_type = mb.completion_ids.device.type
-        offload = offload_activations() if self.cfg.model.offload_activations else contextlib.nullcontext()
+        offload = (offload_activations(copy_on_cpu=self.offload_copy_on_cpu) if self.cfg.model.offload_activations
+                   else contextlib.nullcontext())
         head = self.head
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast), offload:
             hidden = completion_hidden(head, mb, self.pack)  # (b, c, H)

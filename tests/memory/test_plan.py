@@ -339,3 +339,37 @@ def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures
                                              "pack_prompts=false", "attn_implementation=flex_attention"]),
                 arch, autocast=False, device="cpu")["phase_categories"]
     assert sdpa["backward"]["activations"] - flex["backward"]["activations"] == held + per_call
+
+
+def test_activation_offload_moves_layer_inputs_and_the_norms_saves_over_its_minimum_to_the_host():
+    # model.offload_activations: the layer inputs checkpointing keeps and the final norm's saves (all but its
+    # output; a tensor saved twice goes twice) are host RAM, one micro-batch's; tensors under activation
+    # offload's 1 MiB minimum stay on the device (memory_modes/activation_offload.py), so a plan with
+    # layer inputs under it is the plan without offload.
+    import torch
+    from lowmem_grpo.memory.layer_probe import layer_costs
+    from lowmem_grpo.memory_modes.activation_offload import MIN_BYTES
+    arch = Arch.from_config(TINY)  # hidden 64 in bf16: a layer input is 128 bytes per position
+    length = 2048
+
+    def planned(rows, offload):
+        return plan(load_config(None, MINIMAL + [
+            "precision=bf16_sr", f"per_device_train_batch_size={rows}", "num_generations=2", "max_prompt_length=64",
+            f"max_completion_length={length - 64}", "pack_prompts=false", f"offload_activations={offload}"]),
+            arch, autocast=False)
+
+    small = 2 * length * 64 * 2  # 2 rows: 0.5 MiB per layer input
+    assert small < MIN_BYTES
+    assert planned(2, "true")["phase_categories"] == planned(2, "false")["phase_categories"]
+    assert "activations (offloaded)" not in planned(2, "true")["host_categories"]
+    T = 4 * length  # 4 rows: 1 MiB per layer input, moved
+    on, off = planned(4, "true"), planned(4, "false")
+    costs = layer_costs(arch.config, torch.bfloat16, False)
+    assert costs.norm_offloaded > costs.norm_saved > costs.norm_left_offloaded > 0  # its fp32 input goes twice
+    layer_io = T * 64 * 2
+    assert on["host_categories"]["activations (offloaded)"] == int(2 * layer_io + costs.norm_offloaded * T)
+    assert "activations (offloaded)" not in off["host_categories"]
+    # forward: two layer inputs kept, against the one on its way to the host; backward: its end (the last
+    # layer's input back, every gradient made) is the same either way
+    assert off["phases"]["forward"] - on["phases"]["forward"] >= layer_io
+    assert on["phases"]["backward"] <= off["phases"]["backward"]
