@@ -58,8 +58,9 @@ With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets
 nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With
 `adamw_8bit` on bf16 weights the stochastic-rounding optimizer (sr_adamw.py) updates the bf16 copy
 itself. fp32 weights: the copy is fp32 and the device weight is exactly it. The updates run in the
-order of `params` (the optimizer's groups, i.e. the model's parameters, embedding first), the order in
-which the plain path's optimizer steps them, so stochastic rounding draws the same numbers. Measured
+order of `params` (the optimizer's groups: decay matrices, then norm gains and biases, each in the model's
+order), the order in which the plain path's optimizer steps them, so stochastic rounding draws the same
+numbers. The global norm sums in the model's order instead (`norm_order`), as the plain path clips. Measured
 costs: benchmarks/offload_host_update.py and RESULTS.md.
 
 Off the autograd thread. The host update (a full pass over the states: the dominant cost of a step) runs
@@ -213,7 +214,12 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
-                 master_fp32: bool = False, state_bytes: int = 0, update_thread: bool = UPDATE_THREAD):
+                 master_fp32: bool = False, state_bytes: int = 0, update_thread: bool = UPDATE_THREAD,
+                 norm_order: Optional[list[torch.Tensor]] = None):
+        """norm_order: the parameters in the order the plain path clips them (its clip_grad_norm_ list, the
+        model's order; default the groups' order). The global norm sums the squares of the per-tensor norms
+        in that order, so it is the plain path's to the last bit: the groups (decay matrices first, then
+        norm gains and biases) order them otherwise, and a sum in another order rounds otherwise."""
         params = [p for g in groups for p in g["params"]]
         # fp32 master copies for torch AdamW: it would round bf16 updates to nearest and lose them
         self.master_fp32 = master_fp32
@@ -254,6 +260,10 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
         self._index_of = {p: i for i, p in enumerate(self.params)}
+        ranked = [p for p in (norm_order or self.params) if p in self._index_of]
+        if len(ranked) != len(self.params):
+            raise ValueError(f"norm_order holds {len(ranked)} of the optimizer's {len(self.params)} parameters")
+        self._norm_rank = {self._index_of[p]: r for r, p in enumerate(ranked)}  # index -> place in the norm's sum
         self._staging: Optional[torch.Tensor] = None  # (STAGING_SLOTS, STAGING_CHUNK_BYTES) bytes, made on first use
         self._staged: deque = deque()  # chunks in the ring, oldest first: (buffer, copied event, target, extra)
         self._staged_total = 0  # chunks staged so far (the next one goes to slot _staged_total % STAGING_SLOTS)
@@ -491,7 +501,7 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         if not order:
             return torch.zeros(())
         norms = []
-        for index in order:
+        for index in sorted(order, key=self._norm_rank.__getitem__):  # the plain path's order (norm_order)
             grad = self.host_grad[self.params[index]]
             self._host_norm_slots[index] = fp32_norm_tensor(grad)
             norms.append(self._host_norm_slots[index].to(grad.dtype))

@@ -50,6 +50,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     needs `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
     inside backward on the device (optimizer_in_backward.py)."""
     groups = _param_groups(model, cfg.weight_decay)
+    clipped = [p for p in model.parameters() if p.requires_grad]  # the plain path's clip_grad_norm_ order
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if cfg.offload_optimizer:  # (in_backward or not: offload always sends gradients down from the hooks)
@@ -59,12 +60,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
         if cfg.optimizer == "adamw":  # on the CPU: host_adamw.py's fused kernel (torch's fused AdamW arithmetic,
             from .host_adamw import HostAdamW  # torch's AdamW state format) on fp32 master weights
             return OffloadedOptimizerInBackward(groups, lambda g: HostAdamW(g, fused=True, **kw),
-                                                cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states)
+                                                cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states,
+                                                norm_order=clipped)
         # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
         from .host_adamw import host_adamw8bit_class
         host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
         return OffloadedOptimizerInBackward(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
-                                            state_bytes=states)
+                                            state_bytes=states, norm_order=clipped)
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward
         return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)

@@ -169,3 +169,23 @@ def test_the_clip_factor_goes_to_the_host_kernel_not_through_the_gradient(monkey
     assert kernel and all(torch.equal(opt.host_grad[p], summed[p]) for p in kernel)  # (small tensors: fp32 states,
     # bitsandbytes' path, which clips the gradient in place)
     assert all(g["grad_scale"] == 1.0 for inner in opt.inner.values() for g in inner.param_groups)
+
+
+def test_the_global_norm_sums_in_the_plain_paths_order():
+    # The optimizer's groups (decay matrices, then norm gains: optimizers._param_groups) order the parameters
+    # otherwise than the model. The plain path's clip_grad_norm_ sums the per-tensor norms in the model's
+    # order, and a sum in another order rounds otherwise: the global norm (hence the clip factor) must be
+    # summed in `norm_order`, to the last bit, whatever the gradients.
+    from lowmem_grpo.memory_modes.optimizers import _param_groups
+    for step in range(8):
+        plain_model, offloaded_model = _model(), _model()
+        groups = [{**g, "lr": 1e-2} for g in _param_groups(offloaded_model, 0.0)]
+        assert [id(p) for g in groups for p in g["params"]] != [id(p) for p in offloaded_model.parameters()]
+        opt = OffloadedOptimizerInBackward(groups, _make("adamw"), CLIP, norm_order=list(offloaded_model.parameters()))
+        opt.begin_step()
+        for i in range(MICRO_BATCHES):
+            (_head_loss(plain_model, 10 * step + i) / MICRO_BATCHES).backward()
+            (_head_loss(offloaded_model, 10 * step + i) / MICRO_BATCHES).backward()
+            opt.end_backward()
+        plain = torch.nn.utils.get_total_norm([p.grad for p in plain_model.parameters()])
+        assert opt.end_step(apply=False) == float(plain), step

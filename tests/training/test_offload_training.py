@@ -41,17 +41,22 @@ def _host_kernel(monkeypatch, on: bool) -> list:
 
 
 def _assert_runs_agree(plain: dict, offloaded: dict, start: dict, precision: str, fused: bool) -> None:
-    """bitsandbytes' path on the host: bit for bit. The fused kernel: fp32 within 1e-6 of each tensor's
-    scale (torch's CPU sqrt is not correctly rounded, the kernel's is, and an 8-bit state code that flips
-    on the difference carries it on); bf16_sr draws other rounding noise, so runs agree only
-    statistically: their difference is well under how far the 8-bit-state matrices moved (measured
-    0.09-0.11 of it; a wrong update would be ~1 or more)."""
+    """bitsandbytes' path on the host: bit for bit. The fused kernel, fp32: within 1e-6 of each tensor's
+    scale, except where an 8-bit state code flipped on a last-bit difference (torch's CPU sqrt is not
+    correctly rounded, the kernel's is) and the flip carried on: a few elements, each off by a small part
+    of one update (measured: one element in each of two tensors, at most 2.9e-6 against a 2e-3 move; a wrong update would be off
+    by about the whole move). bf16_sr draws other rounding noise, so runs agree only statistically: their
+    difference is well under how far the 8-bit-state matrices moved (measured 0.09-0.11 of it; a wrong
+    update would be ~1 or more)."""
     for k in plain:
         if not fused:
             assert torch.equal(plain[k], offloaded[k]), k
         elif precision == "fp32":
-            torch.testing.assert_close(offloaded[k], plain[k], rtol=1e-6, atol=1e-6 * float(plain[k].abs().max()),
-                                       msg=k)
+            off = (offloaded[k] - plain[k]).abs()
+            flipped = off > 1e-6 * float(plain[k].abs().max())
+            moved = float((plain[k] - start[k]).abs().max())
+            assert int(flipped.sum()) <= max(2, flipped.numel() // 1000), (k, int(flipped.sum()))
+            assert float(off.max()) < 0.01 * moved, (k, float(off.max()), moved)
         elif plain[k].numel() >= 4096:  # 8-bit states (smaller tensors: fp32 states, sr_adamw's path)
             moved = (plain[k].float() - start[k].float()).norm()
             assert (offloaded[k].float() - plain[k].float()).norm() < 0.25 * moved, k
