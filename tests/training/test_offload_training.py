@@ -44,8 +44,8 @@ def _assert_runs_agree(plain: dict, offloaded: dict, start: dict, precision: str
     """bitsandbytes' path on the host: bit for bit. The fused kernel, fp32: within 1e-6 of each tensor's
     scale, except where an 8-bit state code flipped on a last-bit difference (torch's CPU sqrt is not
     correctly rounded, the kernel's is) and the flip carried on: a few elements, each off by a small part
-    of one update (measured: one element in each of two tensors, at most 2.9e-6 against a 2e-3 move; a wrong update would be off
-    by about the whole move). bf16_sr draws other rounding noise, so runs agree only statistically: their
+    of one update (measured: one element in each of two tensors, at most 2.9e-6 against a 2e-3 move; a
+    wrong update would be off by about the whole move). bf16_sr draws other rounding noise, so runs agree only statistically: their
     difference is well under how far the 8-bit-state matrices moved (measured 0.09-0.11 of it; a wrong
     update would be ~1 or more)."""
     for k in plain:
