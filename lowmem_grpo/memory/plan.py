@@ -64,6 +64,7 @@ import torch
 from ..config import Config, ConfigError, batch_plan
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
+from ..memory_modes.activation_offload import MIN_BYTES
 from ..memory_modes.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from .layer_probe import layer_costs
 
@@ -314,7 +315,6 @@ def activations_offloaded(cfg: Config, layer_io: int) -> bool:
     it leaves saved tensors under its minimum size where they are (memory_modes/activation_offload.py).
     The final norm's saves are at least a layer input's size, so they go with them (not counted: its fp32
     ones alone moving, when a layer input is between half the minimum and the minimum)."""
-    from ..memory_modes.activation_offload import MIN_BYTES
     return cfg.model.offload_activations and cfg.model.gradient_checkpointing and layer_io >= MIN_BYTES
 
 

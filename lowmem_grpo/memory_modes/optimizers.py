@@ -50,13 +50,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     needs `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
     inside backward on the device (optimizer_in_backward.py)."""
     groups = _param_groups(model, cfg.weight_decay)
-    clipped = [p for p in model.parameters() if p.requires_grad]  # the plain path's clip_grad_norm_ order
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if cfg.offload_optimizer:  # (in_backward or not: offload always sends gradients down from the hooks)
         from .offload import OffloadedOptimizerInBackward
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
         states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
+        clipped = [p for p in model.parameters() if p.requires_grad]  # the plain path's clip_grad_norm_ order
         if cfg.optimizer == "adamw":  # on the CPU: host_adamw.py's fused kernel (torch's fused AdamW arithmetic,
             from .host_adamw import HostAdamW  # torch's AdamW state format) on fp32 master weights
             return OffloadedOptimizerInBackward(groups, lambda g: HostAdamW(g, fused=True, **kw),
