@@ -16,7 +16,8 @@ policy/sampling.py decodes with a growing DynamicCache by default. With `decode=
 * **The step** (`decode_step`) is a function of preallocated tensors: input ids (B,), positions (B,),
   the K/V buffers. It builds the (B, 1, 1, length) mask from the positions, writes each row's new K/V
   at its position (an index_put: no data-dependent shape) and returns fp32 logits (B, V). The model
-  sees a ready 4D mask (bool for sdpa, additive for eager), which transformers passes through.
+  sees a ready 4D mask (bool for sdpa, additive for eager), which transformers passes through. It runs on
+  views of the buffers (below: buckets of rows and of columns), so `length` is the attended length.
 * **Buckets**: the step runs on the first B rows of the buffers, B one of `buckets(micro_batch)`: the
   micro-batch and its halves down to an eighth (64 -> 64, 32, 16, 8). Each bucket is one compiled graph
   (one CUDA graph on a GPU). A new batch takes the smallest bucket that holds its rows; once nothing
@@ -27,6 +28,15 @@ policy/sampling.py decodes with a growing DynamicCache by default. With `decode=
   a bucket at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of
   the micro-batch the step is weight-bound anyway). Fewer graphs: less compile time and memory, and
   dynamo's recompile limit (8 per function) is never reached by one model.
+* **Length buckets**: the step attends over the buffers' first columns only, as many as a length bucket that
+  holds the longest row (`length_buckets`: the cache's length and its halves down to an eighth, rounded up
+  to a multiple of 8), not over the whole preallocated length. A row's position is its width minus its left
+  padding in the host's bookkeeping, so the choice needs no device read. At the 8192-token recipe the whole
+  length is 16 rows x 8448 columns x 28 KB = 3.8 GB per step against 3.1 GB of weights, whatever the rows'
+  positions; a bucket reads at most twice the longest row's columns (the whole length only once a row needs
+  more than half of it). The attended length is a dynamic dimension of the compiled step (one graph per
+  batch bucket for every length; on CUDA one recorded graph per batch x length bucket), so compilations stay
+  one per batch bucket.
 * **Sampling stays outside the step**: the logits processors and the draw (sampling.draw, or argmax) run
   eagerly on the step's logits, from the same global generator as the dynamic path. So the graphed
   step contains no random op (nothing for a CUDA graph to replay with a stale seed), and eager and
@@ -41,19 +51,19 @@ per step, ~7.5 GB at 32 rows x 1280 columns (its 8 GB recipe) against 1 GB of we
 it under a name of its own in transformers' attention registry for the step's duration
 (`_grouped_attention`); prefills keep the model's attention.
 
-Cost to know: every step attends over the whole preallocated length (masked columns included), where the
-growing cache of the dynamic step reads only the columns in use. Early in a rollout, with short contexts,
-that is the larger part of a small model's step on the CPU (RESULTS.md, "Rollout: the static-shape decode
-step"). Buckets of the attended length (one graph per batch x length bucket) would remove most of it; not
-done. On CUDA, the graphs keep a private memory pool for the rest of the process: about the largest
-bucket's step transients, mostly its (B, V) logits in the model dtype and in fp32 (~29 MB for the 0.5B
-recipe's 32 rows, ~15 MB for the 1.5B recipes' 16). The planner does not count it apart (it is inside
-the margin's 5% for fragmentation); not measured yet.
+Costs to know: a step attends over up to twice the columns in use (its length bucket, masked columns
+included) where the growing cache of the dynamic step reads only those. Each rollout's new buffers have new
+addresses, so CUDA graphs re-record every batch x length bucket a rollout meets (up to 16, each a warm-up
+and a capture of one step; not measured yet). On CUDA, the graphs keep a private memory pool for the rest of
+the process: about the largest bucket's step transients, mostly its (B, V) logits in the model dtype and in
+fp32 (~29 MB for the 0.5B recipe's 32 rows, ~15 MB for the 1.5B recipes' 16). The planner does not count it
+apart (it is inside the margin's 5% for fragmentation); not measured yet.
 
-Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per bucket); on CUDA with
-mode="reduce-overhead", i.e. CUDA graphs per bucket, the buffers marked static addresses (as
-transformers' StaticCache does) so the graphs write the cache in place instead of skipping. Parameters
-are read by address: weights changed in place (the optimizers here) are seen by the next step.
+Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per batch bucket; only the attended
+length, marked on the views, is dynamic); on CUDA with mode="reduce-overhead", i.e. CUDA graphs per bucket,
+the buffers marked static addresses (as transformers' StaticCache does) so the graphs write the cache in
+place instead of skipping. Parameters are read by address: weights changed in place (the optimizers here)
+are seen by the next step.
 """
 
 from __future__ import annotations
@@ -81,6 +91,19 @@ def buckets(micro_batch: int) -> list[int]:
 def bucket_for(rows: int, micro_batch: int) -> int:
     """The smallest bucket that holds `rows` rows."""
     return next(b for b in buckets(micro_batch) if b >= rows)
+
+
+def length_buckets(length: int) -> list[int]:
+    """The attended lengths the step runs at: the cache's length and its halves down to an eighth, each
+    rounded up to a multiple of 8 (and at most the length)."""
+    def round_up(n: int) -> int:
+        return -(-n // 8) * 8
+    return sorted({min(length, round_up(-(-length // 2 ** k))) for k in range(4)})
+
+
+def length_bucket_for(columns: int, length: int) -> int:
+    """The smallest length bucket that holds `columns` columns (the whole length if none does)."""
+    return next((b for b in length_buckets(length) if b >= columns), length)
 
 
 def static_decode_problem(model) -> Optional[str]:
@@ -147,8 +170,8 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
                 additive_mask: bool, cache_arg: str, keep_logits: bool) -> Tensor:
     """One decode step of the first B = len(input_ids) rows: (B,) ids at (B,) positions -> (B, V) fp32 logits.
 
-    keys/values: per layer, (B, H, L, D) views of the buffers' first B rows (StaticKV.bucket_views: the
-    same view objects every step, so a graph's inputs depend on its bucket alone and a CUDA graph sees
+    keys/values: per layer, (B, H, L, D) views of the buffers' first B rows and L columns (StaticKV.bucket_views:
+    the same view objects every step, so a graph's inputs depend on its buckets alone and a CUDA graph sees
     static addresses). A row attends to its columns 0 .. position; positions past the end (finished rows
     decoding until the host's next read) write into the last column."""
     B, L = input_ids.shape[0], keys[0].shape[2]
@@ -196,7 +219,7 @@ class StaticKV:
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
         self.graphed = compiled and device.type == "cuda" and COMPILE_BACKEND == "inductor"
-        self._views: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        self._views: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
@@ -214,25 +237,37 @@ class StaticKV:
         "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
         limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
         but it also strands the compiled functions' handles on the old graph tree: not an option."""
+        # Freed now, whatever still refers to the tensors: in a trainer step under the profiler they outlived
+        # the rollout in some test orders (a reference cycle through compile-time records, left to the
+        # garbage collector), and an 8 GB card's training step needs that memory at once.
+        for t in self.keys + self.values:
+            t.untyped_storage().resize_(0)
         self.keys, self.values, self._views = [], [], {}
 
-    def bucket_views(self, B: int) -> tuple[list[Tensor], list[Tensor]]:
-        """Per layer, the K and V buffers' first B rows: (B, H, L, D) views, made once per bucket and rollout.
-        Graphed, they are marked static addresses: CUDA graphs write them in place (else they would skip,
-        mutated inputs) and read them without copying them in."""
-        if B not in self._views:
-            views = [k[:B] for k in self.keys], [v[:B] for v in self.values]
-            if self.graphed:
-                for t in views[0] + views[1]:
+    def bucket_views(self, B: int, L: int) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer, the K and V buffers' first B rows and first L columns: (B, H, L, D) views, made once per
+        (batch, length) bucket and rollout. Compiled, their length is marked dynamic: one graph per batch
+        bucket serves every length bucket (on CUDA, one recorded graph per length). Graphed, they are marked
+        static addresses: CUDA graphs write them in place (else they would skip, mutated inputs) and read
+        them without copying them in."""
+        if (B, L) not in self._views:
+            views = [k[:B, :, :L] for k in self.keys], [v[:B, :, :L] for v in self.values]
+            for t in views[0] + views[1]:
+                if self.compiled and len(length_buckets(self.length)) > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 2)
+                if self.graphed:
                     torch._dynamo.mark_static_address(t)
-            self._views[B] = views
-        return self._views[B]
+            self._views[B, L] = views
+        return self._views[B, L]
 
-    def __call__(self, model, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def __call__(self, model, input_ids: Tensor, positions: Tensor, columns: int) -> Tensor:
+        """The step for len(input_ids) rows whose positions are all below `columns` (finished rows' may not be:
+        decode_step clamps them): it attends over the smallest length bucket that holds them."""
         if self.graphed:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        views = self.bucket_views(len(input_ids), length_bucket_for(columns, self.length))
         with _grouped_attention(model) if self.grouped else contextlib.nullcontext():
-            logits = self.step(model, input_ids, positions, *self.bucket_views(len(input_ids)), **self.kwargs)
+            logits = self.step(model, input_ids, positions, *views, **self.kwargs)
         return logits.clone() if self.graphed else logits  # a graph's output is overwritten by its next replay
 
 
@@ -281,4 +316,6 @@ class StaticSlots(Slots):
         return live + free[:b - len(live)] if b < len(self) else None
 
     def forward(self, model, keep_logits: bool, cache_arg: str) -> Tensor:
-        return self.kv(model, self.inp, self.pos)  # (S, V)
+        """(S, V). A slot's position is its cached tokens, width - its left padding (kept on the host): the step
+        attends over the columns of the longest row (finished ones included until they leave), no device read."""
+        return self.kv(model, self.inp, self.pos, columns=self.width - min(self.left_pad))

@@ -15,7 +15,8 @@ import torch
 from lowmem_grpo.config import ConfigError, GenerationConfig, load_config
 from lowmem_grpo.policy import static_decode
 from lowmem_grpo.policy.sampling import SamplingStats, decode_mode, sample
-from lowmem_grpo.policy.static_decode import StaticKV, bucket_for, buckets, static_decode_problem
+from lowmem_grpo.policy.static_decode import (StaticKV, bucket_for, buckets, length_bucket_for, length_buckets,
+                                              static_decode_problem)
 
 from .test_refill import generate_completions
 from .test_sampling import CPU, PAD, frequent_token, random_prompts, tiny_model
@@ -28,6 +29,9 @@ def test_buckets():
     assert buckets(64) == [8, 16, 32, 64] and buckets(16) == [2, 4, 8, 16]
     assert buckets(3) == [1, 2, 3] and buckets(1) == [1]
     assert [bucket_for(n, 64) for n in (1, 8, 9, 33, 64)] == [8, 8, 16, 64, 64]
+    assert length_buckets(1280) == [160, 320, 640, 1280] and length_buckets(139) == [24, 40, 72, 139]
+    assert length_buckets(22) == [8, 16, 22] and length_buckets(5) == [5]
+    assert [length_bucket_for(n, 139) for n in (0, 24, 25, 73, 139, 150)] == [24, 24, 40, 139, 139, 139]
 
 
 @pytest.mark.parametrize("arch, attn, autocast_bf16, G, micro_batch, read_every", [
@@ -77,9 +81,32 @@ def test_static_edge_cases_match_generate():
         assert fast.shape == slow.shape and torch.equal(fast, slow), f"micro_batch {micro_batch}\n{fast}\n{slow}"
 
 
+def test_the_step_attends_over_the_length_bucket_of_the_longest_row(monkeypatch):
+    """Each step reads the K/V columns of the smallest length bucket that holds every row's position (known on
+    the host: no device read), not the whole preallocated length; the tokens stay generate()'s."""
+    attended = []
+
+    def recording(model, input_ids, positions, keys, values, **kw):
+        attended.append((keys[0].shape[2], int(positions.max())))
+        return decode_step(model, input_ids, positions, keys, values, **kw)
+    decode_step = static_decode.decode_step
+    monkeypatch.setattr(static_decode, "decode_step", recording)
+    model = tiny_model("qwen2", seed=7)
+    distinct = random_prompts([3, 6, 2, 5], 64, seed=8)
+    cfg = GenerationConfig(max_completion_length=40, generation_micro_batch_size=4, max_prompt_length=24)
+    eos = frequent_token(model, distinct, cfg)
+    fast = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, decode="static")
+    assert torch.equal(fast, generate(model, [p for p in distinct for _ in range(3)], cfg, eos))
+    length = 24 + 40
+    for columns, last in attended:
+        assert columns == length_bucket_for(last + 1, length), (columns, last)
+    assert len({c for c, _ in attended}) > 1 and sum(c for c, _ in attended) < 0.75 * length * len(attended)
+
+
 def test_static_cache_bytes_are_the_planned_preallocation():
     """The buffers are micro-batch rows x (max_prompt_length + completion limit) x layers x K and V, allocated
-    once (memory/plan.py's "KV cache" term); fewer rows than the micro-batch take the bucket that holds them."""
+    once (memory/plan.py's "KV cache" term); fewer rows than the micro-batch take the bucket that holds them.
+    They are freed when the rollout ends, even where something still refers to them."""
     model = tiny_model("qwen2")
     cfg = GenerationConfig(max_completion_length=12, generation_micro_batch_size=16, max_prompt_length=10)
     made = []
@@ -88,6 +115,8 @@ def test_static_cache_bytes_are_the_planned_preallocation():
     def spy(self, *args, **kwargs):
         real(self, *args, **kwargs)
         made.append(self)
+        held.append(self.keys[0])  # a reference that outlives the rollout (as compile-time records can)
+    held = []
     c = model.config
     per_row_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
     with pytest.MonkeyPatch.context() as mp:
@@ -96,6 +125,7 @@ def test_static_cache_bytes_are_the_planned_preallocation():
             sample(model, prompts, G, cfg, eos_ids=[1], pad_id=PAD, device=CPU, decode="static")
             assert made[-1].rows == rows and made[-1].nbytes == rows * (10 + 12) * per_row_token
     assert len(made) == 2  # one allocation per rollout
+    assert [t.untyped_storage().nbytes() for t in held] == [0, 0]  # freed when the rollout ended all the same
 
 
 def test_planner_counts_the_static_cache_of_the_bucket():
@@ -157,7 +187,8 @@ def count_graphs(fn):
 
 def test_compilations_bounded_by_buckets(monkeypatch):
     """Item 5: prompts of other lengths, other numbers of samples (batch sizes), sampled and greedy, and
-    repeated rollouts compile the step at most once per bucket, with no graph break."""
+    repeated rollouts compile the step at most once per batch bucket, with no graph break: its attended
+    length is dynamic, so the length buckets share their batch bucket's graph."""
     monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")  # dynamo's tracing, counted; no Inductor
     torch._dynamo.reset()
     model = tiny_model("llama", seed=11)
@@ -165,6 +196,10 @@ def test_compilations_bounded_by_buckets(monkeypatch):
     calls = [(random_prompts([3, 9], 64, seed=1), 4, True), (random_prompts([12, 2, 5], 64, seed=2), 3, False),
              (random_prompts([7], 64, seed=3), 2, True), (random_prompts([4, 4, 6, 1, 16], 64, seed=4), 5, False),
              (random_prompts([3, 9], 64, seed=1), 4, True)]
+
+    shapes = set()  # (batch, length) buckets the step ran at
+    views = StaticKV.bucket_views
+    monkeypatch.setattr(StaticKV, "bucket_views", lambda self, B, L: shapes.add((B, L)) or views(self, B, L))
 
     def rollouts(calls):
         torch.manual_seed(0)
@@ -174,6 +209,7 @@ def test_compilations_bounded_by_buckets(monkeypatch):
     graphs, breaks = count_graphs(lambda: rollouts(calls))
     assert not breaks, f"graph breaks split the step: {breaks}"
     assert 1 < graphs <= len(buckets(8)), f"{graphs} compilations for buckets {buckets(8)}"
+    assert len(shapes) > graphs + 2, f"the length buckets were not exercised: {sorted(shapes)}"  # one graph each
     assert count_graphs(lambda: rollouts(calls[1:3]))[0] == 0  # and none on later steps
 
 
@@ -229,7 +265,7 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_dynamic_step(monkeypatch
     from lowmem_grpo.policy.rollout import generate as rollout_generate
     calls = []
 
-    def broken(self, *args):
+    def broken(self, *args, **kwargs):
         calls.append(1)
         raise torch._dynamo.exc.TorchDynamoException("no backend for this step")
     monkeypatch.setattr(StaticKV, "__call__", broken)
@@ -321,8 +357,10 @@ def test_compiled_step_reads_each_kv_head_without_copies(monkeypatch):
     compiled = sample(model, prompts, 1, cfg, decode="compiled", **kw)
     assert torch.equal(compiled, sample(model, prompts, 1, cfg, decode="static", **kw))
     assert model.config._attn_implementation == "sdpa"  # restored after each step
-    length = CFG["max_prompt_length"] + 6  # the static cache's columns
     heads, kv_heads, head_dim = 4, 2, 16
-    assert (2, kv_heads, length, head_dim) in shapes  # the cache itself was traced
-    repeated = [s for s in shapes if len(s) == 4 and s[1:] == (heads, length, head_dim)]
+    cache = [s for s in shapes if len(s) == 4 and s[:2] == (2, kv_heads) and s[3] == head_dim
+             and not isinstance(s[2], int)]
+    assert cache, "the cache was not traced, or its length was not dynamic (one graph for all length buckets)"
+    length = str(cache[0][2])  # the attended length's symbol
+    repeated = [s for s in shapes if len(s) == 4 and s[1] == heads and str(s[2]) == length and s[3] == head_dim]
     assert not repeated, f"K/V heads repeated per query head: {repeated[:3]}"
