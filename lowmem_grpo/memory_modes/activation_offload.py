@@ -18,14 +18,31 @@ copies; a CPU memory profile, memory/profile.py, turns it on, so that what stays
 hold). The host copies are made under `scope("activation offload")`, so a profile counts them as
 host RAM ("activations (offloaded)"); the copies back are the phase's own (activations, as on a GPU).
 `prefetched`, `fetched_on_demand` count how each came back (the tests read them).
+
+Host memory: on CUDA the copies go into a `HostBlock`, one page-locked block per device reused by every
+micro-batch (one micro-batch's saves at a time), not `torch.empty(pin_memory=True)` per tensor: torch's
+caching host allocator rounds each request up to a power of two (host_arena.py says where), so a 51 MiB
+layer input pins 64 MiB, and keeps it cached for the process. The block holds the largest micro-batch's
+saves so far, each at a 64-byte boundary, to the page: at most the planner's "activations (offloaded)"
+(memory/plan.py, its longest micro-batch) plus those alignments. A micro-batch whose saves do not fit (the
+first one, before any block exists, or one longer than any before) copies the rest to plain host memory
+(each such copy waits for the device: slower, not wrong), and the block grows to it before the next
+micro-batch. The block stays for the process, as the caching allocator's blocks would.
 """
 
 from __future__ import annotations
+
+import logging
+import weakref
+from typing import Optional
 
 import torch
 from torch import nn
 
 from ..phases import scope
+from .host_arena import ALIGN, HostArena, arena_bytes
+
+log = logging.getLogger(__name__)
 
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are (the planner reads it: memory/plan.py)
@@ -42,11 +59,80 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+class HostBlock:
+    """Host memory for one micro-batch's offloaded saves at a time: one block (a HostArena, page-locked on
+    CUDA), handed out front to back to each context in turn and reused by the next.
+
+    A context calls `begin()` before its first copy: the block is reused from its start only if no save of
+    the previous context still needs its host copy (alive and not yet copied back: backward has not run,
+    or the graph is kept); else this context gets nothing from it. `take()` returns a view of the block,
+    or None where the save does not fit (the caller copies it elsewhere); the bytes a context asked for
+    set the block's size at the next `begin()`, so it grows to the largest micro-batch seen."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.arena: Optional[HostArena] = None
+        self._base: Optional[torch.Tensor] = None  # the arena's bytes, (nbytes,) uint8
+        self.high_water = 0  # the most bytes one context asked for (64-byte aligned, as handed out)
+        self.overflows = 0  # saves that did not fit, over all contexts (tests, logs)
+        self._asked = 0  # bytes the current context has asked for
+        self._usable = False
+        self._held: weakref.WeakSet = weakref.WeakSet()  # the current context's records in the block
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes if self.arena is not None else 0
+
+    def begin(self) -> None:
+        """A new context's saves start at the block's front (after growing it, if the last ones did not fit)."""
+        self._asked = 0
+        if any(r.back is None for r in self._held):  # a save still needs its host copy: keep out of it
+            self._usable = False
+            log.debug("activation offload: the previous micro-batch's saves are still held; copying to plain "
+                      "host memory")
+            return
+        self._held = weakref.WeakSet()
+        if self.high_water > self.nbytes:
+            if self.arena is not None:
+                self.arena.release()  # (waits for the device's copies from the old block)
+            size = arena_bytes([self.high_water])  # to the page: what the arena pins anyway
+            self.arena = HostArena([((size,), torch.uint8)], pinned=self.pinned)
+            self._base = self.arena.take((size,), torch.uint8)
+            log.info("activation offload: %.3f GiB of host memory%s for one micro-batch's saves",
+                     self.nbytes / 2**30, " pinned" if self.pinned else "")
+        self._usable = self.arena is not None
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """A view of the block for a save of this shape and dtype, or None where it does not fit."""
+        start = -(-self._asked // ALIGN) * ALIGN
+        size = shape.numel() * dtype.itemsize
+        self._asked = start + size
+        self.high_water = max(self.high_water, self._asked)
+        if not self._usable or self._asked > len(self._base):  # (so are the saves after it: _asked only grows)
+            self.overflows += 1
+            return None
+        return self._base[start:start + size].view(dtype).view(shape)
+
+    def hold(self, record: "_Offloaded") -> None:
+        self._held.add(record)
+
+
+_host_blocks: dict[torch.device, HostBlock] = {}
+
+
+def host_block(device: torch.device) -> HostBlock:
+    """The page-locked block of `device`'s offloaded saves, made on first use (empty until a context asks)."""
+    block = _host_blocks.get(device)
+    if block is None:
+        block = _host_blocks[device] = HostBlock(pinned=True)
+    return block
+
+
 class _Offloaded:
-    """One saved tensor on the host: the pinned copy, the event its copy down records (CUDA), and, once
+    """One saved tensor on the host: the host copy, the event its copy down records (CUDA), and, once
     fetched, the device copy with the event its copy back records."""
 
-    __slots__ = ("host", "down", "device", "index", "back", "up")
+    __slots__ = ("host", "down", "device", "index", "back", "up", "__weakref__")
 
     def __init__(self, host: torch.Tensor, down, device: torch.device, index: int):
         self.host, self.down, self.device, self.index = host, down, device, index
@@ -55,10 +141,15 @@ class _Offloaded:
 
 
 class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N801 (a context manager)
-    def __init__(self, min_bytes: int = MIN_BYTES, copy_on_cpu: bool = False, prefetch: bool = True):
+    def __init__(self, min_bytes: int = MIN_BYTES, copy_on_cpu: bool = False, prefetch: bool = True,
+                 block: Optional[HostBlock] = None):
+        """block: where the host copies go (default: on CUDA the device's `host_block`; on the CPU, with
+        copy_on_cpu, a clone per save, which a memory profile counts one by one)."""
         self.min_bytes = min_bytes
         self.copy_on_cpu = copy_on_cpu
         self.prefetch = prefetch
+        self.block = block
+        self._begun = False
         self.offloaded_bytes = 0  # total moved to the host inside this context (a test checks it)
         self.prefetched = self.fetched_on_demand = 0
         self._packed: list[_Offloaded] = []  # in pack order; an entry is dropped once its copy back is issued
@@ -72,25 +163,40 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             return False
         return t.device.type == "cuda" or (self.copy_on_cpu and t.device.type == "cpu")
 
+    def _block_for(self, device: torch.device) -> Optional[HostBlock]:
+        """The block this context's host copies go to (begun at its first save), or None: a copy each."""
+        if self.block is None and device.type == "cuda":
+            self.block = host_block(device)
+        if self.block is not None and not self._begun:
+            self.block.begin()
+            self._begun = True
+        return self.block
+
     def _pack(self, t: torch.Tensor):
         if not self._wanted(t):
             return t
         self.offloaded_bytes += t.numel() * t.element_size()
+        block = self._block_for(t.device)
+        with scope("activation offload"):  # host RAM on any machine (a CPU profile leaves it out)
+            host = block.take(t.shape, t.dtype) if block is not None else None
+            in_block = host is not None
+            if host is None:
+                host = t.clone() if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype)
         if t.device.type == "cpu":
-            with scope("activation offload"):  # host RAM on any machine (a CPU profile leaves it out)
-                host = t.clone()
+            if in_block:
+                host.copy_(t)
             record = _Offloaded(host, None, t.device, len(self._packed))
         else:
             stream = side_stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written before we copy it
-            with scope("activation offload"):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
-                host.copy_(t, non_blocking=True)
+                host.copy_(t, non_blocking=True)  # (plain host memory: returns once copied)
                 t.record_stream(stream)  # the allocator keeps t's memory until the copy has finished
                 down = torch.cuda.Event()
                 down.record(stream)
             record = _Offloaded(host, down, t.device, len(self._packed))
+        if in_block:
+            block.hold(record)
         self._packed.append(record)
         return record
 

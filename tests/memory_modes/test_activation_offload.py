@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lowmem_grpo.memory_modes import activation_offload
-from lowmem_grpo.memory_modes.activation_offload import _Offloaded, offload_activations, side_stream
+from lowmem_grpo.memory_modes.activation_offload import HostBlock, _Offloaded, offload_activations, side_stream
+from lowmem_grpo.memory_modes.host_arena import arena_bytes
 from lowmem_grpo.policy.model import enable_checkpointing
 
 
@@ -78,6 +79,88 @@ def test_a_prefetch_is_one_tensor_ahead():
     assert hooks.prefetched >= 2 and hooks.most_ahead == 1
 
 
+def _micro_batch(model, hooks, seq=32, before_backward=None, seed=0):
+    """One micro-batch's forward under `hooks`, then its backward (the gradients add up over calls)."""
+    ids = torch.randint(0, 64, (4, seq), generator=torch.Generator().manual_seed(seq + seed)).to(model.device)
+    with hooks:
+        loss = (model.model(input_ids=ids).last_hidden_state.float() ** 2).mean()
+    if before_backward is not None:
+        before_backward()
+    loss.backward()
+
+
+def _in_block(hooks, block) -> list[bool]:
+    """For each save still packed: whether its host copy is a view of the block."""
+    base = block._base.untyped_storage().data_ptr() if block._base is not None else None
+    return [r.host.untyped_storage().data_ptr() == base for r in hooks._packed if r is not None]
+
+
+def test_saves_go_into_one_block_that_the_next_micro_batch_reuses():
+    """The first micro-batch sizes the block (its saves go to tensors of their own); from the second on every
+    save is a view of the same block of exactly those bytes, and the gradients are bit for bit the plain ones."""
+    block = HostBlock(pinned=False)
+    plain_model, model = _model("cpu"), _model("cpu")
+    seen = []
+    for step in range(3):
+        _micro_batch(plain_model, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        hooks = offload_activations(min_bytes=1, copy_on_cpu=True, block=block)
+        _micro_batch(model, hooks, before_backward=lambda: seen.append(_in_block(hooks, block)))
+        if step == 0:
+            first_high_water = block.high_water
+            assert block.arena is None and block.overflows == len(seen[0]) >= 3 and not any(seen[0])
+            assert first_high_water >= hooks.offloaded_bytes
+        else:
+            assert all(seen[-1]) and len(seen[-1]) == len(seen[0]) and block.overflows == len(seen[0])
+            assert block.high_water == first_high_water and block.nbytes == arena_bytes([first_high_water])
+        if step == 1:
+            arena = block.arena
+    assert block.arena is arena  # reused, not remade
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_block_whose_saves_are_still_needed_is_not_written():
+    """A micro-batch that starts before the last one's backward has run copies to tensors of its own, and
+    the held saves come back unchanged: both gradients are the plain ones."""
+    block = HostBlock(pinned=False)
+    plain_model, model = _model("cpu"), _model("cpu")
+    _micro_batch(model, offload_activations(min_bytes=1, copy_on_cpu=True, block=block))  # sizes the block
+    _micro_batch(plain_model, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    held = offload_activations(min_bytes=1, copy_on_cpu=True, block=block)
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(32))
+    with held:
+        loss = (model.model(input_ids=ids).last_hidden_state.float() ** 2).mean()
+    assert all(_in_block(held, block))
+    copies = [r.host.clone() for r in held._packed]
+    overflows, high_water = block.overflows, block.high_water
+    inner = offload_activations(min_bytes=1, copy_on_cpu=True, block=block)
+    _micro_batch(model, inner, seed=1)  # other tokens, forward and backward, while `held` waits for its backward
+    _micro_batch(plain_model, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), seed=1)
+    assert all(torch.equal(r.host, c) for r, c in zip(held._packed, copies))
+    loss.backward()
+    _micro_batch(plain_model, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    assert block.overflows == overflows + len(copies)  # every save of `inner` went elsewhere
+    assert block.high_water == high_water  # and did not count as more than one micro-batch's need
+
+
+def test_the_block_grows_to_the_largest_micro_batch():
+    """A longer micro-batch than any before overflows once (the rest of its saves elsewhere), then fits."""
+    block = HostBlock(pinned=False)
+    model = _model("cpu")
+    _micro_batch(model, offload_activations(min_bytes=1, copy_on_cpu=True, block=block), seq=16)
+    small = block.high_water
+    for seq, fits in ((16, True), (48, False), (48, True), (16, True)):
+        hooks = offload_activations(min_bytes=1, copy_on_cpu=True, block=block)
+        seen = []
+        _micro_batch(model, hooks, seq=seq, before_backward=lambda: seen.append(_in_block(hooks, block)))
+        assert all(seen[0]) == fits and (fits or seen[0][0])  # a longer one: its first saves still fit
+    assert block.high_water > 2 * small and block.nbytes == arena_bytes([block.high_water])
+
+
 def test_nothing_moves_on_cpu_by_default():
     hooks = offload_activations(min_bytes=1)
     _grads("cpu", hooks)
@@ -124,3 +207,25 @@ def test_async_offload_on_cuda_makes_one_stream(monkeypatch):
         _grads("cuda", h)
     assert all(h.offloaded_bytes >= 3 * 4 * 32 * 64 * 4 for h in hooks)  # several tensors packed each
     assert len(made) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_session.sh)")
+def test_offload_on_cuda_copies_into_one_page_locked_block():
+    """From the second micro-batch on, every save's host copy is a view of the device's page-locked block
+    (asynchronous copies, no power-of-two rounding), the block exactly the saves' bytes to the page; the
+    gradients stay bit for bit the plain ones."""
+    plain_model, model = _model("cuda"), _model("cuda")
+    block = activation_offload.host_block(torch.device("cuda", torch.cuda.current_device()))
+    seen = []
+    for _ in range(3):
+        _micro_batch(plain_model, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        hooks = offload_activations(min_bytes=1)  # the default: the device's block
+        _micro_batch(model, hooks, before_backward=lambda: seen.append(
+            (_in_block(hooks, block), [r.host.is_pinned() for r in hooks._packed if r is not None])))
+    assert hooks.block is block and block.pinned and block.nbytes == arena_bytes([block.high_water])
+    for in_block, pinned in seen[1:]:
+        assert in_block and all(in_block) and all(pinned)
+    for (name, p), q in zip(plain_model.named_parameters(), model.parameters()):
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
