@@ -37,7 +37,7 @@ class LayerCosts:
     no_grad_peak: float  # most alive during a no-grad forward that fills the KV cache (cache included)
     norm_saved: float  # what the final RMSNorm keeps for backward (output included)
     # under model.offload_activations: what the final norm's saves send to the host (a tensor saved twice
-    # goes twice), and what of norm_saved stays on the device (its output)
+    # goes once), and what of norm_saved stays on the device (its output)
     norm_offloaded: float = 0.0
     norm_left_offloaded: float = 0.0
 

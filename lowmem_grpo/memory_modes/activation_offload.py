@@ -154,6 +154,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         self.prefetched = self.fetched_on_demand = 0
         self._packed: list[_Offloaded] = []  # in pack order; an entry is dropped once its copy back is issued
         self._ahead: _Offloaded | None = None  # the one prefetched and not yet unpacked: at most one
+        # id of each tensor packed -> weak references to it and to its record, and its version: a tensor that
+        # several ops save (RMSNorm's fp32 input: by pow and by mul) goes to the host once and comes back once.
+        # Weak: autograd's saved slots alone keep a record (and its copies) alive, as without this map.
+        self._saved: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         super().__init__(self._pack, self._unpack)
 
     def _wanted(self, t: torch.Tensor) -> bool:
@@ -175,6 +179,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
     def _pack(self, t: torch.Tensor):
         if not self._wanted(t):
             return t
+        same = self._saved.get(id(t))
+        if same is not None and same[0]() is t and same[1] == t._version:  # saved before, unchanged since
+            record = same[2]()
+            if record is not None:
+                return record
         self.offloaded_bytes += t.numel() * t.element_size()
         block = self._block_for(t.device)
         with scope("activation offload"):  # host RAM on any machine (a CPU profile leaves it out)
@@ -198,6 +207,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         if in_block:
             block.hold(record)
         self._packed.append(record)
+        self._saved[id(t)] = (weakref.ref(t), t._version, weakref.ref(record))
         return record
 
     def _fetch(self, record: _Offloaded) -> None:

@@ -161,6 +161,36 @@ def test_the_block_grows_to_the_largest_micro_batch():
     assert block.high_water > 2 * small and block.nbytes == arena_bytes([block.high_water])
 
 
+def test_a_tensor_saved_by_two_ops_moves_once():
+    """RMSNorm's fp32 input is saved by pow and by mul: one host copy, one copy back, the same gradients;
+    a tensor changed in place between two saves is copied again (each save keeps what it saw)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    norm = LlamaRMSNorm(64)
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    plain = torch.autograd.grad(norm(x).float().sum(), [x, norm.weight])
+    hooks = offload_activations(min_bytes=1, copy_on_cpu=True)
+    with hooks:
+        y = norm(x).float().sum()
+    # the fp32 input once (4 x 32 x 64 x 4 bytes), the bf16 normalised output, the (4, 32, 1) fp32 rsqrt
+    assert hooks.offloaded_bytes == 4 * 32 * 64 * (4 + 2) + 4 * 32 * 4, hooks.offloaded_bytes
+    moved = torch.autograd.grad(y, [x, norm.weight])
+    assert hooks.prefetched + hooks.fetched_on_demand == 3
+    for a, b in zip(moved, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    a = torch.randn(4, 8, 8, requires_grad=True)
+    for change in (False, True):
+        hooks = offload_activations(min_bytes=1, copy_on_cpu=True)
+        with hooks:
+            e = (2 * a).detach()  # one tensor that two muls save (for their gradient towards a)
+            c = a * e
+            if change:
+                e.mul_(3)  # in place between the two saves: its version moves
+            d = c * e
+        assert len(hooks._packed) == (2 if change else 1)
+        (grad,) = torch.autograd.grad(d.sum(), [a])
+        torch.testing.assert_close(grad, (2 * a.detach()) * (2 * a.detach()) * (3 if change else 1))
+
+
 def test_nothing_moves_on_cpu_by_default():
     hooks = offload_activations(min_bytes=1)
     _grads("cpu", hooks)
