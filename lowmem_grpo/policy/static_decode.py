@@ -237,9 +237,9 @@ class StaticKV:
         "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
         limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
         but it also strands the compiled functions' handles on the old graph tree: not an option."""
-        # Freed now, whatever still refers to the tensors: in a trainer step under the profiler they outlived
-        # the rollout in some test orders (a reference cycle through compile-time records, left to the
-        # garbage collector), and an 8 GB card's training step needs that memory at once.
+        # Freed now, whatever still refers to the tensors: under the memory profiler, in some test orders,
+        # something still held them after the rollout (the profile counted them in the rollout batch; the
+        # holder was not found), and an 8 GB card's training step needs that memory at once.
         for t in self.keys + self.values:
             t.untyped_storage().resize_(0)
         self.keys, self.values, self._views = [], [], {}
