@@ -350,7 +350,7 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
     included, and the tied head's buffer another: the two categories sum to the bytes the run pins,
     to the byte (tests/memory/test_host_ram_plan.py checks it against the real optimizer). The
     streamed reference model on a GPU is one block too (memory_modes/reference.py)."""
-    from ..memory_modes.host_arena import ALIGN, arena_bytes
+    from ..memory_modes.host_arena import arena_bytes, round_up
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     host = {}
     if cfg.train.beta > 0:
@@ -359,10 +359,9 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
     if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (memory_modes/offload.py)
         master = 4 if cfg.optim.optimizer == "adamw" else wb
         host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
-        aligned = lambda size: -(-size // ALIGN) * ALIGN  # noqa: E731  (a buffer and the padding after it)
         copies = [wb * n for n in arch.tensor_sizes] if master == wb else []  # in the block, in its order
         block = arena_bytes(copies + [wb * n for n in arch.tensor_sizes] + [4 * len(arch.tensor_sizes)])
-        host["weights copy"] = sum(aligned(c) for c in copies) if copies else master * arch.params
+        host["weights copy"] = sum(round_up(c) for c in copies) if copies else master * arch.params
         host["gradient buffer"] = block - (host["weights copy"] if copies else 0)  # + norm slots, page tail
         if arch.tied:  # the tied head's contribution, its own block
             host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])

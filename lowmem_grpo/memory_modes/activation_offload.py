@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..phases import scope
-from .host_arena import ALIGN, HostArena, arena_bytes
+from .host_arena import HostArena, arena_bytes, round_up
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class HostBlock:
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """A view of the block for a save of this shape and dtype, or None where it does not fit."""
-        start = -(-self._asked // ALIGN) * ALIGN
+        start = round_up(self._asked)
         size = shape.numel() * dtype.itemsize
         self._asked = start + size
         self.high_water = max(self.high_water, self._asked)

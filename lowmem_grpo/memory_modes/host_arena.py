@@ -57,13 +57,18 @@ def buffer_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+def round_up(n: int, multiple: int = ALIGN) -> int:
+    """n rounded up to a multiple of `multiple` (a buffer's start: ALIGN; a block's end: PAGE)."""
+    return -(-n // multiple) * multiple
+
+
 def arena_bytes(sizes: Iterable[int]) -> int:
     """Bytes of an arena holding buffers of these byte sizes, in order: each starts on an ALIGN boundary,
     the total is rounded up to whole pages. What a HostArena allocates and pins, to the byte."""
     end = 0
     for size in sizes:
-        end = -(-end // ALIGN) * ALIGN + size
-    return -(-end // PAGE) * PAGE
+        end = round_up(end) + size
+    return round_up(end, PAGE)
 
 
 def _register(base: torch.Tensor) -> None:
@@ -128,7 +133,7 @@ class HostArena:
         if planned != (tuple(shape), dtype):
             raise RuntimeError(f"HostArena buffer {self._next} was planned as {planned}, asked for "
                                f"{(tuple(shape), dtype)}: take buffers in the order they were planned")
-        start = -(-self._offset // ALIGN) * ALIGN
+        start = round_up(self._offset)
         size = buffer_bytes(shape, dtype)
         self._next += 1
         self._offset = start + size

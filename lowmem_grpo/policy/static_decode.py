@@ -96,9 +96,7 @@ def bucket_for(rows: int, micro_batch: int) -> int:
 def length_buckets(length: int) -> list[int]:
     """The attended lengths the step runs at: the cache's length and its halves down to an eighth, each
     rounded up to a multiple of 8 (and at most the length)."""
-    def round_up(n: int) -> int:
-        return -(-n // 8) * 8
-    return sorted({min(length, round_up(-(-length // 2 ** k))) for k in range(4)})
+    return sorted({min(length, -(-b // 8) * 8) for b in buckets(length)})
 
 
 def length_bucket_for(columns: int, length: int) -> int:
