@@ -27,19 +27,29 @@ What torch 2.13 offers instead, as read from its sources:
 - `torch.cuda.host_memory_stats()` (`torch/cuda/memory.py`): the caching host allocator's blocks,
   in their rounded sizes. Memory registered here is not in them.
 
-So a HostArena plans its buffers up front, allocates one plain CPU block of the exact total (each
+So a HostArena plans its buffers up front, allocates one block of plain memory of the exact total (each
 buffer at an ALIGN-byte offset, the total rounded to whole pages: `arena_bytes`), and on CUDA
 page-locks that one range with cudaHostRegister; `take()` hands out the views in the planned order.
-Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes`
-(memory/plan.py). The range is unregistered when the arena is released or garbage-collected, after
-the device has finished the copies that may still use it. On a machine without CUDA the block is
-plain memory and nothing is registered.
+Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes` (memory/plan.py).
+
+The block is an anonymous private mapping of exactly `nbytes` (`mmap`, wrapped by `torch.frombuffer`):
+it starts on a page, so the registered range is the whole storage and every view's storage starts where
+the registration does. That is what `Tensor.is_pinned()` asks the driver about: the start of the view's
+storage, not the view's own data pointer (ATen `native/cuda/PinnedMemoryAllocator.cpp`, `is_pinned_cuda`:
+`isPinnedPtr(self.storage().data())`). Carved from a larger allocation instead, the storage would begin
+before the registered range, torch would take the buffers for pageable memory, and `.pin_memory()` of one
+would copy it. The mapping's pages are only committed when first written (or when registered).
+
+The range is unregistered when the arena is released or garbage-collected, after the device has finished
+the copies that may still use it. On a machine without CUDA the block is plain memory and nothing is
+registered.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
 import weakref
 from typing import Iterable, Sequence
 
@@ -71,6 +81,18 @@ def arena_bytes(sizes: Iterable[int]) -> int:
     return round_up(end, PAGE)
 
 
+def _block(nbytes: int) -> torch.Tensor:
+    """A (nbytes,) uint8 CPU tensor whose storage is exactly an anonymous private mapping of `nbytes` bytes:
+    it starts on a page and holds nothing else (module docstring). The tensor keeps the mapping alive."""
+    if nbytes == 0:  # (a mapping cannot be empty)
+        return torch.empty(0, dtype=torch.uint8)
+    if hasattr(mmap, "MAP_PRIVATE"):  # private: pages of this process only, copied on write after a fork
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: an anonymous mapping backed by the paging file
+        buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
 def _register(base: torch.Tensor) -> None:
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
@@ -96,17 +118,15 @@ class HostArena:
         buffers = [arena.take(w.shape, w.dtype) for w in weights]   # in the planned order
 
     `nbytes` is what the block holds (alignment padding included) and, when `pinned`, what is
-    page-locked: `arena_bytes` of the planned sizes. `release()` unlocks it early; otherwise that
+    page-locked: `arena_bytes` of the planned sizes. Every view's storage is the whole block, starting
+    on the registered page. `release()` unlocks it early; otherwise that
     happens when the arena is garbage-collected (views handed out keep the memory itself alive, as
     ordinary memory, if they outlive it)."""
 
     def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pinned: bool = False):
         self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
         self.nbytes = arena_bytes(buffer_bytes(shape, dtype) for shape, dtype in self.specs)
-        # One block from torch's CPU allocator with a page of slack, so the range can start on a page.
-        block = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
-        start = -block.data_ptr() % PAGE
-        self._base = block[start:start + self.nbytes]
+        self._base = _block(self.nbytes)  # its storage is the registered range, to the byte
         self._next = 0  # the next spec to hand out
         self._offset = 0  # its byte offset, before alignment
         self.pinned = False

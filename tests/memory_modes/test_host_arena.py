@@ -61,8 +61,8 @@ def test_pin_registers_the_whole_block_once_and_release_unregisters_it(monkeypat
     # The CUDA calls faked (this machine has none): the range given to cudaHostRegister is the block,
     # exactly nbytes from a page boundary, and cudaHostUnregister gets the same pointer on release.
     calls = []
-    monkeypatch.setattr(host_arena, "_register", lambda base: calls.append(("register", base.data_ptr(), base.numel())))
-    monkeypatch.setattr(host_arena, "_unregister", lambda base: calls.append(("unregister", base.data_ptr())))
+    monkeypatch.setattr(host_arena, "_register", lambda b: calls.append(("register", b.data_ptr(), b.numel())))
+    monkeypatch.setattr(host_arena, "_unregister", lambda b: calls.append(("unregister", b.data_ptr())))
     arena = HostArena(SPECS, pinned=True)
     first = arena.take(*SPECS[0])
     assert arena.pinned
@@ -86,6 +86,44 @@ def test_a_collected_arena_unregisters(monkeypatch):
     gc.collect()
     assert calls == ["register", "unregister"]
     assert torch.all(view == 3)  # the memory itself lives on with its views (unpinned)
+
+
+def test_every_view_s_storage_is_exactly_the_registered_range(monkeypatch):
+    # torch's is_pinned() asks the driver about the start of a view's storage (ATen is_pinned_cuda:
+    # storage().data()), not about the view's data_ptr. So every view's storage starts where the range given
+    # to cudaHostRegister starts, and holds nothing beyond it: its bytes are the arena's nbytes.
+    calls = []
+    monkeypatch.setattr(host_arena, "_register", lambda b: calls.append(("register", b.data_ptr(), b.numel())))
+    monkeypatch.setattr(host_arena, "_unregister", lambda b: calls.append(("unregister", b.data_ptr())))
+    arena = HostArena(SPECS, pinned=True)
+    views = [arena.take(*s) for s in SPECS]
+    (what, start, size), = calls
+    assert what == "register" and start % PAGE == 0 and size == arena.nbytes
+    for v in views:
+        assert v.untyped_storage().data_ptr() == start and v.untyped_storage().nbytes() == arena.nbytes
+    arena.release()
+
+
+def test_views_outlive_the_arena_and_survive_a_checkpoint(tmp_path):
+    # The views keep the block alive without the arena; a checkpoint of views (of one dtype: torch.save
+    # refuses views of one storage as different types, whatever the allocator) loads the same values; an
+    # arena of nothing holds no memory and pins nothing.
+    import gc
+    specs = [((5, 123), torch.float32), ((7,), torch.float32)]
+    arena = HostArena(specs)
+    views = [arena.take(*s) for s in specs]
+    for i, v in enumerate(views):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) + i)
+    expected = [v.clone() for v in views]
+    del arena
+    gc.collect()
+    torch.save(views, tmp_path / "views.pt")
+    for v, w, e in zip(views, torch.load(tmp_path / "views.pt"), expected):
+        assert torch.equal(v, e) and torch.equal(w, e)
+    empty = HostArena([((3, 0), torch.float16)])
+    assert empty.nbytes == 0 and empty.take((3, 0), torch.float16).shape == (3, 0)
+    empty.pin()  # nothing to lock: no CUDA call (there is none here)
+    assert not empty.pinned
 
 
 # ----- the start-up check ----------------------------------------------------------------------------

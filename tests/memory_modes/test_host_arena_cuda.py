@@ -1,6 +1,7 @@
 """Pinned host memory of exact size on a GPU machine (memory_modes/host_arena.py): registered pages that
-report is_pinned(), nothing from torch's caching host allocator (no power-of-two growth), asynchronous
-copies that land, and pages unlocked when released or collected."""
+report is_pinned() (every view's storage starts on the registered range), nothing from torch's caching
+host allocator (no power-of-two growth), asynchronous copies that land, and pages unlocked when released
+or collected."""
 
 import gc
 
@@ -28,6 +29,7 @@ def test_arena_views_are_pinned_and_the_caching_allocator_does_not_grow():
     arena = HostArena(SPECS, pinned=True)
     views = [arena.take(*s) for s in SPECS]
     assert arena.pinned and all(v.is_pinned() for v in views)
+    assert all(v.pin_memory().data_ptr() == v.data_ptr() for v in views)  # torch sees them pinned: no copy
     assert arena.nbytes == arena_bytes(buffer_bytes(*s) for s in SPECS)
     assert _cached_host_bytes() == before  # registered memory: none of it from the caching host allocator
     # what the same buffers cost one by one: the allocator's power-of-two blocks
