@@ -40,9 +40,14 @@ storage, not the view's own data pointer (ATen `native/cuda/PinnedMemoryAllocato
 before the registered range, torch would take the buffers for pageable memory, and `.pin_memory()` of one
 would copy it. The mapping's pages are only committed when first written (or when registered).
 
-The range is unregistered when the arena is released or garbage-collected, after the device has finished
-the copies that may still use it. On a machine without CUDA the block is plain memory and nothing is
-registered.
+Unlocking happens at known points only: `release()`, a later arena's `pin()`, and `unlock_pending()`
+(which the offloaded optimizer's `release_host_memory` reaches through `release()`). Each waits for the
+device first (`torch.cuda.synchronize()`: copies may still read or write the pages) and raises, with CUDA's
+last-error state reset, if cudaHostUnregister fails; none does anything while the current stream is
+capturing a CUDA graph (a synchronisation would invalidate the capture): the block waits for the next
+known point. An arena that is garbage-collected while pinned only queues its block (a finalizer can run
+anywhere, a graph capture included); the next known point unlocks it, and at exit the driver does. On a
+machine without CUDA the block is plain memory and nothing is registered.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import logging
 import math
 import mmap
 import weakref
+from collections import deque
 from typing import Iterable, Sequence
 
 import torch
@@ -93,22 +99,82 @@ def _block(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (never without CUDA initialised)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _reset_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error, which a failed cudaHostRegister/Unregister leaves set:
+    torch's next kernel-launch check (cudaGetLastError) would read it and raise it from an unrelated
+    launch. torch's Python bindings do not expose cudaGetLastError, so a one-thread kernel is launched
+    here and its launch check reads (and so resets) the error; that it raises is expected."""
+    try:
+        torch.cuda._sleep(1)
+    except RuntimeError:
+        pass
+
+
+def _cuda_error(err) -> str:
+    try:
+        return f"cudaError {int(err)}: {torch.cuda.cudart().cudaGetErrorString(err)}"
+    except (TypeError, RuntimeError):
+        return f"cudaError {int(err)}"
+
+
 def _register(base: torch.Tensor) -> None:
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
-        raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed (cudaError "
-                          f"{int(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's pinned-memory "
-                          "limit); `lowmem-grpo plan` shows the pinned total, and optim.offload_optimizer=false "
-                          "with train.reference_compute=cpu pins none")
+        _reset_cuda_error()
+        raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed "
+                          f"({_cuda_error(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's "
+                          "pinned-memory limit); `lowmem-grpo plan` shows the pinned total, and "
+                          "optim.offload_optimizer=false with train.reference_compute=cpu pins none")
 
 
 def _unregister(base: torch.Tensor) -> None:
-    """Unlock `base`'s pages, once the device has finished copies from or to them."""
-    torch.cuda.synchronize()
+    """Unlock `base`'s pages; the device has finished its copies (`_unlock` synchronised). Raises
+    RuntimeError, with CUDA's last-error state reset, if the driver refuses."""
     err = torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
     if int(err) != 0:
-        log.warning("cudaHostUnregister failed (cudaError %d): %.2f GiB of host memory stay page-locked until "
-                    "the process exits", int(err), base.numel() / 2**30)
+        _reset_cuda_error()
+        raise RuntimeError(f"cudaHostUnregister of {base.numel() / 2**30:.2f} GiB of host memory failed "
+                           f"({_cuda_error(err)})")
+
+
+_pending: deque = deque()  # blocks of collected or released arenas to unlock (appends are atomic)
+
+
+def _unlock(bases: list) -> None:
+    """Unlock these blocks now, or queue them for the next known point while a graph is being captured. All
+    are tried; the first failure is raised after the rest."""
+    if not bases:
+        return
+    if _capturing():
+        _pending.extend(bases)
+        return
+    if torch.cuda.is_initialized():  # (nothing was registered, or copied, by a process without CUDA)
+        torch.cuda.synchronize()  # copies queued on any stream of this device may still use the pages
+    failure = None
+    for base in bases:
+        try:
+            _unregister(base)
+        except RuntimeError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+
+
+def unlock_pending() -> None:
+    """Unlock the blocks of arenas collected while pinned (their finalizers only queue them). A known point:
+    call it outside CUDA graph capture (while capturing it does nothing). Raises if an unlock fails."""
+    bases = []
+    while True:
+        try:
+            bases.append(_pending.popleft())
+        except IndexError:  # (another thread may take the last one first)
+            break
+    _unlock(bases)
 
 
 class HostArena:
@@ -119,9 +185,9 @@ class HostArena:
 
     `nbytes` is what the block holds (alignment padding included) and, when `pinned`, what is
     page-locked: `arena_bytes` of the planned sizes. Every view's storage is the whole block, starting
-    on the registered page. `release()` unlocks it early; otherwise that
-    happens when the arena is garbage-collected (views handed out keep the memory itself alive, as
-    ordinary memory, if they outlive it)."""
+    on the registered page. `release()` unlocks it; an arena garbage-collected while pinned is unlocked
+    at the next known point (module docstring). Views handed out keep the memory itself alive, as
+    ordinary memory, if they outlive the arena."""
 
     def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pinned: bool = False):
         self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
@@ -135,13 +201,15 @@ class HostArena:
             self.pin()
 
     def pin(self) -> None:
-        """Page-lock the block (CUDA). Pinning after the buffers are filled from other host memory lets
-        each source be freed as it is copied: pages are only taken as they are first written."""
+        """Page-lock the block (CUDA), after unlocking the blocks of collected arenas (a known point: raises
+        as `release()` does). Pinning after the buffers are filled from other host memory lets each source
+        be freed as it is copied: pages are only taken as they are first written."""
         if self.pinned or not self.nbytes:
             return
+        unlock_pending()  # a known point: collected arenas' pages go before more are locked
         _register(self._base)
         self.pinned = True
-        self._finalizer = weakref.finalize(self, _unregister, self._base)
+        self._finalizer = weakref.finalize(self, _pending.append, self._base)  # no CUDA call in a finalizer
         self._finalizer.atexit = False  # at exit the driver unlocks everything; CUDA may be gone by then
         log.info("pinned %.3f GiB of host memory in one block (%d buffers)", self.nbytes / 2**30, len(self.specs))
 
@@ -160,8 +228,13 @@ class HostArena:
         return self._base[start:start + size].view(dtype).view(shape)
 
     def release(self) -> None:
-        """Unlock the pages now (after the device's pending copies); the views stay valid, unpinned."""
+        """Unlock the pages now (after the device's pending copies), with those of collected arenas; the views
+        stay valid, unpinned. While the current stream captures a CUDA graph they are queued instead, for
+        the next known point (module docstring). Raises RuntimeError if cudaHostUnregister fails."""
+        mine = []
         if self._finalizer is not None:
-            self._finalizer()
+            mine = [self._finalizer.detach()[2][0]]  # (obj, func, args): args = (the block,)
             self._finalizer = None
             self.pinned = False
+        _pending.extend(mine)
+        unlock_pending()

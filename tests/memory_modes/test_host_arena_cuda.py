@@ -1,14 +1,14 @@
 """Pinned host memory of exact size on a GPU machine (memory_modes/host_arena.py): registered pages that
 report is_pinned() (every view's storage starts on the registered range), nothing from torch's caching
-host allocator (no power-of-two growth), asynchronous copies that land, and pages unlocked when released
-or collected."""
+host allocator (no power-of-two growth), asynchronous copies that land, and pages unlocked when released,
+or at the next known point once collected."""
 
 import gc
 
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.host_arena import HostArena, arena_bytes, buffer_bytes
+from lowmem_grpo.memory_modes.host_arena import HostArena, arena_bytes, buffer_bytes, unlock_pending
 
 pytestmark = pytest.mark.cuda
 
@@ -103,10 +103,38 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_rel
     opt.release_host_memory()
     assert not any(b.is_pinned() for b in buffers)
     assert torch.equal(opt.host[p], p.detach().cpu())
-    # An arena that is garbage-collected unregisters too.
+    # An arena that is garbage-collected is unregistered at the next known point (its finalizer makes no
+    # CUDA call: it may run inside a graph capture).
     arena = HostArena(SPECS, pinned=True)
     kept = arena.take(*SPECS[0])
     assert kept.is_pinned()
     del arena
     gc.collect()
+    assert kept.is_pinned()
+    unlock_pending()
+    assert not kept.is_pinned()
+
+
+def test_an_arena_collected_during_a_graph_capture_leaves_the_capture_intact():
+    # Only a real capture shows this: a device synchronisation (or cudaHostUnregister) while a stream
+    # captures invalidates the capture. An arena whose last reference goes inside the capture only queues
+    # its block; the graph replays, and the next known point after it unlocks the block.
+    x = torch.zeros(4, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph asks
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    arena = HostArena(SPECS, pinned=True)
+    kept = arena.take(*SPECS[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        del arena  # its finalizer runs here
+        gc.collect()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 3.0))
+    assert kept.is_pinned()  # still locked: queued
+    unlock_pending()
     assert not kept.is_pinned()
