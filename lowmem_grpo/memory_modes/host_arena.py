@@ -166,8 +166,10 @@ def _unlock(bases: list) -> None:
 
 
 def unlock_pending() -> None:
-    """Unlock the blocks of arenas collected while pinned (their finalizers only queue them). A known point:
-    call it outside CUDA graph capture (while capturing it does nothing). Raises if an unlock fails."""
+    """Unlock the blocks of arenas collected while pinned (their finalizers only queue them), e.g. after
+    dropping a trainer whose optimizer was not released, to give the pages back before the process ends.
+    A known point: call it outside CUDA graph capture (while capturing it does nothing). Raises
+    RuntimeError if an unlock fails."""
     bases = []
     while True:
         try:
