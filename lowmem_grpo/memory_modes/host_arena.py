@@ -27,20 +27,36 @@ What torch 2.13 offers instead, as read from its sources:
 - `torch.cuda.host_memory_stats()` (`torch/cuda/memory.py`): the caching host allocator's blocks,
   in their rounded sizes. Memory registered here is not in them.
 
-So a HostArena plans its buffers up front, allocates one plain CPU block of the exact total (each
+So a HostArena plans its buffers up front, allocates one block of plain memory of the exact total (each
 buffer at an ALIGN-byte offset, the total rounded to whole pages: `arena_bytes`), and on CUDA
 page-locks that one range with cudaHostRegister; `take()` hands out the views in the planned order.
-Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes`
-(memory/plan.py). The range is unregistered when the arena is released or garbage-collected, after
-the device has finished the copies that may still use it. On a machine without CUDA the block is
-plain memory and nothing is registered.
+Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes` (memory/plan.py).
+
+The block is an anonymous private mapping of exactly `nbytes` (`mmap`, wrapped by `torch.frombuffer`):
+it starts on a page, so the registered range is the whole storage and every view's storage starts where
+the registration does. That is what `Tensor.is_pinned()` asks the driver about: the start of the view's
+storage, not the view's own data pointer (ATen `native/cuda/PinnedMemoryAllocator.cpp`, `is_pinned_cuda`:
+`isPinnedPtr(self.storage().data())`). Carved from a larger allocation instead, the storage would begin
+before the registered range, torch would take the buffers for pageable memory, and `.pin_memory()` of one
+would copy it. The mapping's pages are only committed when first written (or when registered).
+
+Unlocking happens at known points only: `release()`, a later arena's `pin()`, and `unlock_pending()`
+(which the offloaded optimizer's `release_host_memory` reaches through `release()`). Each waits for the
+device first (`torch.cuda.synchronize()`: copies may still read or write the pages) and raises, with CUDA's
+last-error state reset, if cudaHostUnregister fails; none does anything while the current stream is
+capturing a CUDA graph (a synchronisation would invalidate the capture): the block waits for the next
+known point. An arena that is garbage-collected while pinned only queues its block (a finalizer can run
+anywhere, a graph capture included); the next known point unlocks it, and at exit the driver does. On a
+machine without CUDA the block is plain memory and nothing is registered.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import mmap
 import weakref
+from collections import deque
 from typing import Iterable, Sequence
 
 import torch
@@ -71,22 +87,96 @@ def arena_bytes(sizes: Iterable[int]) -> int:
     return round_up(end, PAGE)
 
 
+def _block(nbytes: int) -> torch.Tensor:
+    """A (nbytes,) uint8 CPU tensor whose storage is exactly an anonymous private mapping of `nbytes` bytes:
+    it starts on a page and holds nothing else (module docstring). The tensor keeps the mapping alive."""
+    if nbytes == 0:  # (a mapping cannot be empty)
+        return torch.empty(0, dtype=torch.uint8)
+    if hasattr(mmap, "MAP_PRIVATE"):  # private: pages of this process only, copied on write after a fork
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: an anonymous mapping backed by the paging file
+        buffer = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _capturing() -> bool:
+    """Whether the current stream is capturing a CUDA graph (never without CUDA initialised)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def _reset_cuda_error() -> None:
+    """Reset this thread's last CUDA runtime error, which a failed cudaHostRegister/Unregister leaves set:
+    torch's next kernel-launch check (cudaGetLastError) would read it and raise it from an unrelated
+    launch. torch's Python bindings do not expose cudaGetLastError, so a one-thread kernel is launched
+    here and its launch check reads (and so resets) the error; that it raises is expected."""
+    try:
+        torch.cuda._sleep(1)
+    except RuntimeError:
+        pass
+
+
+def _cuda_error(err) -> str:
+    try:
+        return f"cudaError {int(err)}: {torch.cuda.cudart().cudaGetErrorString(err)}"
+    except (TypeError, RuntimeError):
+        return f"cudaError {int(err)}"
+
+
 def _register(base: torch.Tensor) -> None:
     err = torch.cuda.cudart().cudaHostRegister(base.data_ptr(), base.numel(), CUDA_HOST_REGISTER_PORTABLE)
     if int(err) != 0:
-        raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed (cudaError "
-                          f"{int(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's pinned-memory "
-                          "limit); `lowmem-grpo plan` shows the pinned total, and optim.offload_optimizer=false "
-                          "with train.reference_compute=cpu pins none")
+        _reset_cuda_error()
+        raise MemoryError(f"cudaHostRegister of {base.numel() / 2**30:.2f} GiB of host memory failed "
+                          f"({_cuda_error(err)}): too little RAM can be page-locked (ulimit -l, or WSL2's "
+                          "pinned-memory limit); `lowmem-grpo plan` shows the pinned total, and "
+                          "optim.offload_optimizer=false with train.reference_compute=cpu pins none")
 
 
 def _unregister(base: torch.Tensor) -> None:
-    """Unlock `base`'s pages, once the device has finished copies from or to them."""
-    torch.cuda.synchronize()
+    """Unlock `base`'s pages; the device has finished its copies (`_unlock` synchronised). Raises
+    RuntimeError, with CUDA's last-error state reset, if the driver refuses."""
     err = torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
     if int(err) != 0:
-        log.warning("cudaHostUnregister failed (cudaError %d): %.2f GiB of host memory stay page-locked until "
-                    "the process exits", int(err), base.numel() / 2**30)
+        _reset_cuda_error()
+        raise RuntimeError(f"cudaHostUnregister of {base.numel() / 2**30:.2f} GiB of host memory failed "
+                           f"({_cuda_error(err)})")
+
+
+_pending: deque = deque()  # blocks of collected or released arenas to unlock (appends are atomic)
+
+
+def _unlock(bases: list) -> None:
+    """Unlock these blocks now, or queue them for the next known point while a graph is being captured. All
+    are tried; the first failure is raised after the rest."""
+    if not bases:
+        return
+    if _capturing():
+        _pending.extend(bases)
+        return
+    if torch.cuda.is_initialized():  # (nothing was registered, or copied, by a process without CUDA)
+        torch.cuda.synchronize()  # copies queued on any stream of this device may still use the pages
+    failure = None
+    for base in bases:
+        try:
+            _unregister(base)
+        except RuntimeError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+
+
+def unlock_pending() -> None:
+    """Unlock the blocks of arenas collected while pinned (their finalizers only queue them), e.g. after
+    dropping a trainer whose optimizer was not released, to give the pages back before the process ends.
+    A known point: call it outside CUDA graph capture (while capturing it does nothing). Raises
+    RuntimeError if an unlock fails."""
+    bases = []
+    while True:
+        try:
+            bases.append(_pending.popleft())
+        except IndexError:  # (another thread may take the last one first)
+            break
+    _unlock(bases)
 
 
 class HostArena:
@@ -96,17 +186,15 @@ class HostArena:
         buffers = [arena.take(w.shape, w.dtype) for w in weights]   # in the planned order
 
     `nbytes` is what the block holds (alignment padding included) and, when `pinned`, what is
-    page-locked: `arena_bytes` of the planned sizes. `release()` unlocks it early; otherwise that
-    happens when the arena is garbage-collected (views handed out keep the memory itself alive, as
-    ordinary memory, if they outlive it)."""
+    page-locked: `arena_bytes` of the planned sizes. Every view's storage is the whole block, starting
+    on the registered page. `release()` unlocks it; an arena garbage-collected while pinned is unlocked
+    at the next known point (module docstring). Views handed out keep the memory itself alive, as
+    ordinary memory, if they outlive the arena."""
 
     def __init__(self, specs: Sequence[tuple[Sequence[int], torch.dtype]], pinned: bool = False):
         self.specs = [(tuple(shape), dtype) for shape, dtype in specs]
         self.nbytes = arena_bytes(buffer_bytes(shape, dtype) for shape, dtype in self.specs)
-        # One block from torch's CPU allocator with a page of slack, so the range can start on a page.
-        block = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
-        start = -block.data_ptr() % PAGE
-        self._base = block[start:start + self.nbytes]
+        self._base = _block(self.nbytes)  # its storage is the registered range, to the byte
         self._next = 0  # the next spec to hand out
         self._offset = 0  # its byte offset, before alignment
         self.pinned = False
@@ -115,13 +203,15 @@ class HostArena:
             self.pin()
 
     def pin(self) -> None:
-        """Page-lock the block (CUDA). Pinning after the buffers are filled from other host memory lets
-        each source be freed as it is copied: pages are only taken as they are first written."""
+        """Page-lock the block (CUDA), after unlocking the blocks of collected arenas (a known point: raises
+        as `release()` does). Pinning after the buffers are filled from other host memory lets each source
+        be freed as it is copied: pages are only taken as they are first written."""
         if self.pinned or not self.nbytes:
             return
+        unlock_pending()  # a known point: collected arenas' pages go before more are locked
         _register(self._base)
         self.pinned = True
-        self._finalizer = weakref.finalize(self, _unregister, self._base)
+        self._finalizer = weakref.finalize(self, _pending.append, self._base)  # no CUDA call in a finalizer
         self._finalizer.atexit = False  # at exit the driver unlocks everything; CUDA may be gone by then
         log.info("pinned %.3f GiB of host memory in one block (%d buffers)", self.nbytes / 2**30, len(self.specs))
 
@@ -140,8 +230,13 @@ class HostArena:
         return self._base[start:start + size].view(dtype).view(shape)
 
     def release(self) -> None:
-        """Unlock the pages now (after the device's pending copies); the views stay valid, unpinned."""
+        """Unlock the pages now (after the device's pending copies), with those of collected arenas; the views
+        stay valid, unpinned. While the current stream captures a CUDA graph they are queued instead, for
+        the next known point (module docstring). Raises RuntimeError if cudaHostUnregister fails."""
+        mine = []
         if self._finalizer is not None:
-            self._finalizer()
+            mine = [self._finalizer.detach()[2][0]]  # (obj, func, args): args = (the block,)
             self._finalizer = None
             self.pinned = False
+        _pending.extend(mine)
+        unlock_pending()

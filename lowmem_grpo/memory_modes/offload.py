@@ -692,8 +692,9 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
 
     def release_host_memory(self) -> None:
         """Unlock the pinned blocks now, once training is done with this optimizer (the buffers stay usable,
-        as ordinary memory), while the model and the optimizer live on. (An optimizer nobody refers to any
-        more is collected with its blocks: the hooks on the weights and the update thread hold it weakly.)"""
+        as ordinary memory), while the model and the optimizer live on; raises if the driver refuses
+        (host_arena.py). (An optimizer nobody refers to any more is collected, the hooks on the weights and
+        the update thread hold it weakly; its blocks are then unlocked at host_arena's next known point.)"""
         self.synchronize()
         if self._worker is not None and self._worker.is_alive():  # the worker thread ends too
             self._jobs.put(None)

@@ -74,18 +74,141 @@ def test_pin_registers_the_whole_block_once_and_release_unregisters_it(monkeypat
     assert len(calls) == 2
 
 
-def test_a_collected_arena_unregisters(monkeypatch):
+def test_every_view_s_storage_is_exactly_the_registered_range(fake_cuda):
+    # torch's is_pinned() asks the driver about the start of a view's storage (ATen is_pinned_cuda:
+    # storage().data()), not about the view's data_ptr. So every view's storage starts where the range given
+    # to cudaHostRegister starts, and holds nothing beyond it: its bytes are the arena's nbytes.
+    arena = HostArena(SPECS, pinned=True)
+    views = [arena.take(*s) for s in SPECS]
+    (what, start, size), = fake_cuda.calls
+    assert what == "register" and start % PAGE == 0 and size == arena.nbytes
+    for v in views:
+        assert v.untyped_storage().data_ptr() == start and v.untyped_storage().nbytes() == arena.nbytes
+
+
+def test_views_outlive_the_arena_and_survive_a_checkpoint(tmp_path):
+    # The views keep the block alive without the arena; a checkpoint of views (of one dtype: torch.save
+    # refuses views of one storage as different types, whatever the allocator) loads the same values; an
+    # arena of nothing holds no memory and pins nothing.
     import gc
-    calls = []
-    monkeypatch.setattr(host_arena, "_register", lambda base: calls.append("register"))
-    monkeypatch.setattr(host_arena, "_unregister", lambda base: calls.append("unregister"))
+    specs = [((5, 123), torch.float32), ((7,), torch.float32)]
+    arena = HostArena(specs)
+    views = [arena.take(*s) for s in specs]
+    for i, v in enumerate(views):
+        v.copy_(torch.arange(v.numel(), dtype=torch.float32).view(v.shape) + i)
+    expected = [v.clone() for v in views]
+    del arena
+    gc.collect()
+    torch.save(views, tmp_path / "views.pt")
+    for v, w, e in zip(views, torch.load(tmp_path / "views.pt"), expected):
+        assert torch.equal(v, e) and torch.equal(w, e)
+    empty = HostArena([((3, 0), torch.float16)])
+    assert empty.nbytes == 0 and empty.take((3, 0), torch.float16).shape == (3, 0)
+    empty.pin()  # nothing to lock: no CUDA call (there is none here)
+    assert not empty.pinned
+
+
+class FakeCuda:
+    """Stands in for CUDA on this machine: cudaHostRegister/Unregister return the codes set, and every call
+    that matters here is recorded in order (register, unregister, synchronize, a kernel launch)."""
+
+    def __init__(self, monkeypatch):
+        self.calls, self.capturing = [], False
+        self.register_error = self.unregister_error = 0
+        self.stale_error = False  # what cudaGetLastError would return: set by a failed call, read by a launch
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.calls.append("synchronize"))
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: self)
+        monkeypatch.setattr(torch.cuda, "_sleep", self._launch, raising=False)
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 (CUDA's names)
+        self.calls.append(("register", ptr, size))
+        self.stale_error = self.stale_error or bool(self.register_error)
+        return self.register_error
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        self.stale_error = self.stale_error or bool(self.unregister_error)
+        return self.unregister_error
+
+    def cudaGetErrorString(self, err):  # noqa: N802
+        return f"error {err}"
+
+    def _launch(self, cycles):  # a kernel launch: torch's launch check reads (and resets) the last error
+        self.calls.append("launch")
+        if self.stale_error:
+            self.stale_error = False
+            raise RuntimeError("CUDA error: a stale error from an earlier call")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A FakeCuda for the test; blocks it left queued are dropped after it (none was really locked)."""
+    yield FakeCuda(monkeypatch)
+    host_arena._pending.clear()
+
+
+def test_a_collected_arena_queues_its_block_for_the_next_known_point(fake_cuda):
+    # A finalizer runs wherever the collector does (a CUDA graph capture included), so it makes no CUDA
+    # call: a collected arena's block waits in a queue, still locked, until a known point unlocks it.
+    cuda = fake_cuda
+    import gc
     arena = HostArena(SPECS, pinned=True)
     view = arena.take(*SPECS[0])
     view.fill_(3)
+    ptr = view.data_ptr()  # (the first buffer starts the block)
     del arena
     gc.collect()
-    assert calls == ["register", "unregister"]
-    assert torch.all(view == 3)  # the memory itself lives on with its views (unpinned)
+    assert cuda.calls[1:] == []  # collected: no CUDA call after the registration
+    assert torch.all(view == 3)  # the memory itself lives on with its views
+    host_arena.unlock_pending()
+    assert cuda.calls[1:] == ["synchronize", ("unregister", ptr)]
+    host_arena.unlock_pending()  # once only
+    assert len(cuda.calls) == 3
+
+
+def test_nothing_is_synchronised_or_unlocked_while_a_graph_is_captured(fake_cuda):
+    # A device synchronisation inside a CUDA graph capture invalidates the capture: while the current
+    # stream captures, neither a collected arena nor release() touches CUDA; the next known point outside
+    # the capture (here a new arena's pin) waits for the device once and unlocks both blocks.
+    cuda = fake_cuda
+    import gc
+    collected, released = HostArena(SPECS, pinned=True), HostArena(SPECS, pinned=True)
+    ptrs = [a._base.data_ptr() for a in (collected, released)]
+    cuda.calls.clear()
+    cuda.capturing = True
+    del collected
+    gc.collect()
+    released.release()
+    assert cuda.calls == [] and not released.pinned
+    cuda.capturing = False
+    later = HostArena(SPECS, pinned=True)
+    assert cuda.calls == ["synchronize", ("unregister", ptrs[0]), ("unregister", ptrs[1]),
+                          ("register", later._base.data_ptr(), later.nbytes)]
+    later.release()
+
+
+def test_a_failed_cuda_call_resets_the_error_and_raises_where_it_was_made(fake_cuda):
+    # A failed cudaHostUnregister leaves CUDA's last-error state set; torch's next kernel-launch check would
+    # raise it from an unrelated launch. It is reset at once and raised at the known point that unlocked
+    # the block (release(), or unlock_pending() for a collected arena); a failed cudaHostRegister too.
+    cuda = fake_cuda
+    cuda.unregister_error = 713  # cudaErrorHostMemoryNotRegistered
+    import gc
+    arena, collected = HostArena(SPECS, pinned=True), HostArena(SPECS, pinned=True)
+    with pytest.raises(RuntimeError, match="cudaHostUnregister .* failed .*cudaError 713"):
+        arena.release()
+    assert cuda.calls[-2:] == [("unregister", arena._base.data_ptr()), "launch"] and not cuda.stale_error
+    del collected
+    gc.collect()
+    with pytest.raises(RuntimeError, match="cudaError 713"):
+        host_arena.unlock_pending()
+    assert not cuda.stale_error
+    cuda.register_error = 2
+    with pytest.raises(MemoryError, match="cudaHostRegister .* failed .*cudaError 2"):
+        HostArena(SPECS, pinned=True)
+    assert cuda.calls[-1] == "launch" and not cuda.stale_error
 
 
 # ----- the start-up check ----------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Pinned host memory of exact size on a GPU machine (memory_modes/host_arena.py): registered pages that
-report is_pinned(), nothing from torch's caching host allocator (no power-of-two growth), asynchronous
-copies that land, and pages unlocked when released or collected."""
+report is_pinned() (every view's storage starts on the registered range), nothing from torch's caching
+host allocator (no power-of-two growth), asynchronous copies that land, and pages unlocked when released,
+or at the next known point once collected."""
 
 import gc
 
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.host_arena import HostArena, arena_bytes, buffer_bytes
+from lowmem_grpo.memory_modes.host_arena import HostArena, arena_bytes, buffer_bytes, unlock_pending
 
 pytestmark = pytest.mark.cuda
 
@@ -28,6 +29,7 @@ def test_arena_views_are_pinned_and_the_caching_allocator_does_not_grow():
     arena = HostArena(SPECS, pinned=True)
     views = [arena.take(*s) for s in SPECS]
     assert arena.pinned and all(v.is_pinned() for v in views)
+    assert all(v.pin_memory().data_ptr() == v.data_ptr() for v in views)  # torch sees them pinned: no copy
     assert arena.nbytes == arena_bytes(buffer_bytes(*s) for s in SPECS)
     assert _cached_host_bytes() == before  # registered memory: none of it from the caching host allocator
     # what the same buffers cost one by one: the allocator's power-of-two blocks
@@ -101,10 +103,51 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_rel
     opt.release_host_memory()
     assert not any(b.is_pinned() for b in buffers)
     assert torch.equal(opt.host[p], p.detach().cpu())
-    # An arena that is garbage-collected unregisters too.
+    # An arena that is garbage-collected is unregistered at the next known point (its finalizer makes no
+    # CUDA call: it may run inside a graph capture).
     arena = HostArena(SPECS, pinned=True)
     kept = arena.take(*SPECS[0])
     assert kept.is_pinned()
     del arena
     gc.collect()
+    assert kept.is_pinned()
+    unlock_pending()
     assert not kept.is_pinned()
+
+
+def test_an_arena_collected_during_a_graph_capture_leaves_the_capture_intact():
+    # Only a real capture shows this: a device synchronisation (or cudaHostUnregister) while a stream
+    # captures invalidates the capture. An arena whose last reference goes inside the capture only queues
+    # its block; the graph replays, and the next known point after it unlocks the block.
+    x = torch.zeros(4, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph asks
+        x.add_(1)
+    torch.cuda.current_stream().wait_stream(side)
+    arena = HostArena(SPECS, pinned=True)
+    kept = arena.take(*SPECS[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        del arena  # its finalizer runs here
+        gc.collect()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 2.0))  # the warm-up and the replay (a capture runs nothing)
+    assert kept.is_pinned()  # still locked: queued
+    unlock_pending()
+    assert not kept.is_pinned()
+
+
+def test_a_failed_unregister_raises_at_release_and_leaves_no_error_behind():
+    # Only the driver shows this: a failed cudaHostUnregister leaves CUDA's last error set, and torch's next
+    # kernel-launch check would raise it from an unrelated launch. The block is unlocked behind the arena's
+    # back, so its release() fails: it raises there, and the next launch runs clean.
+    arena = HostArena(SPECS, pinned=True)
+    assert int(torch.cuda.cudart().cudaHostUnregister(arena._base.data_ptr())) == 0
+    with pytest.raises(RuntimeError, match="cudaHostUnregister"):
+        arena.release()
+    y = torch.ones(4, device="cuda") * 2  # launches: their checks read the last error
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), torch.full((4,), 2.0))

@@ -1,6 +1,7 @@
 """Optimizer states in host RAM (memory_modes/offload.py): the same update as the plain path (autograd's
 .grad, torch's clip_grad_norm_, one optimizer step), the non-finite guard, the tied-head split, and state
-that survives a save/load. Gradient accumulation: test_offload_accumulation.py."""
+that survives a save/load. Gradient accumulation: test_offload_accumulation.py; on a GPU, against the
+device's own optimizer: test_offload_cuda.py."""
 
 import math
 
@@ -8,8 +9,6 @@ import pytest
 import torch
 
 from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward, host_bytes_per_param, pcie_bytes_per_step
-
-from .ulp import assert_within_one_bf16_ulp, bf16_ulp
 
 
 def _model(dtype=torch.float32, device="cpu"):
@@ -107,14 +106,6 @@ def assert_every_weight_moved(model, start: dict) -> None:
         assert not torch.equal(p.detach().cpu(), start[k].cpu()), f"{k} never moved"
 
 
-def _states_equal(a: dict, b: dict) -> None:
-    for sa, sb in zip(a["inner"], b["inner"]):
-        assert sa["param_groups"] == sb["param_groups"]
-        for key in sa["state"]:
-            for name, va in sa["state"][key].items():
-                torch.testing.assert_close(va, sb["state"][key][name], rtol=0, atol=0, msg=name)
-
-
 @pytest.mark.parametrize("kind", ["adamw", "adamw_8bit", "bf16_sr"])
 def test_offloaded_steps_equal_plain_steps(kind):
     # Several steps with the global clip active: the offloaded optimizer (host copies, host states, the
@@ -210,44 +201,6 @@ def test_host_ram_and_pcie_arithmetic():
     assert host_bytes_per_param(4, "adamw") == 16.0  # fp32 copy + fp32 grad + two fp32 moments
     assert pcie_bytes_per_step(1_543_714_304, 2) == 6_174_857_216  # Qwen2.5-1.5B, bf16: grads down, weights up
     assert pcie_bytes_per_step(1_543_714_304, 2, micro_batches=4) == 5 * 3_087_428_608  # each micro-batch's grads
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind, dtype, steps", [
-    ("adamw", torch.float32, 4), ("adamw", torch.bfloat16, 4), ("adamw_8bit", torch.float32, 1),
-    ("bf16_sr", torch.bfloat16, 1)])
-def test_offloaded_on_cuda_matches_and_holds_no_device_states(kind, dtype, steps):
-    # On a GPU: the host update (CPU kernels) against the device update (CUDA kernels): different code, so
-    # not bitwise. bf16 weights: each element within one bf16 ulp of the device path's; fp32: within 1e-5
-    # relative (one update is 1e-2). Every weight moved, every device weight is its host copy (a missed
-    # last upload fails that even where an update is under an ulp), no optimizer state is on the device.
-    # One step only where the two paths cannot stay together: bitsandbytes' 8-bit states are quantised by
-    # the CPU and the CUDA kernel from fp32 values that differ in their last bits, so now and then one of
-    # them lands on the neighbouring 8-bit code, a change of ~1% of an update from the next step on; and
-    # stochastic rounding draws its noise from the GPU's RNG on the device and the CPU's on the host.
-    on_device, offloaded = _model(dtype, "cuda"), _model(dtype, "cuda")
-    start = {k: v.detach().clone() for k, v in on_device.named_parameters()}
-    # lr 1e-2: more than one bf16 ulp at a norm gain of 1.0 (2**-7), so every element moves
-    a = Plain(on_device, _make(kind), 1.0)
-    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make(kind), 1.0)
-    for step in range(steps):
-        for model, opt in ((on_device, a), (offloaded, b)):
-            torch.manual_seed(10 + step)
-            opt.begin_step()
-            _loss(model, step).backward()
-            assert math.isfinite(opt.end_step())
-    torch.cuda.synchronize()
-    assert_uploaded(offloaded, b)
-    assert_every_weight_moved(offloaded, start)
-    for (k, x), (_, y) in zip(on_device.named_parameters(), offloaded.named_parameters()):
-        if dtype == torch.bfloat16:
-            assert_within_one_bf16_ulp(x, y, k)
-        else:
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
-    for s in b.state_dict()["inner"]:
-        for v in s["state"].values():
-            assert all(t.device.type == "cpu" for t in v.values() if isinstance(t, torch.Tensor))
 
 
 def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
@@ -448,22 +401,6 @@ def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
     assert peaks[True] < 1.25 * vh_bytes, peaks
 
 
-def test_one_bf16_ulp_rule():
-    # The rule's bound, per element: equal or neighbours pass; two ulps, or a norm gain's 1e-2 step, fail.
-    one = torch.tensor([1.0, 0.02, -3.0, 0.0], dtype=torch.bfloat16)
-    assert torch.equal(bf16_ulp(one), torch.tensor([2.0 ** -7, 2.0 ** -13, 2.0 ** -6, 2.0 ** -133]))
-    assert_within_one_bf16_ulp(one, one, "equal")
-    neighbours = one.float() + bf16_ulp(one)
-    assert torch.equal(neighbours.to(torch.bfloat16).float(), neighbours)  # exactly the next bf16 numbers
-    assert_within_one_bf16_ulp(one, neighbours.to(torch.bfloat16), "up")
-    below_one = torch.tensor([1.0 - 2.0 ** -8], dtype=torch.bfloat16)  # 1.0's neighbour below: half a spacing
-    assert_within_one_bf16_ulp(torch.tensor([1.0]), below_one, "below 1.0")
-    with pytest.raises(AssertionError, match="1 of 1 elements"):
-        assert_within_one_bf16_ulp(torch.tensor([1.0]), torch.tensor([1.0 - 2.0 ** -7]), "two below")
-    with pytest.raises(AssertionError, match="1 of 4 elements"):
-        assert_within_one_bf16_ulp(one, one.float() + torch.tensor([0.0, 0.0, 0.0, 1e-3]), "an update at 0")
-
-
 def test_tied_head_split_refuses_a_head_gradient_after_the_lookups():
     # The head's contribution must arrive before the lookup's (the head runs last in the forward, so its
     # backward runs first). In a graph where the head ran first, the tied weight is updated before the
@@ -507,72 +444,6 @@ def test_tied_head_split_follows_a_replaced_weight_storage():
     for (k, x), (_, y) in zip(*(m.named_parameters() for m in models)):
         assert torch.equal(x, y), k
     assert_uploaded(models[1], opts[1])
-
-
-# --- The tied-head split on a GPU: side-stream copies, _head_ready events, the sum on the host ---------------
-
-def _split_on_cuda(kind, dtype, max_grad_norm):
-    """(models, optimizers) for "device" (the plain path on the GPU), "unsplit" and "split" (offloaded,
-    without and with the tied-head split), all on CUDA."""
-    models = {name: _model(dtype, "cuda") for name in ("device", "unsplit", "split")}
-    opts = {"device": Plain(models["device"], _make(kind), max_grad_norm)}
-    for name in ("unsplit", "split"):
-        opts[name] = OffloadedOptimizerInBackward([{"params": list(models[name].parameters()), "lr": 1e-2}],
-                                                  _make(kind), max_grad_norm)
-    assert split_head(opts["split"], models["split"])
-    return models, opts
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind, dtype", [("adamw", torch.float32), ("adamw_8bit", torch.float32),
-                                         ("bf16_sr", torch.bfloat16)])
-def test_cuda_tied_head_split_equals_the_unsplit_offload_bit_for_bit(kind, dtype):
-    # Split and unsplit share every line of host code (the same inner optimizer on the host, the same CPU
-    # RNG draws in the same order for stochastic rounding) and get the same device gradients (eager
-    # attention, no atomics in the fused head): the only difference is where the tied weight's two
-    # contributions meet, summed by autograd on the GPU or by the optimizer on the host, one rounding
-    # either way. So bit for bit, after several steps. (No clipping here: the tied norm is computed on
-    # the GPU without the split and on the host with it; the next test clips.)
-    models, opts = _split_on_cuda(kind, dtype, None)
-    split = opts["split"]
-    start = {k: v.detach().clone() for k, v in models["split"].named_parameters()}
-    for step in range(4):
-        norms = {name: _step(models[name], opts[name], step) for name in ("unsplit", "split")}
-        assert norms["split"] == pytest.approx(norms["unsplit"], rel=1e-6)
-        # both contributions were there: the head's reached the host buffer (its event waited for) ...
-        assert split.head_host.float().abs().sum() > 0 and not split._head_arrived
-        assert split.max_live_grads == 1  # ... and the device held one gradient at a time
-    torch.cuda.synchronize()
-    for (k, x), (_, y) in zip(models["unsplit"].named_parameters(), models["split"].named_parameters()):
-        assert torch.equal(x, y), k
-    _states_equal(opts["unsplit"].state_dict(), split.state_dict())
-    assert_uploaded(models["split"], split)
-    assert_every_weight_moved(models["split"], start)
-    assert all(p.grad is None for p in models["split"].parameters())
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kind, dtype, steps", [("adamw", torch.float32, 4), ("adamw", torch.bfloat16, 4),
-                                                ("bf16_sr", torch.bfloat16, 1)])
-def test_cuda_tied_head_split_matches_the_device_optimizer(kind, dtype, steps):
-    # Against the plain path on the GPU (its optimizer's CUDA kernels, the head's and the lookup's
-    # contributions summed by autograd on the device), with the global clip active: fp32 within 1e-5 relative (one update is 1e-2), bf16 within one bf16 ulp per element. Several
-    # steps where the two paths can stay together (torch AdamW); one with stochastic rounding (its noise
-    # comes from different RNGs; see test_offloaded_on_cuda_matches_and_holds_no_device_states). Dropping
-    # either contribution of the tied weight moves it by a whole update, far outside either bound.
-    models, opts = _split_on_cuda(kind, dtype, 0.05)
-    start = {k: v.detach().clone() for k, v in models["split"].named_parameters()}
-    for step in range(steps):
-        norms = {name: _step(models[name], opts[name], step) for name in ("device", "split")}
-        assert norms["split"] == pytest.approx(norms["device"], rel=1e-3) and norms["device"] > 0.05  # clipped
-    torch.cuda.synchronize()
-    for (k, x), (_, y) in zip(models["device"].named_parameters(), models["split"].named_parameters()):
-        if dtype == torch.bfloat16:
-            assert_within_one_bf16_ulp(x, y, k)
-        else:
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-7, msg=k)
-    assert_uploaded(models["split"], opts["split"])
-    assert_every_weight_moved(models["split"], start)
 
 
 class LaggingCopies:
