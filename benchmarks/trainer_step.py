@@ -8,7 +8,8 @@ except: the model is built from the architecture preset with random weights (mem
 depend on weight values; no hub download), prompts are random token ids of exactly --prompt-len
 tokens, completions run to --completion-len (EOS is an id a random model practically never samples),
 and the reward is the fraction of even token ids (it varies, so advantages are non-zero). Nothing is
-saved to disk. On CUDA, --memory-cap-gib models a card with that much memory: the CUDA context (driver,
+saved to disk. On CUDA the random weights are drawn on the GPU (`random_model_drawn_on`). On CUDA,
+--memory-cap-gib models a card with that much memory: the CUDA context (driver,
 kernel images) sits on the card but outside the caching allocator, and set_per_process_memory_fraction
 caps only the allocator, so the allocator is capped at the card's size minus the context as measured
 at start-up (the driver's used memory after CUDA init minus before: NVML before, mem_get_info after;
@@ -48,6 +49,7 @@ from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
 from lowmem_grpo.memory.presets import preset  # noqa: E402
 from lowmem_grpo.memory_modes.host_arena import HostArena  # noqa: E402
+from lowmem_grpo.policy.model import load_model  # noqa: E402
 from lowmem_grpo.training.metrics import peak_memory_bytes, reset_peak_memory  # noqa: E402
 from lowmem_grpo.training.trainer import Trainer  # noqa: E402
 
@@ -91,7 +93,23 @@ def build(args) -> Trainer:
         "progress_bar=false", *args.overrides,
     ]
     cfg = load_config(args.recipe, overrides)
-    return Trainer(cfg)
+    device = torch.device(args.device)
+    return Trainer(cfg, model=random_model_drawn_on(cfg, device) if device.type == "cuda" else None)
+
+
+def random_model_drawn_on(cfg, device: torch.device) -> torch.nn.Module:
+    """The model `Trainer(cfg)` would load (policy/model.py `load_model`: the recipe's weight dtype, random
+    weights from its seed), its weights drawn on the CUDA `device` and handed over on the CPU, as load_model
+    hands its models over: the CPU draws them one after another (a 1.5B model in bf16: 40 s on this
+    project's 2-core CPU), the GPU in parallel. The device's cache is emptied and its peaks reset after,
+    so that nothing of this counts in a step's peaks."""
+    with torch.device(device):
+        model = load_model(cfg.model, cfg.train.seed)
+    model.to("cpu")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return model
 
 
 def allocator_fraction(card_bytes: int, context_bytes: int, total_bytes: int) -> float:
