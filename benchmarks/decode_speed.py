@@ -27,7 +27,8 @@ Inductor's fused kernels round intermediates differently from eager, so equal fi
 equal are what to expect there (tests/policy/test_static_decode.py checks greedy tokens at toy size).
 Also: graphs compiled and CUDA-graph skips (torch._dynamo's counters) in the compiled runs.
 
-The JSON is rewritten after each shape, so a run stopped at its time limit keeps the shapes it finished.
+The CUDA allocator is set up as `lowmem-grpo train` sets it up (bench_utils.use_train_allocator). The
+JSON is rewritten after each shape, so a run stopped at its time limit keeps the shapes it finished.
 --tiny: the architecture at toy width and depth, 8-token prompts and completions (the CPU rehearsal of the
 GPU session; on a CPU the compiled step is Inductor's, without CUDA graphs).
 """
@@ -44,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_utils import machine_info, peak_memory_bandwidth, write_json  # noqa: E402
+from bench_utils import machine_info, peak_memory_bandwidth, use_train_allocator, write_json  # noqa: E402
 
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.presets import preset  # noqa: E402
@@ -144,6 +145,7 @@ def measure(arch_name: str, recipe: str, device: torch.device, tiny: bool) -> di
 
 
 def main(argv=None) -> int:
+    allocator = use_train_allocator()  # as the trainer's rollouts run: first, before CUDA starts
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", required=True, metavar="ARCH:RECIPE",
                     help="an architecture preset and the recipe whose settings it decodes with (repeatable)")
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here (after every shape)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    report = {"machine": machine_info(device.type), "shapes": []}
+    report = {"machine": machine_info(device.type), "allocator": allocator, "shapes": []}
     for shape in args.shape:
         arch_name, _, recipe = shape.partition(":")
         report["shapes"].append(measure(arch_name, recipe, device, args.tiny))
