@@ -82,8 +82,8 @@ wheels: .whl/.downloaded
 # numpy < 2.4 only because Triton 3.6's *interpreter* (the CPU stand-in for the GPU) fails on numpy
 # 2.4's scalar conversion; the image's numpy 2.5 is fine on the GPU, where kernels are compiled.
 GPU_IMAGE := .venv-gpu-image
-GPU_IMAGE_PACKAGES := "$(TORCH_PIN)" triton==3.6.0 transformers==5.17.0 accelerate pytest pytest-timeout "numpy<2.4" \
-	pyyaml tqdm matplotlib tensorboard pandas pyarrow
+GPU_IMAGE_PACKAGES := "$(TORCH_PIN)" triton==3.6.0 transformers==5.17.0 accelerate pytest pytest-timeout \
+	ninja "numpy<2.4" pyyaml tqdm matplotlib tensorboard pandas pyarrow
 gpu-image: $(GPU_IMAGE)/.installed
 
 $(GPU_IMAGE)/.installed: Makefile
@@ -92,6 +92,7 @@ $(GPU_IMAGE)/.installed: Makefile
 	$(GPU_IMAGE)/bin/python -m pip install -q $(GPU_IMAGE_PACKAGES)
 	touch $@
 
-# Every part of benchmarks/gpu_session.sh at toy sizes, in that environment, from the bare tree.
+# Both device calls of benchmarks/gpu_session.sh (and its memory call) at toy sizes, in that environment,
+# from the bare tree.
 gpu-rehearsal: gpu-image wheels
 	PYTHON=$(abspath $(GPU_IMAGE))/bin/python OUT=gpu-results/rehearsal bash benchmarks/gpu_session.sh rehearse

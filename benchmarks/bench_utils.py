@@ -220,6 +220,33 @@ def check_tracker() -> bool:
     return ok
 
 
+# ---- the device as `train` sets it up, and its roofline ----------------------------------------
+
+
+def use_train_allocator() -> dict:
+    """Set up the CUDA caching allocator as `lowmem-grpo train` does (memory/fit.py
+    `use_expandable_segments`: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the user chose
+    the allocator's settings), so that a benchmark's peaks and out-of-memory errors are the CLI's. Call it
+    first, before anything initialises CUDA: the allocator reads the setting once, when CUDA starts.
+    Returns what to record with the results: the two variables as the allocator will read them, whether
+    this call set the first, and whether CUDA had started before it (then the setting came too late)."""
+    from lowmem_grpo.memory.fit import ALLOC_CONF_VARIABLES, use_expandable_segments
+    started = torch.cuda.is_initialized()
+    set_here = use_expandable_segments()
+    return {**{name: os.environ.get(name) for name in ALLOC_CONF_VARIABLES}, "set_here": set_here,
+            "cuda_initialized_before": started}
+
+
+def peak_memory_bandwidth(device) -> float | None:
+    """The CUDA device's peak memory bandwidth in bytes/s, from its memory clock and bus width (double
+    data rate: 2 transfers per clock); None where torch does not report them."""
+    props = torch.cuda.get_device_properties(device)
+    clock_khz, bus_bits = getattr(props, "memory_clock_rate", 0), getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8
+
+
 # ---- reporting ------------------------------------------------------------------------------
 
 

@@ -1,25 +1,51 @@
-"""The GPU session driver: the measurements a lent GPU is for, in parts that fit the device tool's calls.
+"""The GPU session: the measurements a lent GPU is for, in two device calls made one right after the other.
 
-    bash benchmarks/gpu_session.sh env cuda-tests          # on the GPU machine, from the repository root
-    bash benchmarks/gpu_session.sh rehearse                # on a CPU: every part's code path at toy sizes
+    bash benchmarks/gpu_session.sh first       # device call 1, timeout_s 540 (9 minutes)
+    bash benchmarks/gpu_session.sh second      # device call 2, timeout_s 180 (3 minutes), on the warm machine
+    bash benchmarks/gpu_session.sh rehearse    # both calls (and `memory`) at toy sizes on a CPU (CI)
 
-(gpu_session.sh installs the carried wheels from .whl/ and puts this bare tree first on sys.path, then
-runs this file.) A device call runs for at most 10 minutes and brings back at most 8 files, and the
-machine reaches no registry. So:
-- each part is a list of steps, each step a subprocess with its own timeout; a part also stops
-  starting steps when the call's budget (--budget, default 540 s) would be overrun, and says so;
-- each part writes exactly two files into $OUT: PART.log (everything its steps print, as they print
-  it) and PART.jsonl (one line per finished step: command, exit code, seconds, and the JSON the step
-  wrote). Lines are appended as steps end, so a call killed at its limit still returns what it did;
-- `env` checks, in seconds, every import the other parts need and prints the versions and the GPU.
-The exit code is 0 only if every step of every part asked for passed.
+(gpu_session.sh installs the wheels carried in .whl/ and puts this bare tree first on sys.path, then runs
+this file.) A call is a list of steps, each a subprocess with its own timeout, run in order. A step starts
+only if its whole timeout fits in what is left of the call's budget (--budget, default the device call's
+limit less MARGIN_S, counted from the call's start: installing the wheels comes out of it): no step runs
+on a cut timeout, and a step that does not fit is recorded as not started while later, shorter ones may
+still run. A step that overruns its timeout is stopped (its process group: SIGTERM, then SIGKILL 5 s on).
+
+first, in this order:
+  env           versions, the GPU, every import the steps need, and that the offloaded optimizer's host
+                AdamW kernel built natively (`host_kernel_check`: fails loudly where it falls back)
+  cuda-tests    the cuda tests most likely to break (CUDA_TEST_FILES), verbose, each under a per-test
+                timeout (pytest-timeout), a JUnit report (first-junit.xml, written when pytest ends) and
+                a line per test as it starts and ends (gpu_session_pytest.py, into first.jsonl)
+  trainer-1.5b  two steps of the 1.5B recipe on random weights at full lengths (prompt 256, completion 512)
+                under an 8 GiB cap, compiled decode (the recipe's default): peaks, pinned host memory
+                against the plan, time split into generation, training and host update (trainer_step.py)
+  decode        tokens/s of the 0.5B and 1.5B recipes' rollouts, the static step eager vs compiled with
+                CUDA graphs, weights read per second against the card's bandwidth, graphed tokens against
+                eager's (decode_speed.py)
+  head-memory, head-speed   the fused loss head against plain torch at N = 8192: peak, time
+second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
+  or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
+  which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
+  this order of importance, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K
+  recipe at their full lengths under an 8 GiB cap.
+memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
+  one step each (plan_accuracy.py --gpu-recipes).
+
+Output, in $OUT (default gpu-results/): CALL.log (everything the steps print, as they print it) and
+CALL.jsonl (a line when the call starts, a line per step as it ends: command, status, seconds, the JSON the
+step wrote; a test step's per-test lines; a step stopped at its timeout names the test it was running),
+both appended as things happen, so a call killed at its limit still returns what it did; and
+CALL-junit.xml from a test step. The exit code is 0 only if every step passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,101 +53,142 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-RECIPES = "recipes"
+# What each call did, on this machine (read by `second`); GPU_SESSION_STATE moves it (tests).
+STATE = Path(os.environ.get("GPU_SESSION_STATE") or ROOT / "gpu-results" / "state")
+CALL_SECONDS = {"first": 540, "second": 180, "memory": 540}  # the device call's timeout_s
+# Of each call, outside its budget: Python's start, the last lines, slack before the device tool's kill. (The
+# wheels' install, ~10 s on a fresh machine, none on a warm one, comes out of the budget: budget_left.)
+MARGIN_S = 25
+PER_TEST_TIMEOUT_S = 60  # pytest-timeout, for each test of a test step
+KILL_GRACE_S = 5
+
+# The cuda tests most likely to break on first contact, in the order they run: the offloaded optimizer and
+# its tied-head split (and its update thread), activation offload, the host arena, the streamed reference,
+# the static decode step and its CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31
+# logits, the fused head at the 1.5B's width: the largest tensors, last).
+CUDA_TEST_FILES = [
+    "tests/memory_modes/test_offload.py",
+    "tests/memory_modes/test_offload_update_thread.py",
+    "tests/memory_modes/test_activation_offload.py",
+    "tests/memory_modes/test_host_arena_cuda.py",
+    "tests/memory_modes/test_reference.py",
+    "tests/policy/test_static_decode.py",
+    "tests/memory/test_profile.py",
+    "tests/kernels/test_cuda_large.py",
+]
 
 
 @dataclass
 class Step:
+    key: str
     name: str
     argv: list[str]
-    timeout_s: int
+    timeout_s: float
     json_out: bool = True  # the step takes --json PATH and writes its results there
     ok_codes: tuple[int, ...] = (0,)
+    selection: Optional[list[str]] = None  # a test step: the files or node ids its argv ends with
+    shapes: Optional[list[str]] = None  # decode_speed.py: its --shape values (ARCH:RECIPE), in order
 
 
-def _trainer_steps(arch: str, recipe: str, prompt_len: int, completion_len: int, tiny: bool) -> list[Step]:
-    """trainer_step.py for one recipe at its full lengths, under an 8 GiB cap (an 8 GB card) and a
-    7.5 GiB one (a desktop card that also drives a display)."""
-    lengths = ["--prompt-len", "16", "--completion-len", "8", "--steps", "2", "--tiny"] if tiny else \
-        ["--prompt-len", str(prompt_len), "--completion-len", str(completion_len), "--steps", "3"]
-    return [Step(f"trainer_step {recipe} cap {cap} GiB",
-                 [PY, "benchmarks/trainer_step.py", "--arch", arch, "--recipe", f"{RECIPES}/{recipe}.yaml",
-                  "--memory-cap-gib", str(cap), *lengths], timeout_s=120 if tiny else 260) for cap in (8, 7.5)]
+def _decode_step(shapes: list[str], tiny: bool, timeout_s: float) -> Step:
+    """decode_speed.py over `shapes`: it writes its JSON after each shape, so a step stopped at its timeout
+    keeps the shapes it finished and `unfinished` gives back the rest."""
+    argv = [PY, "benchmarks/decode_speed.py", *(a for shape in shapes for a in ("--shape", shape)),
+            *(["--tiny"] if tiny else ["--device", "cuda"])]
+    return Step("decode", f"decode tokens/s, {' and '.join(s.split(':')[0] for s in shapes)}: static step "
+                "eager vs compiled", argv, timeout_s, shapes=list(shapes))
 
 
-def _rollout_steps(arch: str, rows: list[int], tiny: bool) -> list[Step]:
-    """rollout_speed.py eager vs compiled (CUDA graphs per bucket): `rows` rows decoding at once (G = 8
-    samples of rows / 8 prompts), every row 512 tokens (no early EOS), bf16 random weights (issue 27)."""
-    if tiny:  # one bucket, a few tokens: the CPU compiles one graph with Inductor
-        return [Step(f"rollout speed {arch} (tiny)",
-                     [PY, "benchmarks/rollout_speed.py", "--arch", arch, "--tiny", "--prompts", "2", "--G", "2",
-                      "--micro-batch", "2", "--max-new", "8", "--prompt-len", "8", "--eos-hazard", "0",
-                      "--repeats", "1", "--paths", "refill,static,compiled"], 60)]
-    return [Step(f"rollout speed {arch}, {n} rows x 512 tokens: eager vs graphed",
-                 [PY, "benchmarks/rollout_speed.py", "--arch", arch, "--prompts", str(n // 8), "--G", "8",
-                  "--micro-batch", str(n), "--max-new", "512", "--prompt-len", "128", "--eos-hazard", "0",
-                  "--repeats", "2", "--paths", "refill,static,compiled", "--dtype", "bf16", "--device", "cuda"],
-                 260 if len(rows) > 1 else 500) for n in rows]
+def _test_step(key: str, name: str, selection: list[str], timeout_s: float, junit: Path) -> Step:
+    argv = [PY, "-m", "pytest", "-m", "cuda", "-v", "-rfEs", "-p", "no:cacheprovider",
+            "-p", "gpu_session_pytest",  # (benchmarks/ is on the step's PYTHONPATH: _run)
+            "--timeout", str(PER_TEST_TIMEOUT_S), f"--junitxml={junit}", *selection]
+    return Step(key, name, argv, timeout_s, json_out=False, selection=list(selection))
 
 
-def parts(tiny: bool) -> dict[str, list[Step]]:
-    """Every part's steps; `tiny` is the CPU rehearsal (same scripts, same code paths, toy sizes)."""
-    kernel_tokens = ["64"] if tiny else ["4096", "8192"]
-    cuda_only = [] if tiny else ["--device", "cuda"]
-    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
-    return {
-        "env": [Step("versions, GPU and imports", [PY, "benchmarks/gpu_session.py", "--check-env"], 120)],
-        # Every cuda-marked test, then every other op test on CUDA tensors, selected by the kernels'
-        # `device` fixture ids (cpu-torch, cpu-triton, cuda-torch, cuda-triton). Not `-k cuda`: that
-        # also matches file names (test_cuda_large.py), which ran its ~13 GB tests in both steps.
-        # tests/test_gpu_session.py checks that no test is in both. On a CPU both select only skips.
-        "cuda-tests": [
-            Step("cuda-marked tests", [*pytest, "-m", "cuda", "tests"], 300, json_out=False),
-            Step("kernel tests on CUDA tensors", [*pytest, "tests/kernels", "-m", "not cuda",
-                                                  "-k", "cuda-torch or cuda-triton"], 420, json_out=False,
-                 ok_codes=(0, 5) if tiny else (0,)),  # 5: nothing selected (no CUDA ids on a CPU)
-        ],
-        # The whole default suite: on a GPU, device `auto` means CUDA wherever a test does not pin the CPU.
-        "suite": [Step("the default test suite", [*pytest, "tests"], 530, json_out=False)],
-        "kernels": [
-            Step("row kernels: bandwidth", [PY, "benchmarks/row_kernel_bandwidth.py", "--tokens", kernel_tokens[-1],
-                                            *(["--vocab", "4096", "--repeats", "1"] if tiny else []), *cuda_only], 200),
-            Step("loss head: peak memory", [PY, "benchmarks/loss_head_memory.py", "--tokens", *kernel_tokens,
-                                            *(["--vocab", "4096"] if tiny else []), *cuda_only], 200),
-            Step("loss head: time", [PY, "benchmarks/loss_head_speed.py", "--tokens", *kernel_tokens,
-                                     *(["--vocab", "4096", "--repeats", "1"] if tiny else []), *cuda_only], 200),
-        ],
-        # The 8 GB recipes on random-weight models of their architectures (no hub weights there).
-        "trainer-0.5b-gsm8k": _trainer_steps("Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 256, 1024, tiny),
-        "trainer-0.5b-string": _trainer_steps("Qwen2.5-0.5B", "qwen2.5-0.5b_expected-string_8gb", 128, 64, tiny),
-        "trainer-1.5b-gsm8k": _trainer_steps("Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 256, 512, tiny),
-        # Host RAM the 1.5B recipe pins (offloaded optimizer, streamed reference) against the planner's
-        # figure and against per-tensor pin_memory's power-of-two blocks.
-        "pinned": [Step("pinned host memory vs the planner, 1.5B recipe",
-                        [PY, "benchmarks/pinned_host_memory.py", "--arch", "Qwen2.5-1.5B",
-                         "--recipe", f"{RECIPES}/qwen2.5-1.5b_gsm8k_8gb.yaml", *(["--tiny"] if tiny else [])], 240)],
-        # Decode tokens/s, eager (today's dynamic step, and the static step) vs compiled and graphed.
-        "rollout-0.5b": _rollout_steps("Qwen2.5-0.5B", [16, 64], tiny),
-        # (its tiny version would repeat rollout-0.5b's: at toy width both are the same Qwen2 model)
-        "rollout-1.5b": [] if tiny else _rollout_steps("Qwen2.5-1.5B", [64], tiny),
-        "memory": [
-            Step("planner tables", [PY, "benchmarks/memory_accounting.py"], 120),
-            Step("planner vs profiler, 8 GB recipes", [PY, "benchmarks/plan_accuracy.py", "--gpu-recipes",
-                                                       "--memory-cap-gib", "8",
-                                                       *(["--tiny", "--steps", "1"] if tiny else ["--steps", "2"])], 420),
-        ],
-    }
+def _trainer_step(key: str, arch: str, recipe: str, completion_len: int, steps: int, timeout_s: float,
+                  tiny: bool) -> Step:
+    """trainer_step.py: `steps` steps of `recipe` at its full lengths (prompt 256) under an 8 GiB cap."""
+    lengths = ["--prompt-len", "16", "--completion-len", "8", "--tiny"] if tiny else \
+        ["--prompt-len", "256", "--completion-len", str(completion_len), "--memory-cap-gib", "8"]
+    return Step(key, f"{steps} trainer step(s), {recipe}, random weights, 8 GiB cap",
+                [PY, "benchmarks/trainer_step.py", "--arch", arch, "--recipe", f"recipes/{recipe}.yaml",
+                 "--steps", str(steps), *lengths], timeout_s)
 
 
-def check_env(json_path: str | None) -> int:
-    """Print versions and the GPU, and import everything the parts need; exit 1 naming what is missing."""
+def first_call(tiny: bool, out: Path) -> list[Step]:
+    """Device call 1 (9 minutes): its steps' timeouts sum to at most its budget, so every step starts."""
+    cuda = [] if tiny else ["--device", "cuda"]
+    head = ["--tokens", "64", "--vocab", "4096"] if tiny else ["--tokens", "8192"]
+    return [
+        Step("env", "versions, GPU, imports, host AdamW kernel",
+             [PY, "benchmarks/gpu_session.py", "--check-env"], 30),
+        _test_step("cuda-tests", "the cuda tests most likely to break", CUDA_TEST_FILES, 110,
+                   out / "first-junit.xml"),
+        _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 165, tiny),
+        _decode_step(["Qwen2.5-0.5B:recipes/qwen2.5-0.5b_gsm8k_8gb.yaml",
+                      "Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 140),
+        Step("head-memory", "fused loss head vs plain torch: peak",
+             [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
+        Step("head-speed", "fused loss head vs plain torch: time",
+             [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
+    ]
+
+
+def second_call(tiny: bool) -> list[Step]:
+    """Device call 2's own steps, in order of importance, after what the first did not finish; each starts
+    only if its whole timeout fits in what is left (together they need more than the call has)."""
+    return [
+        _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
+        _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 1, 150, tiny),
+        _trainer_step("trainer-0.5b-gsm8k", "Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 1024, 2, 120, tiny),
+    ]
+
+
+def memory_call(tiny: bool) -> list[Step]:
+    return [Step("memory", "planner vs profiler, 8 GB recipes, one step each",
+                 [PY, "benchmarks/plan_accuracy.py", "--gpu-recipes", "--steps", "1",
+                  *(["--tiny"] if tiny else ["--memory-cap-gib", "8"])], 480)]
+
+
+def budget_of(call: str) -> float:
+    return CALL_SECONDS[call] - MARGIN_S
+
+
+def budget_left(budget: float, environ=os.environ, now: Optional[float] = None) -> float:
+    """`budget` less what the call spent before this driver started (gpu_session.sh installing the wheels):
+    GPU_SESSION_STARTED is the call's start (seconds since the epoch), set by gpu_session.sh."""
+    started = environ.get("GPU_SESSION_STARTED")
+    spent = max(0.0, (time.time() if now is None else now) - float(started)) if started else 0.0
+    return budget - spent
+
+
+# ----- environment --------------------------------------------------------------------------------------
+def host_kernel_check() -> dict:
+    """The offloaded optimizer's host AdamW kernel (memory_modes/host_adamw.cpp) built natively here and
+    loads: what it returns is recorded. Raises RuntimeError, with the reason, where the optimizer would fall
+    back to bitsandbytes' CPU path (no compiler or ninja, a failed build, LOWMEM_GRPO_HOST_KERNEL=0)."""
+    from lowmem_grpo.memory_modes import host_adamw
+    t0 = time.perf_counter()
+    library = host_adamw.library()  # builds on first use (into torch's extension cache), else loads
+    if library is None:
+        raise RuntimeError(f"the host AdamW kernel is not available ({host_adamw._load_error}): the "
+                           "offloaded optimizer falls back to bitsandbytes' CPU path")
+    return {"host_adamw_kernel": library._name, "host_adamw_kernel_s": round(time.perf_counter() - t0, 2)}
+
+
+def check_env(json_path: Optional[str]) -> int:
+    """Print versions and the GPU, import everything the steps need and check the host AdamW kernel; exit 1
+    naming whatever is missing or fell back."""
     import importlib
     import importlib.metadata as md
     info, missing = {"python": sys.version.split()[0]}, []
-    for dist in ("torch", "triton", "transformers", "accelerate", "bitsandbytes", "numpy", "pytest", "matplotlib"):
+    for dist in ("torch", "triton", "transformers", "accelerate", "bitsandbytes", "numpy", "pytest",
+                 "pytest-timeout", "ninja", "matplotlib"):
         try:
             info[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -131,14 +198,16 @@ def check_env(json_path: str | None) -> int:
     if torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info()
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_count=torch.cuda.device_count(),
-                    free_gib=round(free / 2**30, 2), total_gib=round(total / 2**30, 2))
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                    gpu_count=torch.cuda.device_count(), free_gib=round(free / 2**30, 2),
+                    total_gib=round(total / 2**30, 2))
     else:
         info["gpu"] = None
     sys.path.insert(0, str(ROOT / "benchmarks"))
     modules = ["lowmem_grpo.kernels", "lowmem_grpo.training.trainer", "lowmem_grpo.memory.profile",
                "lowmem_grpo.memory.plan", "lowmem_grpo.memory_modes.sr_adamw", "lowmem_grpo.cli",
-               "bitsandbytes", "triton", "matplotlib", "bench_utils", "trainer_step", "plan_accuracy", "rollout_speed"]
+               "bitsandbytes", "triton", "matplotlib", "pytest_timeout", "bench_utils", "trainer_step",
+               "plan_accuracy", "decode_speed", "loss_head_memory", "loss_head_speed", "gpu_session_pytest"]
     for name in modules:
         try:
             importlib.import_module(name)
@@ -147,55 +216,163 @@ def check_env(json_path: str | None) -> int:
     import lowmem_grpo.kernels as kernels
     info["kernels_from"] = str(Path(kernels.__file__).parent)
     if Path(kernels.__file__).resolve().parent != ROOT / "lowmem_grpo" / "kernels":
-        missing.append(f"lowmem_grpo.kernels comes from {kernels.__file__}, not this tree's lowmem_grpo/kernels/")
+        missing.append(f"lowmem_grpo.kernels comes from {kernels.__file__}, not this tree's "
+                       "lowmem_grpo/kernels/")
+    try:
+        info.update(host_kernel_check())
+    except Exception as e:  # noqa: BLE001 - any failure to build or load is a fallback
+        missing.append(f"host AdamW kernel: {e}")
     info["import_errors"] = missing
     print(json.dumps(info, indent=2))
     if json_path:
         Path(json_path).write_text(json.dumps(info, indent=2))
     if missing:
-        print("missing for the other parts (carry wheels in .whl/, see README's GPU section):\n  " + "\n  ".join(missing),
-              file=sys.stderr)
+        print("MISSING OR FALLEN BACK (carry wheels in .whl/, see README's GPU section):\n  "
+              + "\n  ".join(missing), file=sys.stderr)
     return 1 if missing else 0
 
 
-def run_part(name: str, steps: list[Step], out: Path, deadline: float, timeout_scale: float = 1.0) -> bool:
-    log_path, jsonl_path = out / f"{name}.log", out / f"{name}.jsonl"
+# ----- the driver ---------------------------------------------------------------------------------------
+class Sink:
+    """Where a call's lines go: $OUT/CALL.jsonl and its copy in the state folder (kept on the machine)."""
+
+    def __init__(self, call: str, out: Path, state: Path):
+        state.mkdir(parents=True, exist_ok=True)
+        self.paths = [out / f"{call}.jsonl", state / f"{call}.jsonl"]
+        self.paths[1].write_text("")  # this call's record on this machine starts now
+
+    def append(self, record: dict) -> None:
+        for path in self.paths:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_state(call: str, state: Path = STATE) -> Optional[list[dict]]:
+    """The lines a call wrote on this machine; None if it did not run here (or its record is gone)."""
+    path = state / f"{call}.jsonl"
+    if not path.is_file():
+        return None
+    records = read_lines(path)
+    return records if any(r.get("event") == "call" for r in records) else None
+
+
+def tests_not_ended(records: list[dict], key: str) -> Optional[list[str]]:
+    """A test step's tests that did not end, in order, from its per-test lines; None if pytest did not get
+    as far as listing them."""
+    collected = [r["tests"] for r in records if r.get("step") == key and r.get("event") == "collected"]
+    if not collected:
+        return None
+    ended = {r["test"] for r in records if r.get("step") == key and r.get("event") == "end"}
+    return [t for t in collected[-1] if t not in ended]
+
+
+def running_when_stopped(records: list[dict], key: str) -> Optional[str]:
+    """The test a test step had started and not ended when it stopped, from its per-test lines."""
+    started = [r["test"] for r in records if r.get("step") == key and r.get("event") == "start"]
+    ended = {r["test"] for r in records if r.get("step") == key and r.get("event") == "end"}
+    left = [t for t in started if t not in ended]
+    return left[-1] if left else None
+
+
+def unfinished(steps: list[Step], records: list[dict], keys: Optional[list[str]] = None) -> list[Step]:
+    """The steps of a call that did not finish there, from its records: not started, stopped at their
+    timeout, or without a line of their end (the call was cut); a step that passed or failed gave its
+    result. A test step comes back with only its tests that did not end, a decode step with only the
+    shapes its results lack. `keys`: these steps instead, whole (the records are not at hand)."""
+    if keys is not None:
+        return [s for s in steps if s.key in keys]
+    ended = {r["key"]: r for r in records if r.get("event") == "step"}
+    out = []
+    for step in steps:
+        record = ended.get(step.key, {})
+        if record and not record["status"].startswith(("timed out", "not started")):
+            continue
+        if step.shapes is not None:
+            measured = {s["arch"] for s in record.get("result", {}).get("shapes", [])}
+            left = [s for s in step.shapes if s.split(":")[0] not in measured]
+            if not left:
+                continue
+            step = _decode_step(left, "--tiny" in step.argv, step.timeout_s)
+        if step.selection is not None:
+            left = tests_not_ended(records, step.key)
+            if left == []:
+                continue
+            if left:
+                step = dataclasses.replace(step, argv=step.argv[:len(step.argv) - len(step.selection)] + left,
+                                           selection=left)
+        out.append(step)
+    return out
+
+
+def run_steps(call: str, steps: list[Step], out: Path, budget: float, *, state: Path = STATE,
+              timeout_scale: float = 1.0, clock: Callable[[], float] = time.monotonic) -> bool:
+    """Run `steps` in order within `budget` seconds (module docstring); True if every one passed."""
+    sink = Sink(call, out, state)
+    deadline = clock() + budget
+    sink.append({"event": "call", "call": call, "budget_s": budget if budget != float("inf") else None,
+                 "steps": [s.key for s in steps]})
     passed = True
-    with open(log_path, "a") as log:
+    with open(out / f"{call}.log", "a") as log:
         for step in steps:
-            left = deadline - time.monotonic()
-            record = {"part": name, "step": step.name, "argv": step.argv}
-            if left < min(step.timeout_s, 60):
-                record.update(status="not started: the call's budget is spent", seconds=0)
-                _append(jsonl_path, record)
-                print(f"[{name}] {step.name}: not started ({left:.0f} s left of the budget)", flush=True)
+            timeout = step.timeout_s * timeout_scale
+            left = deadline - clock()
+            record = {"event": "step", "call": call, "key": step.key, "step": step.name, "argv": step.argv,
+                      "timeout_s": timeout}
+            if timeout > left:
+                record.update(status=f"not started: needs {timeout:.0f} s, {left:.0f} s left", seconds=0)
+                sink.append(record)
+                print(f"[{call}] {step.key}: {record['status']}", flush=True)
                 passed = False
                 continue
-            timeout = int(min(step.timeout_s * timeout_scale, left - 5))
-            json_file = Path(tempfile.mkdtemp(prefix="gpu_session_")) / "result.json"
-            argv = step.argv + (["--json", str(json_file)] if step.json_out else [])
-            header = f"\n===== [{name}] {step.name} (timeout {timeout} s)\n$ {' '.join(argv)}\n"
-            log.write(header), log.flush()
-            print(header, end="", flush=True)
-            t0 = time.monotonic()
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            try:
-                _tee(proc, log, t0 + timeout)
-                status = "ok" if proc.returncode in step.ok_codes else f"failed (exit {proc.returncode})"
-            except TimeoutError:
-                status = f"timed out after {timeout} s"
-            record.update(status=status, exit_code=proc.returncode, seconds=round(time.monotonic() - t0, 1))
-            if json_file.is_file():
-                record["result"] = json.loads(json_file.read_text())
-            _append(jsonl_path, record)
-            print(f"[{name}] {step.name}: {status} in {record['seconds']} s", flush=True)
-            passed &= status == "ok"
+            record.update(_run(step, timeout, log, sink.paths))
+            if step.selection is not None and record["status"] != "ok":  # stopped, or pytest died
+                running = running_when_stopped(read_lines(sink.paths[1]), step.key)
+                if running:
+                    record["running_when_stopped"] = running
+            sink.append(record)
+            print(f"[{call}] {step.key}: {record['status']} in {record['seconds']} s", flush=True)
+            passed &= record["status"] == "ok"
     return passed
 
 
+def _run(step: Step, timeout: float, log, line_files: list[Path]) -> dict:
+    """Run one step in a process group of its own, its output copied to `log` and stdout as it comes."""
+    json_file = Path(tempfile.mkdtemp(prefix="gpu_session_")) / "result.json"
+    argv = step.argv + (["--json", str(json_file)] if step.json_out else [])
+    env = {**os.environ, "GPU_SESSION_STEP": step.key,
+           "GPU_SESSION_TEST_LINES": os.pathsep.join(map(str, line_files)),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"),  # the pytest plugin
+                                                       os.environ.get("PYTHONPATH")]))}
+    header = f"\n===== {step.key}: {step.name} (timeout {timeout:.0f} s)\n$ {' '.join(argv)}\n"
+    log.write(header), log.flush()
+    print(header, end="", flush=True)
+    t0 = time.monotonic()
+    # A process group of its own, to stop it with what it started; in the call's session, so that whatever
+    # ends the call (the device tool at its limit) ends the step too.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **group)
+    try:
+        _tee(proc, log, t0 + timeout)
+        status = "ok" if proc.returncode in step.ok_codes else f"failed (exit {proc.returncode})"
+    except TimeoutError:
+        status = f"timed out after {timeout:.0f} s"
+    record = {"status": status, "exit_code": proc.returncode, "seconds": round(time.monotonic() - t0, 1)}
+    if json_file.is_file():
+        try:
+            record["result"] = json.loads(json_file.read_text())
+        except json.JSONDecodeError as e:  # written when the step was stopped
+            record["result_error"] = str(e)
+    return record
+
+
 def _tee(proc: subprocess.Popen, log, deadline: float) -> None:
-    """Copy the child's output, line by line as it comes, to the log and our stdout; TimeoutError past
-    `deadline` (the copying thread ends with the child's output)."""
+    """Copy the child's output, line by line as it comes, to the log and our stdout; past `deadline` stop
+    its process group (SIGTERM, SIGKILL after KILL_GRACE_S) and raise TimeoutError."""
     def copy():
         for line in proc.stdout:
             log.write(line), log.flush()
@@ -205,44 +382,92 @@ def _tee(proc: subprocess.Popen, log, deadline: float) -> None:
     try:
         proc.wait(timeout=max(deadline - time.monotonic(), 0))
     except subprocess.TimeoutExpired:
+        _stop_group(proc)
         raise TimeoutError from None
+    else:
+        _end_group(proc)  # anything the step left running (its output pipe would keep the copying open)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         reader.join(timeout=10)
 
 
-def _append(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def _stop_group(proc: subprocess.Popen) -> None:
+    """End the step's process group (the step and what it started: compile workers, test subprocesses):
+    SIGTERM, then SIGKILL to whatever is left after KILL_GRACE_S."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _end_group(proc)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the step's process group, and reap the step."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def second_steps(tiny: bool, out: Path, state: Path = STATE, redo: Optional[list[str]] = None) -> list[Step]:
+    """Device call 2: the first call's steps that did not finish on this machine (`unfinished`, from the
+    first call's record in `state`; `redo`: these steps of it instead, whole), then `second_call`'s own."""
+    records = read_state("first", state)
+    if redo is None and records is None:
+        print("[second] no record of the first call on this machine (a fresh machine?): nothing to redo; "
+              "--redo KEY ... names steps of the first call to run again", flush=True)
+        again = []
+    else:
+        again = [dataclasses.replace(s, argv=[a.replace("first-junit.xml", "second-junit.xml")
+                                              for a in s.argv])
+                 for s in unfinished(first_call(tiny, out), records or [], redo)]
+    return again + second_call(tiny)
+
+
+def run_call(call: str, out: Path, budget: float, *, tiny: bool, timeout_scale: float = 1.0,
+             redo: Optional[list[str]] = None, state: Path = STATE) -> bool:
+    steps = {"first": lambda: first_call(tiny, out), "memory": lambda: memory_call(tiny),
+             "second": lambda: second_steps(tiny, out, state, redo)}[call]()
+    print(f"[{call}] steps: {', '.join(s.key for s in steps)}; budget {budget:.0f} s", flush=True)
+    return run_steps(call, steps, out, budget, state=state, timeout_scale=timeout_scale)
 
 
 def main(argv=None) -> int:
-    every = list(parts(tiny=False))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("parts", nargs="*", help=f"parts to run, in order: {', '.join(every)}; or `rehearse [PART ...]` "
-                                             "(those parts, default all, on a CPU at toy sizes)")
-    ap.add_argument("--budget", type=float, default=540, help="seconds this call may take (device calls: 600)")
-    ap.add_argument("--check-env", action="store_true", help="only check versions, the GPU and imports (part env)")
+    ap.add_argument("call", nargs="?", choices=["first", "second", "memory", "rehearse"],
+                    help="the device call to make, or `rehearse` (every call at toy sizes, on a CPU)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds from the call's start that its steps may take (default: "
+                         f"{budget_of('first'):.0f} for first, {budget_of('second'):.0f} for second)")
+    ap.add_argument("--redo", nargs="+", default=None, metavar="KEY",
+                    help="second: redo these steps of the first call, whole, instead of what its record says")
+    ap.add_argument("--check-env", action="store_true",
+                    help="only check versions, the GPU, imports, the host kernel (step env)")
     ap.add_argument("--json", default=None, help="with --check-env: write what it found here")
     args = ap.parse_args(argv)
     if args.check_env:
         return check_env(args.json)
-    rehearse = args.parts[:1] == ["rehearse"]
-    chosen = (args.parts[1:] or every) if rehearse else args.parts
-    unknown = [p for p in chosen if p not in every]
-    if not chosen or unknown:
-        ap.error(f"give parts from: {', '.join(every)} (or `rehearse`); unknown: {unknown}")
-    if rehearse:
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the rehearsal is the CPU path, even on a GPU machine
+    if args.call is None:
+        ap.error("name a call: first, second, memory or rehearse")
+    keys = [s.key for s in first_call(False, Path("."))]
+    if args.redo and (args.call != "second" or set(args.redo) - set(keys)):
+        ap.error(f"--redo goes with `second` and names steps of the first call: {', '.join(keys)}")
     out = Path(os.environ.get("OUT") or ROOT / "gpu-results")
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + (float("inf") if rehearse else args.budget)
-    table = parts(tiny=rehearse)
-    # A 2-core CI machine is slower than the GPU machine's 16 cores: the rehearsal's timeouts are 4x.
-    results = {name: run_part(name, table[name], out, deadline, 4.0 if rehearse else 1.0) for name in chosen}
-    print("\n" + "\n".join(f"{name:<14} {'passed' if ok else 'FAILED'}" for name, ok in results.items()))
+    if args.call == "rehearse":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the CPU path, even on a GPU machine
+        # A 2-core CI machine compiles and runs slower than the GPU machine's 16 cores: timeouts 4x, no
+        # budget.
+        results = {call: run_call(call, out, float("inf"), tiny=True, timeout_scale=4.0)
+                   for call in ("first", "second", "memory")}
+    else:
+        budget = budget_left(args.budget if args.budget is not None else budget_of(args.call))
+        results = {args.call: run_call(args.call, out, budget, tiny=False, redo=args.redo)}
+    print("\n" + "\n".join(f"{call:<8} {'passed' if ok else 'FAILED'}" for call, ok in results.items()))
     return 0 if all(results.values()) else 1
 
 

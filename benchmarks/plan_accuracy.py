@@ -12,7 +12,8 @@ for the same settings (the same bf16 autocast decision, the same lengths and bat
 On a CPU run the measured figure is the device-equivalent peak: host tensors without the reference
 model (host RAM on any device), the CPU reference's buffers, the offloaded optimizer's host buffers and
 activation offload's host copies (made for real on the CPU while profiling: memory/profile.py). On CUDA
-it is the allocator's peak.
+it is the allocator's peak, with the allocator set up first as `lowmem-grpo train` sets it up
+(bench_utils.use_train_allocator: expandable segments; each row records it as "allocator").
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from pathlib import Path
 
 import torch
 
+from bench_utils import use_train_allocator  # (sibling scripts of this one)
 from lowmem_grpo.memory.plan import Arch, plan
 from lowmem_grpo.memory.profile import CATEGORIES, GiB, device_equivalent, profile_trainer
 from lowmem_grpo.memory.presets import preset
-from trainer_step import build, cap_cuda_memory  # the random-weight set-up (a sibling script)
+from trainer_step import build, cap_cuda_memory  # the random-weight set-up
 
 HERE = Path(__file__).resolve().parent
 RECIPES = HERE.parent / "recipes"
@@ -125,6 +127,7 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
+    allocator = use_train_allocator()  # first: before anything can start CUDA
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS) + list(GPU_CONFIGS) + list(LONG_GPU_CONFIGS),
                     default=None)
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     names = args.only or (list(GPU_CONFIGS) if args.gpu_recipes else list(CONFIGS))
     rows = []
     for name in names:
-        rows.append(measure(name, args.steps, args.device, args.tiny))
+        rows.append({**measure(name, args.steps, args.device, args.tiny), "allocator": allocator})
         if args.json:  # after every configuration: a run stopped at its time limit keeps what it measured
             Path(args.json).write_text(json.dumps(rows, indent=2))
     print(f"\n{'config':<32} {'measured GiB':>13} {'predicted GiB':>14} {'error':>7}")

@@ -8,7 +8,8 @@ except: the model is built from the architecture preset with random weights (mem
 depend on weight values; no hub download), prompts are random token ids of exactly --prompt-len
 tokens, completions run to --completion-len (EOS is an id a random model practically never samples),
 and the reward is the fraction of even token ids (it varies, so advantages are non-zero). Nothing is
-saved to disk. On CUDA, --memory-cap-gib models a card with that much memory: the CUDA context (driver,
+saved to disk. On CUDA the random weights are drawn on the GPU (`random_model_drawn_on`). On CUDA,
+--memory-cap-gib models a card with that much memory: the CUDA context (driver,
 kernel images) sits on the card but outside the caching allocator, and set_per_process_memory_fraction
 caps only the allocator, so the allocator is capped at the card's size minus the context as measured
 at start-up (the driver's used memory after CUDA init minus before: NVML before, mem_get_info after;
@@ -16,12 +17,21 @@ without an NVML reading from before init, everything on the device outside this 
 other processes included, counts as context). The context grows a little later as kernels load lazily (cuBLAS, Triton): the
 result reports what lay outside the allocator at the end too. A step that does not fit fails with an
 out-of-memory error.
-Each step = one generation batch's rollout (if due) + one optimizer step, timed after a device sync.
+Before anything touches CUDA the allocator is set up as `lowmem-grpo train` sets it up
+(bench_utils.use_train_allocator: expandable segments), and the result records it ("allocator").
+Each step = one generation batch's rollout (if due) + one optimizer step, timed after a device sync, split
+into generation (the rollout), training (the rest: log-prob passes, forward, backward) and the host update
+of an offloaded optimizer (optim.offload_optimizer: the seconds its updates ran, on its worker thread
+while the next forward starts; "host_update_wait_s": how long they still ran after the step returned,
+waited for after the step's time, so each step starts with the last one's updates done). Beside the
+peaks: the page-locked host memory the run holds after setup and after each step (`pinned_host_bytes`)
+against the planner's pinned host categories, and the planner's device peak for the same settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -32,10 +42,16 @@ from pathlib import Path
 
 import torch
 
-from lowmem_grpo.config import load_config
-from lowmem_grpo.training.metrics import peak_memory_bytes, reset_peak_memory
-from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.training.trainer import Trainer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_utils import use_train_allocator  # noqa: E402
+
+from lowmem_grpo.config import load_config  # noqa: E402
+from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
+from lowmem_grpo.memory.presets import preset  # noqa: E402
+from lowmem_grpo.memory_modes.host_arena import HostArena  # noqa: E402
+from lowmem_grpo.policy.model import load_model  # noqa: E402
+from lowmem_grpo.training.metrics import peak_memory_bytes, reset_peak_memory  # noqa: E402
+from lowmem_grpo.training.trainer import Trainer  # noqa: E402
 
 GiB = 2**30
 
@@ -77,7 +93,23 @@ def build(args) -> Trainer:
         "progress_bar=false", *args.overrides,
     ]
     cfg = load_config(args.recipe, overrides)
-    return Trainer(cfg)
+    device = torch.device(args.device)
+    return Trainer(cfg, model=random_model_drawn_on(cfg, device) if device.type == "cuda" else None)
+
+
+def random_model_drawn_on(cfg, device: torch.device) -> torch.nn.Module:
+    """The model `Trainer(cfg)` would load (policy/model.py `load_model`: the recipe's weight dtype, random
+    weights from its seed), its weights drawn on the CUDA `device` and handed over on the CPU, as load_model
+    hands its models over: the CPU draws them one after another (a 1.5B model in bf16: 40 s on this
+    project's 2-core CPU), the GPU in parallel. The device's cache is emptied and its peaks reset after,
+    so that nothing of this counts in a step's peaks."""
+    with torch.device(device):
+        model = load_model(cfg.model, cfg.train.seed)
+    model.to("cpu")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return model
 
 
 def allocator_fraction(card_bytes: int, context_bytes: int, total_bytes: int) -> float:
@@ -114,11 +146,14 @@ def outside_allocator_bytes(device: torch.device) -> int:
 
 def cap_cuda_memory(gib: float, device: torch.device) -> dict:
     """Cap this process as on a card of `gib` GiB: the allocator gets the card minus the CUDA context.
-    Call before anything touches CUDA (the context is measured as it is created)."""
+    Call before anything touches CUDA (the context is measured as it is created). `device` without an
+    index (`cuda`) is the current device."""
     before = _nvml_used_bytes(device)
     _init_cuda(device)
     after = outside_allocator_bytes(device)
     context = after - before if before is not None else after
+    if device.index is None:  # set_per_process_memory_fraction refuses a device without an index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = allocator_fraction(int(gib * GiB), context, total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
@@ -131,18 +166,64 @@ def cap_cuda_memory(gib: float, device: torch.device) -> dict:
     return info
 
 
+def pinned_host_bytes(device: torch.device) -> dict:
+    """Page-locked host memory this process holds now: the HostArena blocks registered with CUDA (the
+    offloaded optimizer's, the streamed reference's, activation offload's; found among the live objects)
+    and, on CUDA, what torch's caching host allocator holds (pin_memory=True tensors, e.g. the offloaded
+    optimizer's staging ring), as `torch.cuda.host_memory_stats` counts it."""
+    # type(o), not isinstance: isinstance reads o.__class__, which deprecated module proxies warn about
+    arenas = [o for o in gc.get_objects() if issubclass(type(o), HostArena) and o.pinned]
+    out = {"arena_bytes": sum(a.nbytes for a in arenas), "arenas": len(arenas), "caching_allocator_bytes": 0}
+    if device.type == "cuda":
+        stats = torch.cuda.host_memory_stats()
+        out["caching_allocator_bytes"] = int(stats.get("allocated_bytes.current", 0))
+        out["caching_allocator_reserved_bytes"] = int(stats.get("reserved_bytes.current", 0))
+    out["total_bytes"] = out["arena_bytes"] + out["caching_allocator_bytes"]
+    return out
+
+
+class HostUpdateClock:
+    """Seconds an offloaded optimizer (memory_modes/offload.py) spends in its host updates (`_update_all`,
+    on whichever thread runs them), summed until `take()`; a no-op for an optimizer without them."""
+
+    def __init__(self, optimizer):
+        self.seconds = 0.0
+        self.active = hasattr(optimizer, "_update_all")
+        if self.active:
+            update = optimizer._update_all
+
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return update(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+            optimizer._update_all = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def main(argv=None) -> int:
+    allocator = use_train_allocator()  # first: before anything can start CUDA
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="Qwen2.5-0.5B", help="architecture preset (lowmem_grpo/memory/presets.py)")
-    ap.add_argument("--recipe", default=None, help="recipe whose settings to use (default: the config defaults)")
+    ap.add_argument("--arch", default="Qwen2.5-0.5B",
+                    help="architecture preset (lowmem_grpo/memory/presets.py)")
+    ap.add_argument("--recipe", default=None,
+                    help="recipe whose settings to use (default: the config defaults)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--memory-cap-gib", type=float, default=None, help="CUDA: cap the process at this many GiB")
+    ap.add_argument("--memory-cap-gib", type=float, default=None,
+                    help="CUDA: cap the process at this many GiB")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--completion-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write the results here (rewritten after every step)")
-    ap.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
-    ap.add_argument("--layers", type=int, default=None, help="only this many decoder layers (CPU runs of big models)")
+    ap.add_argument("--json", default=None,
+                    help="write the results here (after setup, then after every step)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the architecture at toy width and depth (rehearsals)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only this many decoder layers (CPU runs of big models)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args(argv)
 
@@ -154,14 +235,28 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     trainer = build(args)
     setup_s = time.perf_counter() - t0
+    planned = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
+                   device=trainer.device.type)
     result = {
         "arch": args.arch, "tiny": args.tiny, "recipe": args.recipe, "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-        "overrides": args.overrides, "setup_s": setup_s, "steps": [], "peak_bytes": 0,
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or "cpu"),
+        "memory_cap_gib": args.memory_cap_gib, "prompt_len": args.prompt_len,
+        "completion_len": args.completion_len,
+        "overrides": args.overrides, "allocator": allocator, "setup_s": setup_s, "steps": [], "peak_bytes": 0,
         "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
-        "memory_cap": cap,
+        "memory_cap": cap, "planned_peak_bytes": planned["peak_bytes"],
+        "planned_peak_phase": planned["peak_phase"],
+        "planned_pinned_host_bytes": planned["host_pinned_bytes"],
+        "planned_pinned_host": {c: planned["host_categories"][c] for c in planned["host_pinned"]},
+        "pinned_after_setup": pinned_host_bytes(device),
     }
+    pinned = result["pinned_after_setup"]["total_bytes"]
+    print(f"setup {setup_s:.1f} s; pinned host memory {pinned / GiB:.3f} GiB "
+          f"(planned {planned['host_pinned_bytes'] / GiB:.3f} GiB)", flush=True)
+    if args.json:  # after setup: a run stopped in its first step still leaves this
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    host_update = HostUpdateClock(trainer.optimizer)
     for _ in range(args.steps):
         reset_peak_memory(device)
         if device.type == "cuda":
@@ -171,21 +266,29 @@ def main(argv=None) -> int:
         gb, metrics, generation_s = trainer.run_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        row = {"step": trainer.step, "step_s": time.perf_counter() - t0, "generated": generated,
-               "generation_s": generation_s, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+        step_s = time.perf_counter() - t0
+        row = {"step": trainer.step, "step_s": step_s, "generated": generated, "generation_s": generation_s,
+               "training_s": step_s - generation_s, "loss": metrics["loss"],
+               "grad_norm": metrics["grad_norm"],
                "peak_bytes": peak_memory_bytes(device)}
+        if host_update.active:  # the updates still running when the step returned: waited for here, untimed
+            t1 = time.perf_counter()
+            trainer.optimizer.synchronize()
+            row.update(host_update_wait_s=time.perf_counter() - t1, host_update_s=host_update.take())
         if generated:  # rollout speed: rows x decoded positions (every row decodes until the longest ends)
             row["rollout_tokens_per_s"] = gb.batch.completion_ids.numel() / generation_s
         if device.type == "cuda":
             row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
             row["outside_allocator_bytes"] = outside_allocator_bytes(device)  # the context as it is now
+        row["pinned"] = pinned_host_bytes(device)
         result["steps"].append(row)
         result["peak_bytes"] = max(result["peak_bytes"], row["peak_bytes"])
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
         if args.json:  # after every step: a run stopped at its time limit still leaves what it measured
             Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"{args.arch} on {result['device_name']}: peak {result['peak_bytes'] / GiB:.2f} GiB, "
-          f"step times {[round(s['step_s'], 1) for s in result['steps']]} s")
+    times = [round(s["step_s"], 1) for s in result["steps"]]
+    print(f"{args.arch} on {result['device_name']}: peak {result['peak_bytes'] / GiB:.2f} GiB "
+          f"(planned {planned['peak_bytes'] / GiB:.2f} GiB), step times {times} s")
     return 0
 
 

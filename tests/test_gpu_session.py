@@ -1,11 +1,22 @@
-"""The GPU session's cuda-tests part runs each test once: its steps select disjoint sets of tests."""
+"""The GPU session driver (benchmarks/gpu_session.py): its two device calls fit their time, the driver
+starts no step whose timeout does not fit what is left, stops a step past its timeout with everything it
+started, names the test a stopped test step was running, and the second call takes up what the first did
+not finish; the test step selects every area it is meant to on a GPU machine; the rehearsal of both calls
+at toy sizes passes."""
 
 import importlib.util
+import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+FIRST = ["env", "cuda-tests", "trainer-1.5b", "decode", "head-memory", "head-speed"]
+SECOND = ["trainer-1.5b-4096", "trainer-3b", "trainer-0.5b-gsm8k"]  # in order of importance
 
 
 def _gpu_session():
@@ -16,24 +27,231 @@ def _gpu_session():
     return module
 
 
-def _collect(argv: list[str]) -> set[str]:
-    """The test ids a step's pytest command selects on a GPU machine (collection only, CUDA faked)."""
-    i = argv.index("pytest")
-    args = [a for a in argv[i + 1:] if a != "-q"]  # exactly one -q: node ids, one a line (-qq lists files)
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steps(records: list[dict]) -> dict:
+    return {r["key"]: r for r in records if r.get("event") == "step"}
+
+
+# ----- time -------------------------------------------------------------------------------------------
+def test_the_calls_fit_nine_and_three_minutes_with_a_margin_for_start_up(tmp_path):
+    gs = _gpu_session()
+    assert gs.CALL_SECONDS["first"] <= 9 * 60 and gs.CALL_SECONDS["second"] <= 3 * 60
+    assert gs.MARGIN_S >= 20  # Python's start and the last lines (the wheels' install is in the budget)
+    first = gs.first_call(False, tmp_path)
+    assert [s.key for s in first] == FIRST
+    assert sum(s.timeout_s for s in first) <= gs.budget_of("first") == gs.CALL_SECONDS["first"] - gs.MARGIN_S
+    # the second call's own steps, in order of importance: each can start in it, as time allows
+    second = gs.second_call(False)
+    assert [s.key for s in second] == SECOND
+    assert gs.budget_of("second") == gs.CALL_SECONDS["second"] - gs.MARGIN_S
+    assert all(s.timeout_s <= gs.budget_of("second") for s in second)
+    assert sum(s.timeout_s for s in gs.memory_call(False)) <= gs.budget_of("memory")
+
+
+def test_the_budget_counts_from_the_calls_start_before_the_driver():
+    gs = _gpu_session()
+    assert gs.budget_left(510, {"GPU_SESSION_STARTED": "1000.0"}, now=1012.5) == 497.5  # 12.5 s of wheels
+    assert gs.budget_left(510, {}, now=1012.5) == 510
+
+
+def _python_step(gs, key: str, code: str, timeout_s: float):
+    return gs.Step(key, key, [sys.executable, "-c", code], timeout_s, json_out=False)
+
+
+def test_a_step_starts_only_if_its_whole_timeout_fits_what_is_left(tmp_path):
+    gs = _gpu_session()
+    now = iter([0.0, 0.0, 50.0, 55.0])  # the call's start, then before each step (a fake clock)
+    steps = [_python_step(gs, "a", "print('a ran')", 30),  # 60 s left: starts
+             _python_step(gs, "b", "print('b ran')", 20),  # 10 s left: would need 20, not started
+             _python_step(gs, "c", "print('c ran')", 5)]  # 5 s left: fits exactly, starts
+    passed = gs.run_steps("first", steps, tmp_path, 60, state=tmp_path / "state", clock=lambda: next(now))
+    assert not passed  # a step not started is not a pass
+    steps = _steps(_records(tmp_path / "first.jsonl"))
+    assert steps["a"]["status"] == "ok" and steps["c"]["status"] == "ok"
+    assert steps["b"]["status"] == "not started: needs 20 s, 10 s left"
+    log = (tmp_path / "first.log").read_text()
+    assert "a ran" in log and "c ran" in log and "b ran" not in log
+    assert _records(tmp_path / "state" / "first.jsonl") == _records(tmp_path / "first.jsonl")
+
+
+def test_a_step_past_its_timeout_is_stopped_with_the_processes_it_started(tmp_path):
+    gs = _gpu_session()
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "print('waiting', flush=True); time.sleep(60)\n")
+    t0 = time.monotonic()
+    assert not gs.run_steps("first", [_python_step(gs, "hangs", code, 3)], tmp_path, 60, state=tmp_path / "s")
+    assert time.monotonic() - t0 < 3 + gs.KILL_GRACE_S + 5
+    (record,) = _steps(_records(tmp_path / "first.jsonl")).values()
+    assert record["status"] == "timed out after 3 s"
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the child is killed with its group (a zombie until init reaps it, at most)
+        try:
+            os.kill(child, 0)
+            if Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's child {child} outlived the step")
+
+
+TESTS = """
+import time
+def test_quick():
+    pass
+def test_hangs():
+    time.sleep(60)
+def test_after():
+    pass
+"""
+
+
+def test_a_stopped_test_step_names_its_running_test_and_the_second_call_redoes_the_tests_left(tmp_path):
+    gs = _gpu_session()
+    test_file = tmp_path / "test_three.py"
+    test_file.write_text(TESTS)
+    selection = [str(test_file)]
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_session_pytest", "-v",
+            *selection]
+    step = gs.Step("cuda-tests", "three tests", argv, 20, json_out=False, selection=selection)
+    state = tmp_path / "state"
+    assert not gs.run_steps("first", [step], tmp_path, 60, state=state, timeout_scale=0.3)  # 6 s
+    records = _records(tmp_path / "first.jsonl")
+    (record,) = _steps(records).values()
+    assert record["status"] == "timed out after 6 s"
+    (collected,) = [r["tests"] for r in records if r.get("event") == "collected"]  # node ids, pytest's
+    quick, hangs, after = collected
+    assert record["running_when_stopped"] == hangs and hangs.endswith("test_three.py::test_hangs")
+    assert [(r["test"], r["outcome"]) for r in records if r.get("event") == "end"] == [(quick, "passed")]
+    # the second call, on the same machine: the step again, with only the tests that did not end
+    (again,) = gs.unfinished([step], gs.read_state("first", state))
+    assert again.selection == [hangs, after] and again.argv == step.argv[:-1] + [hangs, after]
+
+
+def test_the_second_call_takes_up_what_the_first_did_not_finish(tmp_path):
+    gs = _gpu_session()
+    first = gs.first_call(False, tmp_path)
+    state = tmp_path / "state"
+    own = [s.key for s in gs.second_call(False)]
+    # no record of the first call on this machine (a fresh one): its own steps only
+    assert [s.key for s in gs.second_steps(False, tmp_path, state)] == own
+    # named instead: those, whole
+    assert [s.key for s in gs.second_steps(False, tmp_path, state, redo=["decode"])] == ["decode", *own]
+    state.mkdir()
+    lines = [{"event": "call", "call": "first"},
+             {"event": "step", "key": "env", "status": "ok"},
+             {"event": "collected", "step": "cuda-tests", "tests": ["t::a", "t::b"]},
+             {"event": "end", "step": "cuda-tests", "test": "t::a", "outcome": "failed"},
+             {"event": "step", "key": "cuda-tests", "status": "timed out after 110 s"},
+             {"event": "step", "key": "trainer-1.5b", "status": "failed (exit 1)"},  # a result: not again
+             {"event": "step", "key": "decode", "status": "timed out after 140 s",  # the 0.5B measured
+              "result": {"shapes": [{"arch": "Qwen2.5-0.5B"}]}},
+             {"event": "step", "key": "head-memory", "status": "not started: needs 25 s, 3 s left"}]
+    (state / "first.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))  # head-speed: cut
+    steps = gs.second_steps(False, tmp_path, state)
+    assert [s.key for s in steps] == ["cuda-tests", "decode", "head-memory", "head-speed", *own]
+    tests = steps[0]
+    assert tests.selection == ["t::b"] and tests.argv[-1] == "t::b"
+    assert any(a.endswith("second-junit.xml") for a in tests.argv)
+    assert not any("first-junit" in a for s in steps for a in s.argv)
+    decode = steps[1]
+    assert decode.shapes == ["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"]
+    assert decode.argv == first[3].argv[:2] + ["--shape", decode.shapes[0], "--device", "cuda"]
+    assert {s.key: s.argv for s in steps[2:4]} == {s.key: s.argv for s in first[4:]}
+
+
+# ----- the environment ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cause", ["switched off", "build fails"])
+def test_the_env_step_fails_loudly_where_the_host_kernel_falls_back(monkeypatch, cause):
+    gs = _gpu_session()
+    from lowmem_grpo.memory_modes import host_adamw
+    monkeypatch.setattr(host_adamw, "_library", None)  # untried, as in a fresh process
+    monkeypatch.setattr(host_adamw, "_load_error", None)
+    if cause == "switched off":
+        monkeypatch.setenv("LOWMEM_GRPO_HOST_KERNEL", "0")
+        reason = "LOWMEM_GRPO_HOST_KERNEL=0"
+    else:
+        monkeypatch.delenv("LOWMEM_GRPO_HOST_KERNEL", raising=False)
+
+        def no_compiler(march):
+            raise RuntimeError("Error building extension: g++: not found")
+        monkeypatch.setattr(host_adamw, "_build", no_compiler)
+        reason = "g\\+\\+: not found"
+    with pytest.raises(RuntimeError, match=f"not available .*{reason}.*falls back to bitsandbytes' CPU path"):
+        gs.host_kernel_check()
+
+
+def test_the_env_step_records_the_native_host_kernel(monkeypatch):
+    gs = _gpu_session()
+    from lowmem_grpo.memory_modes import host_adamw
+
+    class Library:
+        _name = "/cache/lowmem_grpo_host_adamw_0123.so"
+    monkeypatch.setattr(host_adamw, "_library", None)
+    monkeypatch.setattr(host_adamw, "_load_error", None)
+    monkeypatch.delenv("LOWMEM_GRPO_HOST_KERNEL", raising=False)
+    monkeypatch.setattr(host_adamw, "_build", lambda march: Library())
+    assert gs.host_kernel_check()["host_adamw_kernel"] == Library._name
+
+
+# ----- what the test step selects ------------------------------------------------------------------------
+def _collect(args: list[str]) -> set[str]:
+    """The test ids these pytest arguments select on a GPU machine (collection only, CUDA faked)."""
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.fake_cuda_plugin", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode in (0, 5), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {line for line in proc.stdout.splitlines() if "::" in line}
 
 
-def test_cuda_tests_steps_select_each_test_once():
-    steps = _gpu_session().parts(tiny=False)["cuda-tests"]
-    selected = {step.name: _collect(step.argv) for step in steps}
-    for name, tests in selected.items():
-        assert tests, f"step {name!r} selects no test on a GPU machine"
-    (a, tests_a), (b, tests_b) = selected.items()
-    both = tests_a & tests_b
-    assert not both, f"{len(both)} tests run in both {a!r} and {b!r}, e.g. {sorted(both)[:3]}"
-    # the large-memory tests run, once, in the cuda-marked step; op tests on CUDA tensors in the other
-    assert any("test_cuda_large.py" in t for t in tests_a)
-    assert any("[cuda-triton" in t for t in tests_b) and any("[cuda-torch" in t for t in tests_b)
+def test_the_test_step_selects_every_area_it_is_for_on_a_gpu_machine(tmp_path):
+    gs = _gpu_session()
+    (step,) = [s for s in gs.first_call(False, tmp_path) if s.key == "cuda-tests"]
+    assert step.argv[-len(step.selection):] == step.selection
+    assert {"-v", "-rfEs", "--timeout", "gpu_session_pytest"} <= set(step.argv)
+    selected = _collect(["-m", "cuda", *step.selection])
+    areas = {"offloaded optimizer": "test_offload.py::test_offloaded_on_cuda",
+             "its tied-head split": "test_offload.py::test_cuda_tied_head_split",
+             "the update thread": "test_offload_update_thread.py::test_cuda",
+             "activation offload": "test_activation_offload.py::test_offload_on_cuda_copies_into_one",
+             "host arena": "test_host_arena_cuda.py::",
+             "streamed reference": "test_reference.py::test_streamed_reference_on_cuda",
+             "graphed decode step": "test_static_decode.py::test_graphed_step_matches_eager_on_cuda",
+             "memory profiler": "test_profile.py::test_cuda_profile",
+             "kernels at Qwen sizes": "test_cuda_large.py::test_linear_grpo_loss_at_qwen_sizes"}
+    for area, part in areas.items():
+        assert any(part in t for t in selected), f"the test step runs no test of the {area} ({part})"
+
+
+def test_the_decode_step_compares_graphed_tokens_with_eagers_row_by_row():
+    import torch
+    spec = importlib.util.spec_from_file_location("decode_speed", ROOT / "benchmarks" / "decode_speed.py")
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    eager = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]])
+    graphed = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [0, 6, 7, 8]])  # equal; differs from 1; from 0
+    assert ds.first_differences(graphed, eager) == [4, 1, 0]
+    assert ds.compare(graphed, eager) == {"rows_equal": 1 / 3, "first_difference_min": 0,
+                                          "first_difference_median": 1}
+
+
+# ----- the rehearsal ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_rehearsal_of_both_calls_at_toy_sizes(tmp_path):
+    # CI runs this through `make gpu-rehearsal`, in an environment made like the GPU image's
+    pytest.importorskip("pytest_timeout", reason="the GPU image's pytest-timeout (make gpu-image has it)")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_SESSION_STATE": str(tmp_path / "state"),
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "benchmarks/gpu_session.sh", "rehearse"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    for call, keys in (("first", FIRST), ("second", SECOND)):
+        steps = _steps(_records(tmp_path / "out" / f"{call}.jsonl"))
+        assert list(steps) == keys and all(s["status"] == "ok" for s in steps.values())
+    assert (tmp_path / "out" / "first-junit.xml").is_file()

@@ -1,7 +1,10 @@
-"""benchmarks/trainer_step.py's model of an 8 GB card: the allocator gets the card minus the CUDA context."""
+"""benchmarks/trainer_step.py's model of an 8 GB card (the allocator gets the card minus the CUDA context),
+its allocator set up as `lowmem-grpo train` sets it up (as plan_accuracy.py's), and what its results
+record."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +52,118 @@ def test_cap_subtracts_the_context_measured_at_cuda_init(monkeypatch, nvml_befor
     assert info["allocator_cap_bytes"] == pytest.approx(8 * GiB - context, abs=1)
     assert ("NVML" in info["context_measured_by"]) and (("other processes" in info["context_measured_by"])
                                                          == (nvml_before is None))
+
+
+def test_cap_of_a_device_without_an_index_is_set_on_the_current_device(monkeypatch):
+    ts = _trainer_step()
+    capped = []
+
+    def set_fraction(fraction, device):  # as torch: a torch.device must name its index
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index, but got:{device}")
+        capped.append((fraction, device))
+    monkeypatch.setattr(ts, "_nvml_used_bytes", lambda device: None)
+    monkeypatch.setattr(ts, "_init_cuda", lambda device: None)
+    monkeypatch.setattr(ts, "outside_allocator_bytes", lambda device: GiB // 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=80 * GiB))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    info = ts.cap_cuda_memory(8, torch.device("cuda"))  # --device cuda, the default on a GPU machine
+    assert capped == [(7.5 / 80, torch.device("cuda", 1))]
+    assert info["allocator_cap_bytes"] == int(7.5 * GiB)
+
+
+class _StartsCuda(Exception):
+    """Raised where the benchmark would first touch CUDA."""
+
+
+def _no_allocator_settings(monkeypatch):
+    """No allocator variable set (restored after the test, whatever the code under test sets), and a GPU
+    that torch reports without CUDA having started, as at the start of a benchmark on a GPU machine."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+
+def _allocator_seen(seen: dict):
+    def first_cuda_use(*args, **kwargs):
+        seen["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        raise _StartsCuda
+    return first_cuda_use
+
+
+def test_trainer_step_sets_expandable_segments_before_cuda_starts(monkeypatch):
+    ts = _trainer_step()
+    _no_allocator_settings(monkeypatch)
+    seen = {}
+    monkeypatch.setattr(ts, "cap_cuda_memory", _allocator_seen(seen))  # the first thing that starts CUDA
+    with pytest.raises(_StartsCuda):
+        ts.main(["--device", "cuda", "--memory-cap-gib", "8", "--tiny"])
+    assert seen["conf"] == "expandable_segments:True"
+
+
+def test_plan_accuracy_sets_expandable_segments_before_cuda_starts_and_records_it(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    _trainer_step()
+    spec = importlib.util.spec_from_file_location("plan_accuracy", ROOT / "benchmarks" / "plan_accuracy.py")
+    pa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pa)
+    _no_allocator_settings(monkeypatch)
+    seen = {}
+    monkeypatch.setattr(pa, "cap_cuda_memory", _allocator_seen(seen))
+    with pytest.raises(_StartsCuda):
+        pa.main(["--device", "cuda", "--memory-cap-gib", "8", "--only", "qwen0.5b-gsm8k"])
+    assert seen["conf"] == "expandable_segments:True"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")  # a second run, on the CPU: what its rows record
+    monkeypatch.setattr(pa, "measure", lambda name, *args: {"config": name, "measured_peak_bytes": GiB,
+                                                           "predicted_peak_bytes": GiB, "error": 0.0})
+    pa.main(["--device", "cpu", "--only", "qwen0.5b-gsm8k", "--json", str(tmp_path / "rows.json")])
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["allocator"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "set_here": True,
+                                "PYTORCH_ALLOC_CONF": None, "cuda_initialized_before": False}
+
+
+def test_a_tiny_offloaded_run_records_allocator_time_split_pinned_memory_and_plan(monkeypatch, tmp_path):
+    # the 1.5B recipe's modes (offloaded optimizer, streamed reference) at toy width on the CPU
+    ts = _trainer_step()
+    _no_allocator_settings(monkeypatch)
+    real_build, seen = ts.build, {}
+
+    def build(args):  # on a GPU machine this is where CUDA starts (no cap asked for)
+        seen["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the rest runs on the CPU
+        return real_build(args)
+    monkeypatch.setattr(ts, "build", build)
+    out = tmp_path / "result.json"
+    recipe = str(ROOT / "recipes" / "qwen2.5-1.5b_gsm8k_8gb.yaml")
+    assert ts.main(["--arch", "Qwen2.5-1.5B", "--recipe", recipe, "--tiny", "--prompt-len", "8",
+                    "--completion-len", "4", "--steps", "2", "--device", "cpu", "--json", str(out)]) == 0
+    assert seen["conf"] == "expandable_segments:True"
+    result = json.loads(out.read_text())
+    assert result["allocator"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert result["allocator"]["set_here"] and not result["allocator"]["cuda_initialized_before"]
+    assert result["planned_peak_bytes"] > 0 and result["planned_pinned_host_bytes"] == 0  # a CPU pins nothing
+    assert result["pinned_after_setup"]["total_bytes"] == 0
+    for row in result["steps"]:
+        assert row["generation_s"] > 0 and row["training_s"] > 0
+        assert row["generation_s"] + row["training_s"] == pytest.approx(row["step_s"])
+        assert row["host_update_s"] > 0 and row["host_update_wait_s"] >= 0  # the offloaded optimizer's
+        assert row["pinned"]["total_bytes"] == 0
+
+
+def test_pinned_host_bytes_counts_pinned_arenas_only(monkeypatch):
+    ts = _trainer_step()
+    pinned, plain = ts.HostArena([((1000,), torch.float32)]), ts.HostArena([((3000,), torch.float32)])
+    pinned.pinned = True  # (registering needs CUDA; the count reads the flag)
+    try:
+        out = ts.pinned_host_bytes(torch.device("cpu"))
+    finally:
+        pinned.pinned = False
+    assert out["arenas"] == 1 and out["arena_bytes"] == pinned.nbytes == 4096 and out["total_bytes"] == 4096
+    del plain
 
 
 CAP_SCRIPT = """

@@ -26,6 +26,15 @@ optimizer (weights, reference model, optimizer states, rollout batch; with optim
 also its host weight copies and gradient buffers, "weights copy" and "gradient buffer"); on CUDA the rest of the
 allocator's total at the start is `other`. The categories at any moment add up to the allocator's
 total (CUDA) or to the tracked tensor bytes (CPU; Python objects and library mallocs are not seen).
+
+The profiler records CPU activity only, on a GPU too. Memory events do not need the CUDA activity:
+every allocator (c10's CPU allocator, CUDA's caching allocator) reports each allocation and free to the
+profiler state of the thread that makes it (c10 `reportMemoryUsageToProfiler`), which keeps it whenever
+`profile_memory` is on, whatever the activities (torch/csrc/autograd/profiler_kineto.cpp,
+`KinetoThreadLocalState::reportMemoryUsage`); the CPU activity supplies the op and `record_function`
+ranges that the categories come from. The CUDA activity (CUPTI) would add a kernel event and a runtime
+event for every launch, several per op: over full-length rollouts (a thousand decode steps) that is
+millions of events for the profiler to collect and for `_analyse` to walk, and none of them is read.
 """
 
 from __future__ import annotations
@@ -80,8 +89,9 @@ def _cuda_device(device, params: list[torch.Tensor]) -> Optional[torch.device]:
     return next((p.device for p in params if isinstance(p, torch.Tensor) and p.is_cuda), None)
 
 
-def _profiler_activities(cuda: bool) -> list:
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+# The profiler's activities, on a CPU or a GPU alike (module docstring: CUDA allocations are recorded
+# without the CUDA activity).
+ACTIVITIES = (ProfilerActivity.CPU,)
 
 
 def _device_kind(device) -> str:
@@ -176,8 +186,7 @@ class MemoryProfile:
 
     def __enter__(self) -> "MemoryProfile":
         dev = self.cuda_device
-        cuda = dev is not None
-        if cuda:
+        if dev is not None:
             torch.cuda.synchronize(dev)
             torch.cuda.reset_peak_memory_stats(dev)  # the block's peak, not model loading's
             self._cuda_start = torch.cuda.memory_allocated(dev)
@@ -188,7 +197,7 @@ class MemoryProfile:
         # before freeing it; hooks run in registration order, so these then see .grad == None).
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p: mark_gradient(p.grad))
                        for p in self.params if p.requires_grad]
-        self._prof = profile(activities=_profiler_activities(cuda), profile_memory=True)
+        self._prof = profile(activities=list(ACTIVITIES), profile_memory=True)
         self._prof.__enter__()
         with record_function(PREFIX + "start"):
             pass
