@@ -1,0 +1,101 @@
+"""The compiled decode step among the trainer's other machinery (policy/static_decode.py, sampling.py):
+the offloaded optimizer's forward pre-hooks, and the fallback to the dynamic step when compiling fails.
+
+Compiled on the CPU with dynamo's "eager" backend: what is counted (graphs, graph breaks) is dynamo's
+business, and Inductor's C++ compiles would cost a minute per test.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from lowmem_grpo.config import GenerationConfig, OptimConfig
+from lowmem_grpo.policy import sampling, static_decode
+from lowmem_grpo.policy.sampling import sample
+from lowmem_grpo.policy.static_decode import StaticKV
+
+from .test_sampling import CPU, PAD, random_prompts
+from .test_static_decode import count_graphs
+
+
+def layered_qwen2(layers: int, seed: int = 0):
+    """A tiny random Qwen2 (sdpa) with `layers` decoder layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, initializer_range=0.2, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=PAD)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def test_the_offloaded_optimizers_waits_stay_out_of_the_compiled_step(monkeypatch):
+    """The offloaded optimizer puts a pre-hook on every module that waits for that module's update
+    (memory_modes/offload.py, wait_in_forward). Traced into the compiled step, it split the step of a
+    12-layer model into 25 graphs with 28 breaks (and on a GPU the trace crashed). The step must stay one
+    graph; the waits happen in the rollout's prefill, which runs eagerly before any decode step: every
+    parameter of the model has been waited for before the first compiled step runs."""
+    from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")
+    events = []
+    real_wait = OffloadedOptimizerInBackward._wait_for
+    monkeypatch.setattr(OffloadedOptimizerInBackward, "_wait_for", lambda self, indices: (
+        events.append(("wait", tuple(indices))), real_wait(self, indices))[1])
+    real_call = StaticKV.__call__
+    monkeypatch.setattr(StaticKV, "__call__", lambda self, *a, **k: (
+        events.append(("step",)), real_call(self, *a, **k))[1])
+    torch._dynamo.reset()
+    model = layered_qwen2(12)
+    opt = build_optimizer(model, OptimConfig(optimizer="adamw", offload_optimizer=True, learning_rate=1e-3))
+    assert isinstance(opt, OffloadedOptimizerInBackward)
+    opt.wait_in_forward(model)
+    cfg = GenerationConfig(max_completion_length=6, generation_micro_batch_size=1, max_prompt_length=8)
+    prompts = random_prompts([5, 3], 64, seed=2)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    out = []
+    graphs, breaks = count_graphs(lambda: out.append(sample(model, prompts, 1, cfg, decode="compiled", **kw)))
+    assert not breaks, f"graph breaks split the step: {breaks}"
+    assert graphs == 1  # one bucket (micro-batch 1): one graph
+    assert torch.equal(out[0], sample(model, prompts, 1, cfg, decode="static", **kw))
+    first_step = events.index(("step",))
+    waited = {i for e in events[:first_step] if e[0] == "wait" for i in e[1]}
+    assert waited == set(range(len(opt.params))), "the prefill did not wait for every parameter"
+    opt.release_host_memory()
+
+
+def test_the_15b_recipes_compiled_rollout_runs_under_the_offloaded_optimizer(tmp_path, monkeypatch):
+    """The shipped 1.5B recipe as a GPU runs it (compile_decode auto = the compiled step on CUDA; the
+    offloaded optimizer's waits on every module) on a 12-layer stand-in on the CPU: its rollouts decode
+    with the compiled step, with no graph break and no fallback to the dynamic step, and training goes on."""
+    import json
+    from pathlib import Path
+
+    from lowmem_grpo.config import load_config
+    from lowmem_grpo.training.trainer import Trainer
+    from tests.training.conftest import toy_rows, write_jsonl
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(sampling, "_compile_failures", [])
+    steps = []
+    real_call = StaticKV.__call__
+    monkeypatch.setattr(StaticKV, "__call__", lambda self, *a, **k: (
+        steps.append(self.compiled), real_call(self, *a, **k))[1])
+    torch._dynamo.reset()
+    stand_in = {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 64, "tie_word_embeddings": True, "bos_token_id": None,
+                "eos_token_id": 1, "pad_token_id": 0}
+    recipe = Path(__file__).parents[2] / "recipes" / "qwen2.5-1.5b_gsm8k_8gb.yaml"
+    cfg = load_config(recipe, [
+        "model.name_or_path=null", f"model.config={json.dumps(stand_in)}", "model.tokenizer=none",
+        f"data.train_file={write_jsonl(tmp_path / 'train.jsonl', toy_rows(16))}", "data.eval_file=null",
+        "reward_funcs=[tests.training.conftest:label_reward]", "reward_weights=null",
+        "max_prompt_length=8", "max_completion_length=6", "max_steps=2", "compile_decode=true",
+        f"output_dir={tmp_path / 'run'}", "progress_bar=false", "save_steps=0", "device=cpu"])
+    assert cfg.optim.offload_optimizer and cfg.generation.generation_micro_batch_size == 32
+    trainer = Trainer(cfg)
+    graphs, breaks = count_graphs(trainer.train)
+    assert steps and all(steps), "the rollouts did not decode with the compiled step"
+    assert not sampling._compile_failures and not breaks, (sampling._compile_failures, breaks)
+    assert graphs <= len(static_decode.buckets(32))
