@@ -99,3 +99,58 @@ def test_the_15b_recipes_compiled_rollout_runs_under_the_offloaded_optimizer(tmp
     assert steps and all(steps), "the rollouts did not decode with the compiled step"
     assert not sampling._compile_failures and not breaks, (sampling._compile_failures, breaks)
     assert graphs <= len(static_decode.buckets(32))
+
+
+def _broken_compile(monkeypatch, error: Exception, after: int = 0) -> list:
+    """The compiled step raises `error` from its `after`-th call on (a failed compile: 0; later: a failed
+    step mid-rollout). Returns the list of its calls."""
+    calls = []
+
+    def compiled_step(device_type, backend="inductor"):
+        def step(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > after:
+                raise error
+            return static_decode.decode_step(*args, **kwargs)
+        return step
+    monkeypatch.setattr(static_decode, "compiled_step", compiled_step)
+    return calls
+
+
+@pytest.mark.parametrize("after", [0, 3], ids=["at_compile", "mid_rollout"])
+def test_any_error_of_the_first_compiled_rollout_falls_back_to_the_dynamic_step(monkeypatch, caplog, after):
+    """A plain RuntimeError (not one of torch.compile's own exceptions: a CUDA graph's capture or replay, a
+    kernel) in the process's first compiled rollout: the rollout is sampled again with the dynamic step, the
+    reason logged once, and later rollouts use the dynamic step without trying again."""
+    import dataclasses
+
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    monkeypatch.setattr(sampling, "_compile_failures", [])
+    monkeypatch.setattr(sampling, "_compiled_rollouts", 0, raising=False)
+    calls = _broken_compile(monkeypatch, RuntimeError("capture failed: operation not permitted"), after)
+    model = layered_qwen2(2, seed=3)
+    prompts = [p for p in random_prompts([3, 6], 64) for _ in range(2)]
+    cfg = GenerationConfig(max_completion_length=6, compile_decode=True, max_prompt_length=8)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True)
+    dynamic = dataclasses.replace(cfg, compile_decode=False)
+    plain = rollout_generate(model, prompts, dynamic, **kw).completion_ids
+    with caplog.at_level(logging.WARNING, logger="lowmem_grpo.policy.sampling"):
+        first = rollout_generate(model, prompts, cfg, **kw).completion_ids
+        second = rollout_generate(model, prompts, cfg, **kw).completion_ids
+    assert torch.equal(first, plain) and torch.equal(second, plain)
+    assert len(calls) == after + 1 and sampling.decode_mode(model, cfg, CPU) == "dynamic"
+    logged = [r.getMessage() for r in caplog.records if "compile_decode" in r.getMessage()]
+    assert len(logged) == 1 and "RuntimeError: capture failed" in logged[0], logged
+
+
+def test_after_a_compiled_rollout_has_succeeded_a_plain_error_is_raised(monkeypatch):
+    """Once the compiled step has run a whole rollout in this process, an error that is not torch.compile's
+    (nor a graph capture's) is not the compiler's doing: it stops the run, as it would on the dynamic step."""
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    monkeypatch.setattr(sampling, "_compile_failures", [])
+    monkeypatch.setattr(sampling, "_compiled_rollouts", 1, raising=False)
+    _broken_compile(monkeypatch, RuntimeError("CUDA error: an illegal memory access was encountered"))
+    cfg = GenerationConfig(max_completion_length=6, compile_decode=True, max_prompt_length=8)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        rollout_generate(layered_qwen2(2), [[5, 6, 7]] * 2, cfg, eos_ids=[], pad_id=PAD, device=CPU,
+                         greedy=True)
