@@ -14,7 +14,7 @@ Three paths on the same inputs:
   static    refill with the static-shape step (policy/static_decode.py), eager: the preallocated cache,
             the step at batch-size buckets;
   compiled  the same step under torch.compile, as generation.compile_decode runs it (on CUDA: CUDA graphs
-            per bucket, torch.compile's reduce-overhead mode).
+            per batch x length bucket, captured by each rollout: policy/decode_graphs.py).
 Only the paths named in --paths run (default generate, fast, refill).
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every

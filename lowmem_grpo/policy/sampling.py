@@ -491,20 +491,23 @@ _compiled_rollouts = 0  # compiled rollouts that ran to the end in this process
 
 
 def compile_errors() -> tuple[type, ...]:
-    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own)."""
+    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own) and of a
+    failed CUDA graph capture of the step (decode_graphs.py)."""
     import torch._dynamo.exc
+
+    from .decode_graphs import GraphCaptureError
     try:
         from torch._inductor.exc import InductorError
     except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
-        return (torch._dynamo.exc.TorchDynamoException,)
-    return (torch._dynamo.exc.TorchDynamoException, InductorError)
+        return (torch._dynamo.exc.TorchDynamoException, GraphCaptureError)
+    return (torch._dynamo.exc.TorchDynamoException, InductorError, GraphCaptureError)
 
 
 def falls_back(error: Exception) -> bool:
     """Whether a compiled rollout that raised `error` is sampled again with the dynamic step: any exception
     in the process's first compiled rollout (compiling, capturing and the first replays all happen there;
-    none of them may stop a run that the dynamic step would finish), and afterwards torch.compile's own
-    (a batch bucket first met in a later rollout compiles then)."""
+    none of them may stop a run that the dynamic step would finish), and afterwards those of compiling and
+    capturing (a bucket first met in a later rollout is compiled or captured then)."""
     return not _compiled_rollouts or isinstance(error, compile_errors())
 
 
