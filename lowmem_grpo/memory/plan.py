@@ -32,7 +32,9 @@ prompts at once, between steps), wherever the run has held-out prompts. Each pha
     KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
                         measured bytes/token,
                         + the prefill's transient or the last position's logits through sampling, +
-                        autocast's weight copies (all of generation's working memory, as profiled), + with
+                        under autocast the bf16 copies of the fp32 weights, every layer's and the output
+                        head's (autocast's cache when eager, the compiled step's own copies: both held
+                        all rollout; all of generation's working memory, as profiled), + with
                         the compiled step on CUDA its graphs' logits buffer and pool (decode_graph_bytes;
                         the rollout's own: nothing of them stays after it)
     reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
@@ -273,14 +275,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 
     def generation(rows: int, micro_batch: int) -> int:
         """Generation's memory for `rows` rows at once, all under "KV cache" as the profiler counts it: the
-        cache, the prefill's transient or the sampling logits, autocast's bf16 weight copies (cached in
-        no-grad passes too), and the compiled step's CUDA graphs."""
+        cache, the prefill's transient or the sampling logits, the bf16 weight copies under autocast (its
+        cache holds them in no-grad passes too; the compiled step holds its own instead: static_decode.py),
+        and the compiled step's CUDA graphs."""
         cache_rows = generation_cache_rows(cfg, rows, micro_batch, device)
         kv = cache_rows * seq * layers * costs.kv_cache
         prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
         logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
         graphs = decode_graph_bytes(cfg, cache_rows, arch, ab, device)
-        return kv + graphs + max(prefill, logits) + layers * casts
+        head_copy = 2 * arch.vocab * H if casts else 0  # the output head's bf16 copy (the tied one's too)
+        return kv + graphs + max(prefill, logits) + layers * casts + head_copy
 
     phases = {"rollout": {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.

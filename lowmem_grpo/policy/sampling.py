@@ -462,7 +462,10 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     was_training = model.training
     model.eval()  # checkpointing only acts in training mode, so the KV cache is used here
     try:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+        # The compiled step decodes from bf16 copies of the fp32 weights (static_decode.bf16_weight_copies):
+        # autocast's cache would hold a second set, so the eager prefills cast theirs per call.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16,
+                            cache_enabled=decode != "compiled"):
             completions = rollout.run().cpu()
         if decode == "compiled":
             global _compiled_rollouts

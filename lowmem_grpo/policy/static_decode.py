@@ -146,6 +146,47 @@ def _grouped_attention(model):
         config._attn_implementation = before
 
 
+def bf16_weight_copies(model, device_type: str) -> dict:
+    """Under bf16 autocast, the compiled step's own bf16 copies of the fp32 weights and biases of the model's
+    Linear layers (the tied output head's included), made once per rollout: {module: {name: copy}}; {}
+    without autocast or where they are not fp32.
+
+    Autocast casts those for every matmul. Eager, it caches each cast until the autocast region ends, so a
+    rollout casts every weight once; a compiled graph has no such cache and casts every weight on every
+    step (~4x the weight traffic of bf16 weights), and on CUDA its pool would hold the head's cast (272 MB
+    at Qwen2.5-0.5B's vocabulary). The copies round as autocast does (`.to(bfloat16)`), so the step computes
+    with the same weights. The embedding (a gather of a few rows, not a matmul) keeps reading the fp32
+    weight, as under autocast."""
+    if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) != torch.bfloat16:
+        return {}
+    made: dict[int, torch.nn.Parameter] = {}  # one copy of a weight that two Linear layers share
+    copies = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            mine = {}
+            for name, p in module.named_parameters(recurse=False):
+                if p.dtype == torch.float32:
+                    if id(p) not in made:
+                        made[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+                    mine[name] = made[id(p)]
+            if mine:
+                copies[module] = mine
+    return copies
+
+
+@contextlib.contextmanager
+def _weights_swapped(copies: dict):
+    """Inside the block the modules hold these copies in place of their parameters (bf16_weight_copies)."""
+    saved = [(module, name, module._parameters[name]) for module, mine in copies.items() for name in mine]
+    for module, mine in copies.items():
+        module._parameters.update(mine)
+    try:
+        yield
+    finally:
+        for module, name, p in saved:
+            module._parameters[name] = p
+
+
 class _RowCache:
     """What the model's attention layers call as their cache: each row's new K/V go to its own column."""
 
@@ -193,7 +234,7 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
 _compiled: dict[tuple, object] = {}
 
 
-def compiled_step(device_type: str, backend: str = "inductor"):
+def compiled_step(backend: str = "inductor"):
     """decode_step under torch.compile: one graph per batch bucket (dynamic=False); no CUDA graphs of its own
     (StaticKV captures them: decode_graphs.py)."""
     if backend not in _compiled:
@@ -222,6 +263,10 @@ class StaticKV:
                        for v in like.values]
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
+        # compiled under bf16 autocast: the step decodes from bf16 copies of the fp32 Linear weights
+        self.weights = bf16_weight_copies(model, device.type) if compiled else {}
+        unique = {id(p): p for mine in self.weights.values() for p in mine.values()}
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())
         recorder = GRAPH_RECORDER(device) if compiled else None
         # the CUDA graphs of this rollout's steps, with their static buffers (rows x V fp32 logits)
         self.graphs = None if recorder is None else StepGraphs(recorder, rows, like.logits.shape[-1], device)
@@ -232,15 +277,16 @@ class StaticKV:
         if self.grouped:
             from transformers import AttentionInterface
             AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
-        self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
+        self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
         """End of the rollout: the CUDA graphs (with their pool and static buffers) and the K/V buffers go
         (the training step needs the memory); the next rollout allocates and captures afresh. The compiled
         code stays (compiled once per batch bucket and process)."""
         if self.graphs is not None:
-            self.graphs.reset()  # first: they read the buffers below
+            self.graphs.reset()  # first: they read the buffers and weight copies below
             self.graphs = None
+        self.weights = {}
         # Freed now, whatever still refers to the tensors: under the memory profiler, in some test orders,
         # something still held them after the rollout (the profile counted them in the rollout batch; the
         # holder was not found), and an 8 GB card's training step needs that memory at once.
@@ -269,7 +315,8 @@ class StaticKV:
         keys, values = self.bucket_views(B, L)
 
         def step(ids: Tensor, pos: Tensor, into: Optional[Tensor] = None) -> Tensor:
-            with _grouped_attention(model) if self.grouped else contextlib.nullcontext():
+            with _weights_swapped(self.weights), (_grouped_attention(model) if self.grouped
+                                                  else contextlib.nullcontext()):
                 return self.step(model, ids, pos, keys, values, into=into, **self.kwargs)
         if self.graphs is None:
             return step(input_ids, positions)

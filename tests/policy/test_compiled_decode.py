@@ -106,7 +106,7 @@ def _broken_compile(monkeypatch, error: Exception, after: int = 0) -> list:
     step mid-rollout). Returns the list of its calls."""
     calls = []
 
-    def compiled_step(device_type, backend="inductor"):
+    def compiled_step(backend="inductor"):
         def step(*args, **kwargs):
             calls.append(1)
             if len(calls) > after:
@@ -154,3 +154,73 @@ def test_after_a_compiled_rollout_has_succeeded_a_plain_error_is_raised(monkeypa
     with pytest.raises(RuntimeError, match="illegal memory access"):
         rollout_generate(layered_qwen2(2), [[5, 6, 7]] * 2, cfg, eos_ids=[], pad_id=PAD, device=CPU,
                          greedy=True)
+
+
+def _weight_casts(monkeypatch) -> list:
+    """Trace the compiled step through AOTAutograd (where autocast's casts become ops) and list the shapes of
+    the 2-D fp32 graph inputs (weights) that its graph casts to bf16."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    casts = []
+
+    def record(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten._to_copy.default and node.kwargs.get("dtype") == torch.bfloat16:
+                src = node.args[0]
+                val = src.meta.get("val") if hasattr(src, "meta") else None
+                weight = val is not None and val.dim() == 2 and val.dtype == torch.float32
+                if src.op == "placeholder" and weight:
+                    casts.append(tuple(val.shape))
+        return make_boxed_func(gm.forward)
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", aot_autograd(fw_compiler=record))
+    return casts
+
+
+def test_under_autocast_the_compiled_step_decodes_from_bf16_copies_of_the_fp32_weights(monkeypatch):
+    """fp32 master weights decoding under bf16 autocast (the 0.5B recipes): the compiled graph has no cache of
+    autocast's casts, so it cast every 2-D weight on every step (15 of 15 here). It decodes from bf16 copies
+    made once per rollout instead: no weight cast in the graph, the tokens of the eager static step (whose
+    autocast casts the same weights the same way), and the copies (2 bytes per Linear parameter, the tied
+    head's once) go when the rollout ends. The next rollout's new copies compile nothing new."""
+    casts = _weight_casts(monkeypatch)
+    made = []
+    real = StaticKV.__init__
+    monkeypatch.setattr(StaticKV, "__init__", lambda self, *a, **k: (
+        real(self, *a, **k), made.append(self))[0])
+    torch._dynamo.reset()
+    model = layered_qwen2(2, seed=9)
+    cfg = GenerationConfig(max_completion_length=8, generation_micro_batch_size=2, max_prompt_length=8)
+    prompts = random_prompts([5, 3, 6], 64, seed=10)
+    kw = dict(eos_ids=[], pad_id=PAD, device=CPU, greedy=True, autocast_bf16=True)
+    compiled = sample(model, prompts, 2, cfg, decode="compiled", **kw)
+    assert torch.equal(compiled, sample(model, prompts, 2, cfg, decode="static", **kw))
+    assert casts == [], f"the compiled step casts weights on every step: {casts}"
+    again = []  # the next rollout's copies are new tensors: the same graphs serve them
+    assert count_graphs(lambda: again.append(sample(model, prompts, 2, cfg, decode="compiled", **kw)))[0] == 0
+    assert torch.equal(again[0], compiled)
+    linear = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    assert made[0].weight_bytes == 2 * sum(p.numel() for p in linear.values()) and made[0].weights == {}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the model's own weights untouched
+
+
+def test_planner_counts_the_bf16_copy_of_the_output_head_under_autocast(monkeypatch):
+    """A rollout under autocast with fp32 weights holds a bf16 copy of every layer's weights and of the output
+    head (V x H): autocast caches the head's cast too (eager), and the compiled step decodes from its own
+    copy. Measured by holding the layer costs fixed and turning autocast on."""
+    from lowmem_grpo.config import load_config
+    from lowmem_grpo.memory import plan as planner
+    from lowmem_grpo.memory.layer_probe import layer_costs
+    tiny = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "tie_word_embeddings": True}
+    arch = planner.Arch.from_config(tiny)
+    costs = layer_costs(tiny, torch.float32, False)
+    monkeypatch.setattr(planner, "layer_costs", lambda config, dtype, autocast: costs)
+    cfg = load_config(None, ["model.name_or_path=x", "reward_funcs=[numeric_answer]", "max_prompt_length=100",
+                             "max_completion_length=28"])
+
+    def kv(autocast):
+        phases = planner.plan(cfg, arch, autocast=autocast, device="cpu")["phase_categories"]
+        return phases["rollout"]["KV cache"]
+    copies = 2 * (arch.layers * arch.layer_params() + arch.vocab * arch.hidden)
+    assert kv(True) - kv(False) == copies
