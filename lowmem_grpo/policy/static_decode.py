@@ -63,7 +63,9 @@ the 1.5B recipes' 16; memory/plan.py counts them in the rollout).
 Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per batch bucket; only the attended
 length, marked on the views, is dynamic), without Inductor's own CUDA graphs; on CUDA the rollout captures
 and replays the compiled step itself (decode_graphs.StepGraphs; why not mode="reduce-overhead": there).
-Parameters are read by address: weights changed in place (the optimizers here) are seen by the next step.
+Parameters are read by address: weights changed in place (the optimizers here, between rollouts) are seen
+by the next rollout. Under bf16 autocast with fp32 weights the compiled step reads bf16 copies of the
+Linear weights made when its rollout starts (`bf16_weight_copies`) instead of casting them every step.
 """
 
 from __future__ import annotations
@@ -231,7 +233,7 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
     return logits if into is None else into.copy_(logits)
 
 
-_compiled: dict[tuple, object] = {}
+_compiled: dict[object, object] = {}  # backend -> decode_step compiled with it
 
 
 def compiled_step(backend: str = "inductor"):

@@ -8,6 +8,7 @@ static step. The cuda tests run the real capture on a GPU.
 """
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.policy import decode_graphs, sampling, static_decode
 from lowmem_grpo.policy.decode_graphs import StepGraphs, live_graphs
 from lowmem_grpo.policy.sampling import SamplingStats, sample
-from lowmem_grpo.policy.static_decode import StaticKV, buckets
+from lowmem_grpo.policy.static_decode import StaticKV
 
 from .test_sampling import CPU, PAD, frequent_token, random_prompts, tiny_model
 from .test_static_decode import count_graphs
@@ -193,6 +194,7 @@ def test_graphed_step_matches_eager_on_cuda(dtype, monkeypatch):
         stats = SamplingStats()
         out = sample(model, distinct, G, cfg, decode="compiled", stats=stats, **kw)
         torch.cuda.synchronize()
+        gc.collect()  # (the rollout's objects, cycles included)
         return out, stats, live_graphs(), torch.cuda.memory_allocated()
 
     def assert_matches(graphed, eager):
