@@ -14,7 +14,7 @@ Three paths on the same inputs:
   static    refill with the static-shape step (policy/static_decode.py), eager: the preallocated cache,
             the step at batch-size buckets;
   compiled  the same step under torch.compile, as generation.compile_decode runs it (on CUDA: CUDA graphs
-            per bucket, torch.compile's reduce-overhead mode).
+            per batch x length bucket, captured by each rollout: policy/decode_graphs.py).
 Only the paths named in --paths run (default generate, fast, refill).
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
@@ -23,6 +23,10 @@ captures each bucket it meets) is timed apart ("warmup_seconds"). "weight_gb_per
 weight reads alone (decode steps x parameter bytes / seconds): a lower bound on the bandwidth used, to set
 against the card's roofline (H100 SXM: 3.35 TB/s).
 --tiny: the architecture at toy width and depth (the CPU rehearsal of the GPU session).
+--autocast: fp32 weights decoding under bf16 autocast, as the recipes with fp32 master weights (the 0.5B
+ones) roll out: the eager paths cast each weight once per rollout (autocast's cache), the compiled path
+decodes from bf16 copies made once per rollout (policy/static_decode.py, bf16_weight_copies); the matmuls
+read bf16 weights either way, so "weight_gb_per_s" counts 2 bytes per parameter then.
 
 Set-up: a random-weight model of the architecture preset (lowmem_grpo/memory/presets.py; speed does not
 depend on weight values, no download), fp32 weights, `--prompts` prompts of random ids, lengths spread
@@ -101,17 +105,18 @@ def add_eos_bias(model, prompts: list[list[int]], eos: int, hazard: float, devic
     return bias
 
 
-def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed):
+def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed, autocast=False):
     """One rollout by `path`: (seconds, completion tokens, mean length over rows, truncated fraction, stats)."""
     stats = SamplingStats()
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     if path == "generate":
         completions = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos],
-                               pad_id=pad, device=device).completion_ids
+                               pad_id=pad, device=device, autocast_bf16=autocast).completion_ids
     else:
         completions = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=pad, device=device, stats=stats,
-                             refill=path != "fast", decode=DECODE.get(path, "dynamic"))
+                             refill=path != "fast", decode=DECODE.get(path, "dynamic"),
+                             autocast_bf16=autocast)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -144,26 +149,32 @@ def main() -> None:
     parser.add_argument("--paths", default="generate,fast,refill", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the model's weights")
     parser.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="decode under bf16 autocast (with --dtype fp32: the fp32-master-weight recipes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     if not paths or any(p not in PATHS for p in paths):
         parser.error(f"--paths: choose from {', '.join(PATHS)}, got {args.paths!r}")
+    if args.autocast and args.dtype != "fp32":
+        parser.error("--autocast decodes fp32 weights under bf16 autocast: use it with --dtype fp32")
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model, eos, pad = build_model(args.arch, device, dtype, args.tiny)
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    param_bytes = sum(p.numel() * (2 if args.autocast else p.element_size()) for p in model.parameters())
     distinct = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, eos)
     bias = add_eos_bias(model, distinct, eos, args.eos_hazard, device) if args.eos_hazard > 0 else None
     prompts = [p for p in distinct for _ in range(args.G)]
     cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch,
                            max_prompt_length=args.max_prompt_length or max(len(p) for p in distinct))
-    print(f"{args.arch}{' (tiny)' if args.tiny else ''} random {args.dtype} weights on {device}: {args.prompts} prompts ({[len(p) for p in distinct]} tokens) "
+    print(f"{args.arch}{' (tiny)' if args.tiny else ''} random {args.dtype} weights"
+          f"{' under bf16 autocast' if args.autocast else ''} on {device}: {args.prompts} prompts "
+          f"({[len(p) for p in distinct]} tokens) "
           f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
 
-    kw = dict(G=args.G, eos=eos, pad=pad, device=device)
+    kw = dict(G=args.G, eos=eos, pad=pad, device=device, autocast=args.autocast)
     warmup = {}
     for path in paths:  # warm-up; the static paths' shapes depend on the length limit: a whole rollout
         short = path not in DECODE

@@ -32,7 +32,11 @@ prompts at once, between steps), wherever the run has held-out prompts. Each pha
     KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
                         measured bytes/token,
                         + the prefill's transient or the last position's logits through sampling, +
-                        autocast's weight copies (all of generation's working memory, as profiled)
+                        under autocast the bf16 copies of the fp32 weights, every layer's and the output
+                        head's (autocast's cache when eager, the compiled step's own copies: both held
+                        all rollout; all of generation's working memory, as profiled), + with
+                        the compiled step on CUDA its graphs' logits buffer and pool (decode_graph_bytes;
+                        the rollout's own: nothing of them stays after it)
     reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
 
 Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS workspace and
@@ -271,12 +275,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 
     def generation(rows: int, micro_batch: int) -> int:
         """Generation's memory for `rows` rows at once, all under "KV cache" as the profiler counts it: the
-        cache, the prefill's transient or the sampling logits, and autocast's bf16 weight copies (cached in
-        no-grad passes too)."""
-        kv = generation_cache_rows(cfg, rows, micro_batch, device) * seq * layers * costs.kv_cache
+        cache, the prefill's transient or the sampling logits, the bf16 weight copies under autocast (its
+        cache holds them in no-grad passes too; the compiled step holds its own instead: static_decode.py),
+        and the compiled step's CUDA graphs."""
+        cache_rows = generation_cache_rows(cfg, rows, micro_batch, device)
+        kv = cache_rows * seq * layers * costs.kv_cache
         prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
         logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
-        return kv + max(prefill, logits) + layers * casts
+        graphs = decode_graph_bytes(cfg, cache_rows, arch, ab, device)
+        head_copy = 2 * arch.vocab * H if casts else 0  # the output head's bf16 copy (the tied one's too)
+        return kv + graphs + max(prefill, logits) + layers * casts + head_copy
 
     phases = {"rollout": {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
@@ -318,14 +326,30 @@ def activations_offloaded(cfg: Config, layer_io: int) -> bool:
     return cfg.model.offload_activations and cfg.model.gradient_checkpointing and layer_io >= MIN_BYTES
 
 
+def compiled_decode(cfg: Config, device: str = "cuda") -> bool:
+    """Whether generation decodes with the compiled static step (generation.compile_decode; auto: on CUDA)."""
+    setting = cfg.generation.compile_decode
+    return (setting is True or (setting == "auto" and device != "cpu")) and cfg.generation.fast_rollout
+
+
 def generation_cache_rows(cfg: Config, rows: int, micro_batch: int, device: str = "cuda") -> int:
     """Rows of KV cache a generation call holds for `rows` rows decoding at once (at most `micro_batch`): those
     rows, growing with the completions (the dynamic step, the planner counts them grown to the length limit),
-    or with the compiled static step (generation.compile_decode; auto = on CUDA) the smallest batch-size
-    bucket that holds them, preallocated whole at the length limit (policy/static_decode.py)."""
+    or with the compiled static step the smallest batch-size bucket that holds them, preallocated whole at
+    the length limit (policy/static_decode.py)."""
     from ..policy.static_decode import bucket_for
-    compiled = cfg.generation.compile_decode is True or (cfg.generation.compile_decode == "auto" and device != "cpu")
-    return bucket_for(rows, micro_batch) if compiled and cfg.generation.fast_rollout else rows
+    return bucket_for(rows, micro_batch) if compiled_decode(cfg, device) else rows
+
+
+def decode_graph_bytes(cfg: Config, cache_rows: int, arch: Arch, compute_bytes: int,
+                       device: str = "cuda") -> int:
+    """The compiled step's CUDA graphs while a rollout decodes with `cache_rows` rows of cache
+    (policy/decode_graphs.py): their static logits buffer, (rows, V) fp32, and their memory pool, about the
+    largest bucket's step transients, its (rows, V) logits in the compute dtype. Both go when the rollout
+    ends; 0 off CUDA."""
+    if device != "cuda" or not compiled_decode(cfg, device):
+        return 0
+    return (4 + compute_bytes) * cache_rows * arch.vocab
 
 
 def evaluation_rows(cfg: Config) -> int:

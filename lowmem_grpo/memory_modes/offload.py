@@ -595,14 +595,26 @@ class OffloadedOptimizerInBackward(OptimizerInBackward):
         """Make every use of the weights wait for their own updates: a forward pre-hook on each module of
         `model` that owns parameters directly, and the fused loss heads' weight (`heads`: policy/model.py
         `Head`, whose weight is read without its module's forward). Until this is called, end_step
-        updates inline. Idempotent per model."""
+        updates inline. Idempotent per model.
+
+        A forward traced by torch.compile does not wait (the hook returns at once when compiling, so it adds
+        no graph break): the compiled decode step (policy/static_decode.py) runs only after its rollout's
+        prefill, an eager forward of the same modules, has waited for all of them, and neither the compiled
+        code nor a CUDA graph replay of it calls the hooks. It is the only forward this package compiles; code
+        that compiles another forward of the model calls `synchronize()` before it."""
         if id(model) in self._waiting_models:
             return
+
+        def waits_for(indices: list[int], wait=weakly(self._wait_for)):
+            def hook(_module, _args):
+                if torch.compiler.is_compiling():
+                    return
+                wait(indices)
+            return hook
         for module in model.modules():
             indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
             if indices:
-                module.register_forward_pre_hook(lambda _module, _args, wait=weakly(self._wait_for), indices=indices:
-                                                 wait(indices))
+                module.register_forward_pre_hook(waits_for(indices))
         for head in heads:
             if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
                 output = head.output

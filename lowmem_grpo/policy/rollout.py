@@ -115,8 +115,8 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
     """
     from transformers import GenerationConfig as HFGenerationConfig
 
-    from .sampling import (compile_errors, compile_failed, decode_mode, group_runs, sample,  # (sampling.py imports
-                           use_fast_sampling)  # this module)
+    from .sampling import (compile_failed, decode_mode, falls_back, group_runs, sample,  # (sampling.py
+                           use_fast_sampling)  # imports this module)
     micro_batch = micro_batch or cfg.generation_micro_batch_size
     max_new = max_new_tokens or cfg.max_completion_length
     if cfg.fast_rollout and use_fast_sampling(model, cfg, greedy):
@@ -126,8 +126,8 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
         decode = decode_mode(model, cfg, device)
         try:
             completion_ids = sample(model, distinct, counts, cfg, decode=decode, **kw)  # (N, C)
-        except compile_errors() as e:  # generation.compile_decode: a step torch.compile cannot compile
-            if decode != "compiled":
+        except Exception as e:  # noqa: BLE001 - compile_decode: a step that fails to compile, capture, run
+            if decode != "compiled" or not falls_back(e):
                 raise
             compile_failed(e)
             completion_ids = sample(model, distinct, counts, cfg, decode="dynamic", **kw)

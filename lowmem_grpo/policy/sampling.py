@@ -462,8 +462,15 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     was_training = model.training
     model.eval()  # checkpointing only acts in training mode, so the KV cache is used here
     try:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-            return rollout.run().cpu()
+        # The compiled step decodes from bf16 copies of the fp32 weights (static_decode.bf16_weight_copies):
+        # autocast's cache would hold a second set, so the eager prefills cast theirs per call.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16,
+                            cache_enabled=decode != "compiled"):
+            completions = rollout.run().cpu()
+        if decode == "compiled":
+            global _compiled_rollouts
+            _compiled_rollouts += 1
+        return completions
     finally:
         model.train(was_training)
         if rollout.static is not None:
@@ -482,24 +489,36 @@ def use_fast_sampling(model: nn.Module, cfg: GenerationConfig, greedy: bool = Fa
     return problem is None
 
 
-_compile_failures: list[str] = []  # why torch.compile failed on the step in this process (then: the dynamic step)
+_compile_failures: list[str] = []  # why the compiled step failed in this process (then: the dynamic step)
+_compiled_rollouts = 0  # compiled rollouts that ran to the end in this process
 
 
 def compile_errors() -> tuple[type, ...]:
-    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own)."""
+    """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own) and of a
+    failed CUDA graph capture of the step (decode_graphs.py)."""
     import torch._dynamo.exc
+
+    from .decode_graphs import GraphCaptureError
     try:
         from torch._inductor.exc import InductorError
     except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
-        return (torch._dynamo.exc.TorchDynamoException,)
-    return (torch._dynamo.exc.TorchDynamoException, InductorError)
+        return (torch._dynamo.exc.TorchDynamoException, GraphCaptureError)
+    return (torch._dynamo.exc.TorchDynamoException, InductorError, GraphCaptureError)
+
+
+def falls_back(error: Exception) -> bool:
+    """Whether a compiled rollout that raised `error` is sampled again with the dynamic step: any exception
+    in the process's first compiled rollout (compiling, capturing and the first replays all happen there;
+    none of them may stop a run that the dynamic step would finish), and afterwards those of compiling and
+    capturing (a bucket first met in a later rollout is compiled or captured then)."""
+    return not _compiled_rollouts or isinstance(error, compile_errors())
 
 
 def compile_failed(error: Exception) -> None:
-    """The compiled step failed to compile: this process decodes with the dynamic step from now on (logged)."""
+    """The compiled step failed: this process decodes with the dynamic step from now on (logged once)."""
     _compile_failures.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-    log.warning("generation.compile_decode: torch.compile failed on the decode step (%s); this rollout and the "
-                "next ones use the dynamic step. Set generation.compile_decode=false to skip the attempt.",
+    log.warning("generation.compile_decode: the compiled decode step failed (%s); this rollout and the next "
+                "ones use the dynamic step. Set generation.compile_decode=false to skip the attempt.",
                 _compile_failures[-1])
 
 

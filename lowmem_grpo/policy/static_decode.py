@@ -19,15 +19,15 @@ policy/sampling.py decodes with a growing DynamicCache by default. With `decode=
   sees a ready 4D mask (bool for sdpa, additive for eager), which transformers passes through. It runs on
   views of the buffers (below: buckets of rows and of columns), so `length` is the attended length.
 * **Buckets**: the step runs on the first B rows of the buffers, B one of `buckets(micro_batch)`: the
-  micro-batch and its halves down to an eighth (64 -> 64, 32, 16, 8). Each bucket is one compiled graph
-  (one CUDA graph on a GPU). A new batch takes the smallest bucket that holds its rows; once nothing
-  waits, finished rows are compacted into the front rows when the live ones fit a smaller bucket (a copy
-  of the live rows' K/V, as the dynamic path's compaction). Otherwise finished rows stay as masked
-  dead rows, and refills take their slots. Why halves and not every size: on a GPU a decode step of a
-  small model reads all weights whatever B is, so rows cost only their attention (their K/V reads);
-  a bucket at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of
-  the micro-batch the step is weight-bound anyway). Fewer graphs: less compile time and memory, and
-  dynamo's recompile limit (8 per function) is never reached by one model.
+  micro-batch and its halves down to an eighth (64 -> 64, 32, 16, 8). Each bucket is one compiled graph (on
+  a GPU one CUDA graph per batch x length bucket). A new batch takes the smallest bucket that holds its
+  rows; once nothing waits, finished rows are compacted into the front rows when the live ones fit a smaller
+  bucket (a copy of the live rows' K/V, as the dynamic path's compaction). Otherwise finished rows stay as
+  masked dead rows, and refills take their slots. Why halves and not every size: on a GPU a decode step of a
+  small model reads all weights whatever B is, so rows cost only their attention (their K/V reads); a bucket
+  at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of the micro-batch
+  the step is weight-bound anyway). Fewer graphs: less compile time and memory, and dynamo's recompile limit
+  (8 per function) is never reached by one model.
 * **Length buckets**: the step attends over the buffers' first columns only, as many as a length bucket that
   holds the longest row (`length_buckets`: the cache's length and its halves down to an eighth, rounded up
   to a multiple of 8), not over the whole preallocated length. A row's position is its width minus its left
@@ -53,17 +53,19 @@ it under a name of its own in transformers' attention registry for the step's du
 
 Costs to know: a step attends over up to twice the columns in use (its length bucket, masked columns
 included) where the growing cache of the dynamic step reads only those. Each rollout's new buffers have new
-addresses, so CUDA graphs re-record every batch x length bucket a rollout meets (up to 16, each a warm-up
-and a capture of one step; not measured yet). On CUDA, the graphs keep a private memory pool for the rest of
-the process: about the largest bucket's step transients, mostly its (B, V) logits in the model dtype and in
-fp32 (~29 MB for the 0.5B recipe's 32 rows, ~15 MB for the 1.5B recipes' 16). The planner does not count it
-apart (it is inside the margin's 5% for fragmentation); not measured yet.
+addresses, so a rollout captures a CUDA graph of every batch x length bucket it meets (up to 16, each its
+bucket's first step run as is, then a capture of it; not measured yet). The graphs, their private memory
+pool and their static buffers belong to the rollout (policy/decode_graphs.py) and go when it ends: the
+pool holds the largest bucket's step transients, mostly its (B, V) logits in the compute dtype, and the
+static output buffer its (rows, V) fp32 logits (~29 MB together for the 0.5B recipes' 32 rows, ~15 MB for
+the 1.5B recipes' 16; memory/plan.py counts them in the rollout).
 
 Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per batch bucket; only the attended
-length, marked on the views, is dynamic); on CUDA with mode="reduce-overhead", i.e. CUDA graphs per bucket,
-the buffers marked static addresses (as transformers' StaticCache does) so the graphs write the cache in
-place instead of skipping. Parameters are read by address: weights changed in place (the optimizers here)
-are seen by the next step.
+length, marked on the views, is dynamic), without Inductor's own CUDA graphs; on CUDA the rollout captures
+and replays the compiled step itself (decode_graphs.StepGraphs; why not mode="reduce-overhead": there).
+Parameters are read by address: weights changed in place (the optimizers here, between rollouts) are seen
+by the next rollout. Under bf16 autocast with fp32 weights the compiled step reads bf16 copies of the
+Linear weights made when its rollout starts (`bf16_weight_copies`) instead of casting them every step.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .decode_graphs import StepGraphs, default_recorder
 from .decode_slots import Entry, Prefill, Slots, cache_argument
 
 log = logging.getLogger(__name__)
@@ -145,6 +148,47 @@ def _grouped_attention(model):
         config._attn_implementation = before
 
 
+def bf16_weight_copies(model, device_type: str) -> dict:
+    """Under bf16 autocast, the compiled step's own bf16 copies of the fp32 weights and biases of the model's
+    Linear layers (the tied output head's included), made once per rollout: {module: {name: copy}}; {}
+    without autocast or where they are not fp32.
+
+    Autocast casts those for every matmul. Eager, it caches each cast until the autocast region ends, so a
+    rollout casts every weight once; a compiled graph has no such cache and casts every weight on every
+    step (~4x the weight traffic of bf16 weights), and on CUDA its pool would hold the head's cast (272 MB
+    at Qwen2.5-0.5B's vocabulary). The copies round as autocast does (`.to(bfloat16)`), so the step computes
+    with the same weights. The embedding (a gather of a few rows, not a matmul) keeps reading the fp32
+    weight, as under autocast."""
+    if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) != torch.bfloat16:
+        return {}
+    made: dict[int, torch.nn.Parameter] = {}  # one copy of a weight that two Linear layers share
+    copies = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            mine = {}
+            for name, p in module.named_parameters(recurse=False):
+                if p.dtype == torch.float32:
+                    if id(p) not in made:
+                        made[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+                    mine[name] = made[id(p)]
+            if mine:
+                copies[module] = mine
+    return copies
+
+
+@contextlib.contextmanager
+def _weights_swapped(copies: dict):
+    """Inside the block the modules hold these copies in place of their parameters (bf16_weight_copies)."""
+    saved = [(module, name, module._parameters[name]) for module, mine in copies.items() for name in mine]
+    for module, mine in copies.items():
+        module._parameters.update(mine)
+    try:
+        yield
+    finally:
+        for module, name, p in saved:
+            module._parameters[name] = p
+
+
 class _RowCache:
     """What the model's attention layers call as their cache: each row's new K/V go to its own column."""
 
@@ -165,13 +209,15 @@ class _RowCache:
 
 
 def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor], *,
-                additive_mask: bool, cache_arg: str, keep_logits: bool) -> Tensor:
+                additive_mask: bool, cache_arg: str, keep_logits: bool,
+                into: Optional[Tensor] = None) -> Tensor:
     """One decode step of the first B = len(input_ids) rows: (B,) ids at (B,) positions -> (B, V) fp32 logits.
 
     keys/values: per layer, (B, H, L, D) views of the buffers' first B rows and L columns (StaticKV.bucket_views:
-    the same view objects every step, so a graph's inputs depend on its buckets alone and a CUDA graph sees
-    static addresses). A row attends to its columns 0 .. position; positions past the end (finished rows
-    decoding until the host's next read) write into the last column."""
+    made once per bucket and rollout, at fixed addresses). A row attends to its columns 0 .. position;
+    positions past the end (finished rows decoding until the host's next read) write into the last column.
+    `into`: a (B, V) fp32 buffer the logits are written into and returned as (a CUDA graph's static
+    output)."""
     B, L = input_ids.shape[0], keys[0].shape[2]
     positions = positions.clamp(max=L - 1)
     visible = torch.arange(L, device=positions.device)[None, :] <= positions[:, None]  # (B, L)
@@ -183,23 +229,26 @@ def decode_step(model, input_ids: Tensor, positions: Tensor, keys: list[Tensor],
     kwargs = {"logits_to_keep": 1} if keep_logits else {}
     out = model(input_ids=input_ids[:, None], attention_mask=mask, position_ids=positions[:, None],
                 use_cache=True, return_dict=True, **{cache_arg: cache}, **kwargs)
-    return out.logits[:, -1].float()  # (B, V)
+    logits = out.logits[:, -1].float()  # (B, V)
+    return logits if into is None else into.copy_(logits)
 
 
-_compiled: dict[tuple, object] = {}
+_compiled: dict[object, object] = {}  # backend -> decode_step compiled with it
 
 
-def compiled_step(device_type: str, backend: str = "inductor"):
-    """decode_step under torch.compile: one graph per bucket (dynamic=False); CUDA graphs on a GPU."""
-    mode = "reduce-overhead" if device_type == "cuda" and backend == "inductor" else None
-    key = (mode, backend)
-    if key not in _compiled:
-        _compiled[key] = torch.compile(decode_step, backend=backend, mode=mode, dynamic=False)
-    return _compiled[key]
+def compiled_step(backend: str = "inductor"):
+    """decode_step under torch.compile: one graph per batch bucket (dynamic=False); no CUDA graphs of its own
+    (StaticKV captures them: decode_graphs.py)."""
+    if backend not in _compiled:
+        _compiled[backend] = torch.compile(decode_step, backend=backend, dynamic=False)
+    return _compiled[backend]
 
 
 # The backend `compiled` decoding uses; tests set "eager" to count dynamo's compilations without Inductor.
 COMPILE_BACKEND = "inductor"
+# device -> the recorder of the compiled step's CUDA graphs for one rollout, or None (no graphs). Tests
+# inject one that records on the CPU (decode_graphs.py).
+GRAPH_RECORDER = default_recorder
 
 
 class StaticKV:
@@ -216,7 +265,13 @@ class StaticKV:
                        for v in like.values]
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated
-        self.graphed = compiled and device.type == "cuda" and COMPILE_BACKEND == "inductor"
+        # compiled under bf16 autocast: the step decodes from bf16 copies of the fp32 Linear weights
+        self.weights = bf16_weight_copies(model, device.type) if compiled else {}
+        unique = {id(p): p for mine in self.weights.values() for p in mine.values()}
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+        recorder = GRAPH_RECORDER(device) if compiled else None
+        # the CUDA graphs of this rollout's steps, with their static buffers (rows x V fp32 logits)
+        self.graphs = None if recorder is None else StepGraphs(recorder, rows, like.logits.shape[-1], device)
         self._views: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
@@ -224,17 +279,16 @@ class StaticKV:
         if self.grouped:
             from transformers import AttentionInterface
             AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
-        self.step = compiled_step(device.type, COMPILE_BACKEND) if compiled else decode_step
+        self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
-        """End of the rollout: the buffers go (the training step needs the memory); the next rollout allocates
-        afresh. The compiled graphs stay (compiled once per process). CUDA graphs, recorded against these
-        buffers' addresses, re-record when the next rollout's buffers have other addresses: torch >= 2.13
-        does not count that against cudagraph_unexpected_rerecord_limit (mark_static_address inputs);
-        torch 2.11 (the GPU image) may, and after 128 rollouts would run the buckets unGraphed (a logged
-        "skipping cudagraphs"). The cuda test checks that no bucket runs ungraphed over two rollouts; the
-        limit needs a longer run (not checked yet). torch's reset_cudagraph_trees() would drop the graphs too,
-        but it also strands the compiled functions' handles on the old graph tree: not an option."""
+        """End of the rollout: the CUDA graphs (with their pool and static buffers) and the K/V buffers go
+        (the training step needs the memory); the next rollout allocates and captures afresh. The compiled
+        code stays (compiled once per batch bucket and process)."""
+        if self.graphs is not None:
+            self.graphs.reset()  # first: they read the buffers and weight copies below
+            self.graphs = None
+        self.weights = {}
         # Freed now, whatever still refers to the tensors: under the memory profiler, in some test orders,
         # something still held them after the rollout (the profile counted them in the rollout batch; the
         # holder was not found), and an 8 GB card's training step needs that memory at once.
@@ -245,28 +299,30 @@ class StaticKV:
     def bucket_views(self, B: int, L: int) -> tuple[list[Tensor], list[Tensor]]:
         """Per layer, the K and V buffers' first B rows and first L columns: (B, H, L, D) views, made once per
         (batch, length) bucket and rollout. Compiled, their length is marked dynamic: one graph per batch
-        bucket serves every length bucket (on CUDA, one recorded graph per length). Graphed, they are marked
-        static addresses: CUDA graphs write them in place (else they would skip, mutated inputs) and read
-        them without copying them in."""
+        bucket serves every length bucket (on CUDA, one captured graph per batch x length bucket)."""
         if (B, L) not in self._views:
             views = [k[:B, :, :L] for k in self.keys], [v[:B, :, :L] for v in self.values]
             for t in views[0] + views[1]:
                 if self.compiled and len(length_buckets(self.length)) > 1:
                     torch._dynamo.maybe_mark_dynamic(t, 2)
-                if self.graphed:
-                    torch._dynamo.mark_static_address(t)
             self._views[B, L] = views
         return self._views[B, L]
 
     def __call__(self, model, input_ids: Tensor, positions: Tensor, columns: int) -> Tensor:
         """The step for len(input_ids) rows whose positions are all below `columns` (finished rows' may not be:
-        decode_step clamps them): it attends over the smallest length bucket that holds them."""
-        if self.graphed:
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-        views = self.bucket_views(len(input_ids), length_bucket_for(columns, self.length))
-        with _grouped_attention(model) if self.grouped else contextlib.nullcontext():
-            logits = self.step(model, input_ids, positions, *views, **self.kwargs)
-        return logits.clone() if self.graphed else logits  # a graph's output is overwritten by its next replay
+        decode_step clamps them): it attends over the smallest length bucket that holds them. With CUDA
+        graphs, a bucket's first step runs as is and is captured, its later steps replay it
+        (decode_graphs.py)."""
+        B, L = len(input_ids), length_bucket_for(columns, self.length)
+        keys, values = self.bucket_views(B, L)
+
+        def step(ids: Tensor, pos: Tensor, into: Optional[Tensor] = None) -> Tensor:
+            with _weights_swapped(self.weights), (_grouped_attention(model) if self.grouped
+                                                  else contextlib.nullcontext()):
+                return self.step(model, ids, pos, keys, values, into=into, **self.kwargs)
+        if self.graphs is None:
+            return step(input_ids, positions)
+        return self.graphs((B, L), step, input_ids, positions)
 
 
 class StaticSlots(Slots):

@@ -131,7 +131,9 @@ def test_static_cache_bytes_are_the_planned_preallocation():
 def test_planner_counts_the_static_cache_of_the_bucket():
     """Item 6: with the compiled static step (auto: on CUDA) the rollout holds the bucket's rows of cache,
     allocated whole: 40 rows decoding at micro-batch 64 hold 64 rows (buckets 8, 16, 32, 64); the dynamic
-    step (the CPU, or compile_decode=false) 40. A micro-batch that is a bucket plans as before."""
+    step (the CPU, or compile_decode=false) 40. A micro-batch that is a bucket plans as before. On CUDA the
+    rollout's graphs add their static logits buffer (rows x V fp32) and pool (rows x V in the compute dtype,
+    bf16 under autocast), the rollout's alone: the other phases are the same with and without them."""
     from lowmem_grpo.memory.layer_probe import layer_costs
     from lowmem_grpo.memory.plan import Arch, plan
     tiny = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
@@ -141,13 +143,21 @@ def test_planner_counts_the_static_cache_of_the_bucket():
               "per_device_train_batch_size=8", "steps_per_generation=5", "max_prompt_length=100",
               "max_completion_length=28"]  # a generation batch of 40 rows, sequences of 128
 
+    def phases(device, *more):
+        return plan(load_config(None, common + list(more)), arch, device=device)["phase_categories"]
+
     def kv(device, *more):
-        return plan(load_config(None, common + list(more)), arch, device=device)["phase_categories"]["rollout"][
-            "KV cache"]
+        return phases(device, *more)["rollout"]["KV cache"]
     per_row = 128 * 2 * layer_costs(tiny, torch.float32, True).kv_cache  # (prompt + completion) x layers x K, V
-    assert kv("cuda") - kv("cuda", "compile_decode=false") == (64 - 40) * per_row
-    assert kv("cpu") == kv("cuda", "compile_decode=false") and kv("cpu", "compile_decode=true") == kv("cuda")
-    assert kv("cuda", "steps_per_generation=8") == kv("cuda", "steps_per_generation=8", "compile_decode=false")
+    graphs = (4 + 2) * 64 * 1000  # 64 rows x V: the fp32 logits buffer, the pool's bf16 logits
+    assert kv("cuda") - kv("cuda", "compile_decode=false") == (64 - 40) * per_row + graphs
+    assert kv("cpu") == kv("cuda", "compile_decode=false")
+    assert kv("cpu", "compile_decode=true") == kv("cuda") - graphs
+    spg8 = "steps_per_generation=8"
+    assert kv("cuda", spg8) == kv("cuda", spg8, "compile_decode=false") + graphs
+    on, off = phases("cuda"), phases("cuda", "compile_decode=false")
+    assert {k: v for k, v in on.items() if k not in ("rollout", "evaluation")} == {
+        k: v for k, v in off.items() if k not in ("rollout", "evaluation")}
 
 
 def test_profiler_counts_the_static_cache_as_the_rollouts_kv_cache(tmp_path, monkeypatch):
@@ -280,61 +290,7 @@ def test_a_step_that_fails_to_compile_falls_back_to_the_dynamic_step(monkeypatch
         second = rollout_generate(model, prompts, cfg, **kw).completion_ids
     assert torch.equal(first, plain) and torch.equal(second, plain)
     assert len(calls) == 1 and decode_mode(model, cfg, CPU) == "dynamic"
-    assert sum("torch.compile failed" in r.getMessage() for r in caplog.records) == 1
-
-
-# ---- on a GPU: the graphed step (torch.compile mode="reduce-overhead", CUDA graphs per bucket) ----------
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_step_matches_eager_on_cuda(dtype):
-    """Greedy tokens of the graphed step equal the eager static step's and generate()'s on the GPU, through
-    refills and compactions, with every bucket's CUDA graph used (no cudagraph skip), at most one
-    compilation per bucket; then a weight changed in place is seen by the next rollout."""
-    from torch._dynamo.utils import counters
-    torch._dynamo.reset()
-    cuda = torch.device("cuda")
-    model = tiny_model("qwen2", seed=21).to(cuda, dtype)
-    distinct = random_prompts([3, 7, 5, 9, 4, 6], 64, seed=22)
-    G = 4
-    cfg = GenerationConfig(max_completion_length=24, generation_micro_batch_size=8, **CFG)
-    from lowmem_grpo.policy.rollout import generate as rollout_generate
-    kw = dict(eos_ids=[], pad_id=PAD, device=cuda, greedy=True)
-    free = rollout_generate(model, distinct, dataclasses.replace(cfg, fast_rollout=False), **kw).completion_ids
-    from collections import Counter  # the second most common greedy token: rows end at different steps
-    eos = Counter(free.flatten().tolist()).most_common(2)[1][0]
-    kw["eos_ids"] = [eos]
-    prompts = [p for p in distinct for _ in range(G)]
-
-    def run():
-        slow = rollout_generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw).completion_ids
-        eager = sample(model, distinct, G, cfg, decode="static", **kw)
-        stats = SamplingStats()
-        graphed = sample(model, distinct, G, cfg, decode="compiled", stats=stats, **kw)
-        return slow, eager, graphed, stats
-
-    skips = counters["inductor"]["cudagraph_skips"]
-    out = []
-    graphs, breaks = count_graphs(lambda: out.append(run()))
-    slow, eager, graphed, stats = out[0]
-    if dtype == torch.float32:
-        assert torch.equal(graphed, eager), f"\n{graphed}\n{eager}"
-        assert torch.equal(graphed, slow), f"\n{graphed}\n{slow}"
-    else:  # Inductor's fused kernels round bf16 intermediates differently from eager's: a near-tie may flip
-        # later, so the first tokens (before a flip can compound) must agree, and most rows whole
-        assert torch.equal(graphed[:, :3], eager[:, :3]), f"\n{graphed}\n{eager}"
-        assert (graphed == eager).all(1).float().mean() >= 0.9
-    assert stats.refills > 0
-    assert counters["inductor"]["cudagraph_skips"] == skips, "a bucket ran without its CUDA graph"
-    assert not breaks and 1 <= graphs <= len(buckets(8))
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.mul_(4.0)
-    graphs, _ = count_graphs(lambda: out.append(run()))
-    _, eager2, graphed2, _ = out[1]
-    assert graphs == 0 and not torch.equal(graphed2, graphed)  # no new compilation, and the change is seen
-    assert torch.equal(graphed2[:, :3], eager2[:, :3]) and (dtype != torch.float32 or torch.equal(graphed2, eager2))
-    assert counters["inductor"]["cudagraph_skips"] == skips  # the second rollout's new buffers: graphs re-recorded
+    assert sum("compiled decode step failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_compiled_step_reads_each_kv_head_without_copies(monkeypatch):

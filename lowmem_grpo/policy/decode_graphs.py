@@ -1,0 +1,144 @@
+"""CUDA graphs of the compiled decode step, one per (batch, length) bucket, owned by one rollout.
+
+policy/static_decode.py compiles the step with torch.compile (Inductor, without its CUDA graphs) and, on a
+GPU, captures it here. Why not torch.compile's mode="reduce-overhead" (Inductor's cudagraph trees): each
+rollout allocates new K/V buffers, so each rollout re-records every bucket; the trees append every recording
+to the compiled function's roots and never drop one, so each step checks every stale recording, the old
+graphs keep their memory (the trees' pool lives as long as the process), and torch counts re-records
+towards a limit after which the bucket runs without a graph (logged only). Here the graphs and their pool
+belong to the rollout: `StepGraphs.reset()` (at the rollout's end) resets them, and their pool goes back to
+the caching allocator, which frees it for the training step's allocations.
+
+A bucket's first step in a rollout runs the compiled step as is (it compiles what is new and writes that
+step's K/V and logits), then captures it (`GraphRecorder.record`: nothing runs during a capture); every later
+step of the bucket copies its input ids and positions into the rollout's static buffers and replays the
+graph, which writes the logits into the static output buffer (`out`, (rows, V) fp32, shared by all graphs:
+one is read before the next replays). The graph reads and writes by address: the K/V buffers, the static
+buffers and the weights it was captured with must stay where they are until `reset()`, which they do for
+a rollout (static_decode.StaticKV holds them; the optimizers update weights in place, between rollouts).
+Replays run no Python, so no forward hook: the offloaded optimizer's waits (memory_modes/offload.py) happen
+in the rollout's eager prefill, before any step.
+
+The recorder is injectable (static_decode.GRAPH_RECORDER): the CPU tests record a closure and replay it by
+calling it again on the same static buffers, which checks this bookkeeping without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing a CUDA graph of the decode step failed (the cause is chained)."""
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class GraphRecorder(Protocol):
+    def record(self, fn: Callable[[], object]) -> Graph:
+        """A graph of what `fn` launches, which `fn` does not run."""
+
+
+_live = [0]  # graphs recorded and not reset, in this process
+
+
+def live_graphs() -> int:
+    """CUDA graphs of the decode step recorded and not reset yet, over every rollout of this process."""
+    return _live[0]
+
+
+class CudaGraphRecorder:
+    """Captures on a side stream into one private memory pool (made for this recorder: one rollout's)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def record(self, fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        _clear_cublas_workspaces()  # cuBLAS takes its capture workspace from the pool, not an outside block
+        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture's own error would hide fn's
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        _clear_cublas_workspaces()  # nothing outside the graph reuses that workspace
+        return graph
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # (what Inductor's cudagraph trees call)
+    if clear is not None:
+        clear()
+
+
+class StepGraphs:
+    """One rollout's graphs of the decode step, one per bucket key, and the static buffers they read and
+    write: ids, positions (rows,) long and the logits `out` (rows, V) fp32."""
+
+    def __init__(self, recorder: GraphRecorder, rows: int, vocab: int, device: torch.device):
+        self.recorder = recorder
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)  # (rows,)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=device)  # (rows,)
+        self.out = torch.zeros((rows, vocab), dtype=torch.float32, device=device)  # (rows, V)
+        self.graphs: dict[tuple, Graph] = {}
+        self.recorded = 0  # captures in this rollout
+        self.replays = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.pos, self.out))
+
+    def __call__(self, key: tuple, step: Callable[[Tensor, Tensor, Tensor], Tensor], input_ids: Tensor,
+                 positions: Tensor) -> Tensor:
+        """The step's (B, V) fp32 logits for B = len(input_ids) rows (a copy: the buffer is the next step's).
+        `step(ids, positions, out)` runs the compiled step on the first B rows of the static buffers,
+        writing its logits into `out`; `key` names its bucket (the same key, the same shapes and buffers)."""
+        B = len(input_ids)
+        ids, pos, out = self.ids[:B], self.pos[:B], self.out[:B]
+        ids.copy_(input_ids)
+        pos.copy_(positions)
+        graph = self.graphs.get(key)
+        if graph is None:
+            step(ids, pos, out)  # this step, run as is: compiles what is new (never inside a capture)
+            try:
+                graph = self.recorder.record(lambda: step(ids, pos, out))
+            except Exception as e:
+                raise GraphCaptureError(f"capturing the decode step for bucket {key} failed: "
+                                        f"{type(e).__name__}: {e}") from e
+            self.graphs[key] = graph
+            self.recorded += 1
+            _live[0] += 1
+        else:
+            graph.replay()
+            self.replays += 1
+        return out.clone()
+
+    def reset(self) -> None:
+        """Drop every graph (their pool returns to the allocator) and the static buffers."""
+        for graph in self.graphs.values():
+            graph.reset()
+        _live[0] -= len(self.graphs)
+        self.graphs = {}
+        self.ids = self.pos = self.out = None
+
+
+def default_recorder(device: torch.device) -> Optional[GraphRecorder]:
+    """CUDA graphs on a CUDA device; none elsewhere (the compiled step then runs as is)."""
+    return CudaGraphRecorder(device) if device.type == "cuda" else None
