@@ -68,17 +68,26 @@ KILL_GRACE_S = 5
 
 # The cuda tests most likely to break on first contact, in the order they run: the offloaded optimizer and
 # its tied-head split (and its update thread), activation offload, the host arena, the streamed reference,
-# the static decode step and its CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31
-# logits, the fused head at the 1.5B's width: the largest tensors, last).
+# the decode step's CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31 logits, the fused
+# head at the 1.5B's width: the largest tensors), then every other cuda test.
 CUDA_TEST_FILES = [
-    "tests/memory_modes/test_offload.py",
+    "tests/memory_modes/test_offload_cuda.py",
     "tests/memory_modes/test_offload_update_thread.py",
     "tests/memory_modes/test_activation_offload.py",
     "tests/memory_modes/test_host_arena_cuda.py",
     "tests/memory_modes/test_reference.py",
-    "tests/policy/test_static_decode.py",
+    "tests/policy/test_decode_graphs.py",
     "tests/memory/test_profile.py",
     "tests/kernels/test_cuda_large.py",
+    # then the other cuda tests, where time is left (the second call runs what this one did not)
+    "tests/memory_modes/test_optimizer_in_backward_cuda.py",
+    "tests/memory_modes/test_sr_adamw.py",
+    "tests/memory_modes/test_host_adamw.py",
+    "tests/policy/test_packing.py",
+    "tests/kernels/test_mask_count.py",
+    "tests/memory/test_fit.py",
+    "tests/training/test_step_metrics.py",
+    "tests/test_trainer_step.py",
 ]
 
 

@@ -216,17 +216,25 @@ def test_the_test_step_selects_every_area_it_is_for_on_a_gpu_machine(tmp_path):
     assert step.argv[-len(step.selection):] == step.selection
     assert {"-v", "-rfEs", "--timeout", "gpu_session_pytest"} <= set(step.argv)
     selected = _collect(["-m", "cuda", *step.selection])
-    areas = {"offloaded optimizer": "test_offload.py::test_offloaded_on_cuda",
-             "its tied-head split": "test_offload.py::test_cuda_tied_head_split",
+    areas = {"offloaded optimizer": "test_offload_cuda.py::test_offloaded_on_cuda",
+             "its tied-head split": "test_offload_cuda.py::test_cuda_tied_head_split",
              "the update thread": "test_offload_update_thread.py::test_cuda",
              "activation offload": "test_activation_offload.py::test_offload_on_cuda_copies_into_one",
              "host arena": "test_host_arena_cuda.py::",
              "streamed reference": "test_reference.py::test_streamed_reference_on_cuda",
-             "graphed decode step": "test_static_decode.py::test_graphed_step_matches_eager_on_cuda",
+             "graphed decode step": "test_decode_graphs.py::test_graphed_step_matches_eager_on_cuda",
              "memory profiler": "test_profile.py::test_cuda_profile",
              "kernels at Qwen sizes": "test_cuda_large.py::test_linear_grpo_loss_at_qwen_sizes"}
     for area, part in areas.items():
         assert any(part in t for t in selected), f"the test step runs no test of the {area} ({part})"
+
+
+def test_the_test_step_runs_every_cuda_test_file():
+    """A file of cuda tests left out of CUDA_TEST_FILES would never run on a GPU (the calls run no other)."""
+    gs = _gpu_session()
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if "mark.cuda" in p.read_text() and p.name != "test_gpu_session.py"}  # (this file names it)
+    assert marked <= set(gs.CUDA_TEST_FILES), sorted(marked - set(gs.CUDA_TEST_FILES))
 
 
 def test_the_decode_step_compares_graphed_tokens_with_eagers_row_by_row():
