@@ -19,16 +19,19 @@
 //   memory traffic per element: read grad (2 or 4 B), weight, m, v (12 B); write weight, m, v (12 B), the
 //   upload copy (2 B). 28 B with a bf16 gradient and an upload copy, where widening the gradient, torch's step
 //   and the copy touch 2 + 4 (widen) + 28 (step) + 4 + 2 (copy) = 40 B and allocate a fresh fp32 gradient.
-// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk, added in chunk
-//   order in fp64, so the result does not depend on the thread count.
+// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk (each from 16
+//   running sums in a fixed order), added in chunk order in fp64: the same bits for any thread count and any
+//   of the loops' instruction sets.
 //
 // Plain C ABI (called through ctypes, which releases the GIL for the call); OpenMP threads.
 // Built with -ffp-contract=off: every multiply and add rounds on its own, as torch's separate ops do;
-// fused multiply-adds are spelled out (std::fma) where torch's CPU kernels fuse: `add_(x, alpha=)` and
-// `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be matched:
-// torch's CPU `sqrt` is not correctly rounded (1 ulp off on ~17% of fp32 inputs, measured); std::sqrt is.
-// It only enters the weight update (not the states), so the weights may differ from bitsandbytes' by an
-// ulp or two where that ulp of the denominator survives the update's rounding.
+// fused multiply-adds are spelled out (std::fma) where torch's AVX2/AVX-512 CPU kernels fuse: `add_(x,
+// alpha=)` and `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be
+// matched: torch's CPU `sqrt` is MKL's, which is not always correctly rounded, by a CPU-dependent amount
+// (torch 2.13 on an Intel Xeon: 1 ulp off on 0.7% of fp32 inputs on MKL's AVX-512 path, none on its AVX2
+// path, 15% on its SSE4.2 path; ~17% measured on an AMD EPYC); std::sqrt is. It only enters the weight
+// update (not the states), so the weights may differ from bitsandbytes' by an ulp or two where that ulp of
+// the denominator survives the update's rounding.
 
 #include <algorithm>
 #include <cmath>
@@ -43,6 +46,7 @@ namespace {
 
 constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (elements)
 constexpr int64_t kNormChunk = 1 << 16;  // elements per fp32 partial sum of the norm
+constexpr int64_t kSumLanes = 16;        // running fp32 sums per partial sum of the norm
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -535,13 +539,24 @@ double sum_squares(int64_t n, const G* g, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t start = c * kNormChunk, end = std::min(n, start + kNormChunk);
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = start; i < end; ++i) {
-      const float x = load(g, i);
-      acc += x * x;
+    // 16 running sums, element i into sum i % 16, then added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): the same
+    // order for any vector width (one AVX-512 register, two AVX2 ones, or scalar code), so the same bits.
+    alignas(64) float acc[kSumLanes] = {};
+    const int64_t whole = start + (end - start) / kSumLanes * kSumLanes;
+    for (int64_t i = start; i < whole; i += kSumLanes) {
+#pragma omp simd
+      for (int64_t j = 0; j < kSumLanes; ++j) {
+        const float x = load(g, i + j);
+        acc[j] += x * x;
+      }
     }
-    partial[c] = acc;
+    for (int64_t i = whole; i < end; ++i) {
+      const float x = load(g, i);
+      acc[i - whole] += x * x;
+    }
+    for (int64_t width = kSumLanes / 2; width > 0; width /= 2)
+      for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
+    partial[c] = acc[0];
   }
   for (int64_t c = 0; c < chunks; ++c) total += partial[c];
   delete[] partial;
@@ -612,6 +627,15 @@ int adamw_step(int64_t n, float* p, const void* g, int g_kind, float* m, float* 
   else if (g_kind == 1) adamw32(n, p, static_cast<const uint16_t*>(g), m, v, out, k, threads);
   else return -1;
   return 0;
+}
+
+// The lanes of the loops compiled here: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (the scalar loops only).
+int simd_lanes() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
+  return static_cast<int>(kLanes);
+#else
+  return 1;
+#endif
 }
 
 double grad_sum_squares(int64_t n, const void* g, int g_kind, int threads) {

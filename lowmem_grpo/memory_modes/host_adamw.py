@@ -15,12 +15,17 @@ absmax per block, then its 65536-entry lookup table: the code nearest to x / abs
 65536 points, the lower code on a tie). OpenMP threads over blocks; the GIL is released during the call
 (ctypes), so the update can run on a worker thread beside autograd.
 
-Same results as bitsandbytes: for fp32 weights the states (codes, absmax) and the weights equal
-bitsandbytes' own step bitwise (tests/memory_modes/test_host_adamw.py; torch's CPU kernels round each op
-separately except `add_(x, alpha=)`, which fuses a multiply-add in its vectorised loop, and so does this
-kernel). For bf16 weights the fp32 result is rounded stochastically: noise from a counter-based hash of
-(seed, element index), the seed drawn from torch's CPU generator once per call, so `torch.manual_seed`
-makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
+Same results as bitsandbytes: for fp32 weights the states (codes, absmax) equal bitsandbytes' own step
+bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/memory_modes/test_host_adamw.py).
+torch's CPU kernels round each op separately except `add_(x, alpha=)` and `addcmul_`, which fuse a
+multiply-add in their AVX2/AVX-512 loops, and so does this kernel (where torch's kernels round it twice, as
+with ATEN_CPU_CAPABILITY=default on an x86 CPU without AVX2, codes may differ by one place and absmax by an
+ulp); torch's CPU sqrt (MKL's) is not always correctly rounded and the kernel's is, so weights may differ by
+an ulp where that ulp of the denominator survives the update's rounding: how often depends on the CPU (MKL
+picks its code path per CPU: measured never on its AVX2 path, on a few weights in 10^4 on its AVX-512 path,
+more on its SSE4.2 path). For bf16 weights the fp32 result is rounded stochastically: noise from a
+counter-based hash of (seed, element index), the seed drawn from torch's CPU generator once per call, so
+`torch.manual_seed` makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
 
 State format: the class from `host_adamw8bit_class` is bitsandbytes' AdamW8bit (via sr_adamw.py's
 subclass), so qmap1/qmap2, state1/state2 (uint8), absmax1/absmax2 (fp32 per 256-block), `step`, and fp32
@@ -35,7 +40,9 @@ Build: the .cpp is compiled on first use by torch.utils.cpp_extension (g++ -O3 -
 ninja) into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per
 CPU type; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another target, e.g. the
 oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; most
-desktop CPUs), else scalar loops; all three give the same bits (the tests run each). Where it cannot build
+desktop CPUs), else scalar loops; all give the same bits on every entry point (the tests run each:
+test_host_adamw_levels.py); LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v4, x86-64-v3 or x86-64 forces the AVX-512,
+AVX2 or scalar path (`simd_lanes()` of the library says which it runs). Where it cannot build
 (no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
 bitsandbytes) after one logged warning that says why and how to fix it.
 
@@ -127,6 +134,8 @@ def _build(march: str = "native") -> ctypes.CDLL:
     lib.adamw_step.restype = i32
     lib.grad_sum_squares.argtypes = [i64, p, i32, i32]
     lib.grad_sum_squares.restype = ctypes.c_double
+    lib.simd_lanes.argtypes = []
+    lib.simd_lanes.restype = i32
     return lib
 
 
