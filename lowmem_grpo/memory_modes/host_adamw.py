@@ -12,8 +12,17 @@ states (qmap[code] * absmax), multiply the gradient by `grad_scale` (the clip co
 no pass of its own), Adam in fp32 in the operation order of bitsandbytes' CPU path, write the weight (fp32,
 or bf16 with stochastic rounding), re-quantize both states exactly as bitsandbytes' CPU quantizer does (new
 absmax per block, then its 65536-entry lookup table: the code nearest to x / absmax rounded to a grid of
-65536 points, the lower code on a tie). OpenMP threads over blocks; the GIL is released during the call
-(ctypes), so the update can run on a worker thread beside autograd.
+65536 points, the lower code on a tie). The GIL is released during the call (ctypes), so the update can run on
+a worker thread beside autograd.
+
+Threads (host_pool.cpp): `torch.get_num_threads()` of them, the caller and helpers that sleep between
+calls. Each call splits its tensor into chunks that threads claim one at a time; the caller claims too and,
+once none is left, waits only for chunks a helper has started. So a helper whose core is busy elsewhere (the
+trainer's main thread, data or reward work, another job) costs the call nothing, where an OpenMP region per
+tensor waited at its barrier for every thread of its team (benchmarks/offload_host_update.py --busy 0 1: 2
+cores, one busy process). Which thread computes a chunk does not change its bits. The kernel also works in
+a child forked after it ran (a fresh pool there). Two Python threads calling at once: the second computes
+its call on its own thread.
 
 Same results as bitsandbytes: for fp32 weights the states (codes, absmax) equal bitsandbytes' own step
 bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/memory_modes/test_host_adamw.py).
@@ -36,7 +45,7 @@ Gradient scale: set `group["grad_scale"] = coef` before a step; every parameter 
 as if its gradient had been multiplied by `coef` (in fp32, inside the kernel; on the fallback path the
 gradient is multiplied in place first), and the key goes back to 1.0 after the group's step.
 
-Build: the .cpp is compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, OpenMP,
+Build: the .cpp files are compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native,
 ninja) into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per
 CPU type; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another target, e.g. the
 oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; most
@@ -83,7 +92,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
+SOURCES = [SOURCE, SOURCE.with_name("host_pool.cpp")]  # the kernels; their threads
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
+          "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI
 _KIND = {torch.float32: _FP32, torch.bfloat16: _BF16}
 
@@ -115,8 +126,8 @@ def _build(march: str = "native") -> ctypes.CDLL:
         pass
     tag = _cpu_tag() if march == "native" else march.replace("-", "_")
     flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
-    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}", sources=[str(SOURCE)],
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}", sources=[str(s) for s in SOURCES],
+                              extra_cflags=flags, extra_ldflags=["-pthread"], is_python_module=False,
                               verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
@@ -156,7 +167,7 @@ def library() -> ctypes.CDLL | None:
         _load_error = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
         logger.warning("the fused host optimizer kernel (memory_modes/host_adamw.cpp) did not build (%s); the "
                        "offloaded optimizer takes bitsandbytes' CPU path, several times slower. Fix: install a "
-                       "C++ compiler with OpenMP (g++) and ninja (pip install ninja), then restart",
+                       "C++ compiler (g++) and ninja (pip install ninja), then restart",
                        _load_error)
     return _library
 
@@ -188,6 +199,7 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _threads() -> int:
+    """Threads per kernel call (the caller included): torch's intra-op thread count."""
     return torch.get_num_threads()
 
 
