@@ -3,8 +3,10 @@ and update, its quantizer, unbiased stochastic rounding, the gradient scale, the
 
 import logging
 import math
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,6 +370,49 @@ def test_a_failed_build_warns_once_and_steps_as_sr_adamw(monkeypatch, caplog):
     assert "Ninja is required" in warnings[0].getMessage() and "pip install ninja" in warnings[0].getMessage()
     for a, b in zip(ours_params, sr_params):
         assert torch.equal(a, b)
+
+
+def test_kernel_status_says_the_native_kernel_is_loaded(kernel):
+    status = host_adamw.kernel_status(require=True)
+    assert status.native and status.reason == ""
+    assert status.path is not None and Path(status.path).is_file()
+    assert status.simd_lanes == kernel.simd_lanes() in (1, 8, 16)
+    assert status.march == os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native")
+    assert status.threads == torch.get_num_threads()
+    assert str(status).startswith("host optimizer kernel: native")
+    # the build is named after its sources: another checkout's kernel in the same cache is another build
+    assert host_adamw._source_tag() in Path(status.path).name
+
+
+def test_kernel_status_after_a_failed_build_gives_the_reason_and_raises_on_request(monkeypatch, caplog):
+    def broken_build(march="native"):  # what cpp_extension raises when the compiler fails (its output kept)
+        raise RuntimeError("Error building extension 'lowmem_grpo_host_adamw_x':\n"
+                           "[1/2] c++ -c host_adamw.cpp\n"
+                           "host_adamw.cpp:40:10: fatal error: immintrin.h: No such file or directory\n"
+                           "ninja: build stopped: subcommand failed.")
+
+    monkeypatch.setattr(host_adamw, "_build", broken_build)
+    monkeypatch.setattr(host_adamw, "_library", None)
+    monkeypatch.setattr(host_adamw, "_load_error", None)
+    with caplog.at_level(logging.WARNING, logger=host_adamw.__name__):
+        status = host_adamw.kernel_status()
+        assert host_adamw.kernel_status() == status  # the same answer; no second build, no second warning
+        with pytest.raises(host_adamw.HostKernelUnavailable, match="immintrin.h: No such file") as raised:
+            host_adamw.kernel_status(require=True)
+    assert not status.native and status.simd_lanes == 0 and status.path is None
+    assert "fatal error: immintrin.h" in status.reason and "pip install ninja" in status.reason
+    assert "FALLBACK" in str(raised.value)
+    assert len([r for r in caplog.records if r.name == host_adamw.__name__]) == 1
+
+
+def test_kernel_status_when_switched_off(monkeypatch):
+    monkeypatch.setenv("LOWMEM_GRPO_HOST_KERNEL", "0")
+    monkeypatch.setattr(host_adamw, "_library", None)
+    monkeypatch.setattr(host_adamw, "_load_error", None)
+    status = host_adamw.kernel_status()
+    assert not status.native and "LOWMEM_GRPO_HOST_KERNEL=0" in status.reason
+    with pytest.raises(host_adamw.HostKernelUnavailable, match="LOWMEM_GRPO_HOST_KERNEL=0"):
+        host_adamw.kernel_status(require=True)
 
 
 def test_grad_sum_squares_in_fp32_chunks_whatever_the_threads(kernel):
