@@ -22,6 +22,10 @@ median of `--repeats` steps. The same run measures the machine's memory bandwidt
 count (a 256 MiB fp32 copy_, read + write bytes) and prints, per path, ns per parameter, the bytes the
 step must touch per parameter, and time / (bytes / bandwidth): how far the step is from the memory bound.
 
+`--busy 0 1`: each path quiet, then with one competing process spinning on a core (the cores shared, as
+with the trainer's main thread, its data and reward work, or another job), in the same run; the `x quiet`
+column is the step's time over its quiet time in this run (memory-bound times use the quiet bandwidth).
+
 The copies across PCIe are not timed here (they run on the GPU's copy engines, beside the host update);
 their bytes are computed: every gradient down and every weight up per step. Host RAM needed for the run:
 weight copy + gradient buffer + states (offload.host_bytes_per_param).
@@ -33,8 +37,10 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -129,31 +135,50 @@ class AdamWStep:
             up.copy_(p.detach())  # the master rounded to nearest into the upload buffer
 
 
-def measure(name: str, optimizer: str, path: str, repeats: int) -> dict:
+@contextmanager
+def busy_processes(count: int):
+    """`count` processes that each keep one core busy (a Python spin loop) until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        if procs:
+            time.sleep(0.5)  # started and spinning
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def measure(name: str, optimizer: str, path: str, repeats: int, busy: list[int]) -> list[dict]:
+    """One row per entry of `busy`: the median host step over `repeats` with that many busy processes."""
     arch = Arch.from_config(preset(name))
     dtype = torch.float32 if optimizer == "adamw" else torch.bfloat16
-    wb = 4 if dtype == torch.float32 else 2
     params, grads = host_tensors(arch, dtype)
     total = sum(p.numel() for p in params)
     caps = [1.0 * (p.numel() / total) ** 0.5 for p in params]
     step = (AdamWStep if optimizer == "adamw" else EightBitStep)(params, grads, fused=path == "fused")
     step(caps)  # warm-up: the states are allocated (and the kernel built)
-    times, cpu = [], []
-    for _ in range(repeats):
-        c0 = time.process_time()
-        times.append(_timed(lambda: step(caps)))
-        cpu.append(time.process_time() - c0)
-    seconds = statistics.median(times)
+    rows = []
+    for count in busy:
+        times, cpu = [], []
+        with busy_processes(count):
+            for _ in range(repeats):
+                c0 = time.process_time()
+                times.append(_timed(lambda: step(caps)))
+                cpu.append(time.process_time() - c0)
+        seconds = statistics.median(times)
+        rows.append({"model": name, "params": arch.params, "optimizer": optimizer, "path": path,
+                     "dtype": str(dtype), "busy_processes": count,
+                     "host_update_s": seconds, "host_update_ns_per_param": seconds / arch.params * 1e9,
+                     "bytes_per_param": BYTES_PER_PARAM[optimizer],
+                     "host_ram_gib": host_bytes_per_param(2, optimizer) * arch.params / 2**30,
+                     "pcie_gib_per_step": pcie_bytes_per_step(arch.params, 2) / 2**30, "times_s": times,
+                     # CPU seconds of this process's threads (spin-waits included): on an idle machine about
+                     # threads x the wall time
+                     "cpu_ns_per_param": statistics.median(cpu) / arch.params * 1e9})
     del step, params, grads
     gc.collect()
-    return {"model": name, "params": arch.params, "optimizer": optimizer, "path": path, "dtype": str(dtype),
-            "host_update_s": seconds, "host_update_ns_per_param": seconds / arch.params * 1e9,
-            "bytes_per_param": BYTES_PER_PARAM[optimizer],
-            "host_ram_gib": host_bytes_per_param(2, optimizer) * arch.params / 2**30,
-            "pcie_gib_per_step": pcie_bytes_per_step(arch.params, 2) / 2**30, "times_s": times,
-            # CPU seconds of all threads (OpenMP's spin-waits included): less skewed than the wall time where
-            # other jobs share the cores; on an idle machine about threads x the wall time
-            "cpu_ns_per_param": statistics.median(cpu) / arch.params * 1e9}
+    return rows
 
 
 def main(argv=None) -> int:
@@ -163,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", nargs="+", choices=["today", "fused"], default=["today", "fused"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--busy", nargs="+", type=int, default=[0],
+                    help="competing busy processes (one core each) per measurement; 0 1: quiet, then one")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -173,20 +200,26 @@ def main(argv=None) -> int:
     rows = []
     print(f"machine: {machine_info('cpu')}")
     print(f"memory bandwidth (fp32 copy_, read + write, {torch.get_num_threads()} threads): {bandwidth / 1e9:.1f} GB/s")
-    print("| model | optimizer | path | host step (s) | ns / parameter | bytes / parameter | memory-bound ns | "
-          "x memory bound | CPU ns / parameter (all threads) | host RAM (GiB) | PCIe per step (GiB) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| model | optimizer | path | busy processes | host step (s) | ns / parameter | x quiet | "
+          "bytes / parameter | memory-bound ns | x memory bound | CPU ns / parameter (all threads) | "
+          "host RAM (GiB) | PCIe per step (GiB) |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.models:
         for path in args.paths:
-            r = measure(name, args.optimizer, path, args.repeats)
-            bound_ns = r["bytes_per_param"] / bandwidth * 1e9
-            r.update(bandwidth_gb_s=bandwidth / 1e9, memory_bound_ns_per_param=bound_ns,
-                     x_memory_bound=r["host_update_ns_per_param"] / bound_ns)
-            rows.append(r)
-            print(f"| {name} | {args.optimizer} | {path} | {r['host_update_s']:.2f} | "
-                  f"{r['host_update_ns_per_param']:.2f} | {r['bytes_per_param']:.1f} | {bound_ns:.2f} | "
-                  f"{r['x_memory_bound']:.1f} | {r['cpu_ns_per_param']:.2f} | {r['host_ram_gib']:.1f} | "
-                  f"{r['pcie_gib_per_step']:.2f} |", flush=True)
+            quiet = None
+            for r in measure(name, args.optimizer, path, args.repeats, args.busy):
+                bound_ns = r["bytes_per_param"] / bandwidth * 1e9
+                quiet = r["host_update_s"] if r["busy_processes"] == 0 else quiet
+                r.update(bandwidth_gb_s=bandwidth / 1e9, memory_bound_ns_per_param=bound_ns,
+                         x_memory_bound=r["host_update_ns_per_param"] / bound_ns,
+                         x_quiet=None if quiet is None else r["host_update_s"] / quiet)
+                rows.append(r)
+                x_quiet = "" if r["x_quiet"] is None else f"{r['x_quiet']:.2f}"
+                print(f"| {name} | {args.optimizer} | {path} | {r['busy_processes']} | "
+                      f"{r['host_update_s']:.2f} | {r['host_update_ns_per_param']:.2f} | {x_quiet} | "
+                      f"{r['bytes_per_param']:.1f} | "
+                      f"{bound_ns:.2f} | {r['x_memory_bound']:.1f} | {r['cpu_ns_per_param']:.2f} | "
+                      f"{r['host_ram_gib']:.1f} | {r['pcie_gib_per_step']:.2f} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
     return 0

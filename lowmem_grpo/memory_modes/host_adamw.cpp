@@ -19,30 +19,45 @@
 //   memory traffic per element: read grad (2 or 4 B), weight, m, v (12 B); write weight, m, v (12 B), the
 //   upload copy (2 B). 28 B with a bf16 gradient and an upload copy, where widening the gradient, torch's step
 //   and the copy touch 2 + 4 (widen) + 28 (step) + 4 + 2 (copy) = 40 B and allocate a fresh fp32 gradient.
-// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk, added in chunk
-//   order in fp64, so the result does not depend on the thread count.
+// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk (each from 16
+//   running sums in a fixed order), added in chunk order in fp64: the same bits for any thread count and any
+//   of the loops' instruction sets.
 //
-// Plain C ABI (called through ctypes, which releases the GIL for the call); OpenMP threads.
+// Plain C ABI (called through ctypes, which releases the GIL for the call); threads: host_pool.cpp.
 // Built with -ffp-contract=off: every multiply and add rounds on its own, as torch's separate ops do;
-// fused multiply-adds are spelled out (std::fma) where torch's CPU kernels fuse: `add_(x, alpha=)` and
-// `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be matched:
-// torch's CPU `sqrt` is not correctly rounded (1 ulp off on ~17% of fp32 inputs, measured); std::sqrt is.
-// It only enters the weight update (not the states), so the weights may differ from bitsandbytes' by an
-// ulp or two where that ulp of the denominator survives the update's rounding.
+// fused multiply-adds are spelled out (std::fma) where torch's AVX2/AVX-512 CPU kernels fuse: `add_(x,
+// alpha=)` and `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be
+// matched: torch's CPU `sqrt` is MKL's, which is not always correctly rounded, by a CPU-dependent amount
+// (torch 2.13 on an Intel Xeon: 1 ulp off on 0.7% of fp32 inputs on MKL's AVX-512 path, none on its AVX2
+// path, 15% on its SSE4.2 path; ~17% measured on an AMD EPYC); std::sqrt is. It only enters the weight
+// update (not the states), so the weights may differ from bitsandbytes' by an ulp or two where that ulp of
+// the denominator survives the update's rounding.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <omp.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+// host_pool.cpp: fn(ctx, c) for every chunk c in [0, n) on the caller and up to threads - 1 helper threads.
+void host_parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
+
 namespace {
+
+// f(c) for every chunk c in [0, n), in parallel (host_pool.cpp: no wait for a helper that never started).
+template <typename F>
+void parallel_for(int64_t n, int threads, const F& f) {
+  host_parallel_for(n, threads, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
+                    const_cast<F*>(&f));
+}
 
 constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (elements)
 constexpr int64_t kNormChunk = 1 << 16;  // elements per fp32 partial sum of the norm
+constexpr int64_t kSumLanes = 16;        // running fp32 sums per partial sum of the norm
+constexpr int64_t kSerialBlocks = 64;    // 8-bit step: tensors of up to this many blocks on the caller alone
+constexpr int64_t kChunkBlocks = 32;     // 8-bit step: blocks per work item (8192 elements)
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -507,24 +522,24 @@ void adam8bit(int64_t n, P* p, const G* g, uint8_t* s1, uint8_t* s2, float* absm
               const float* qmap1, const float* qmap2, const uint8_t* lut1, const uint8_t* lut2, const Adam& k,
               int threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for num_threads(threads) schedule(static) if (blocks > 64)
-  for (int64_t b = 0; b < blocks; ++b)
-    adam8bit_block(b, n, p, g, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k);
+  const int64_t chunks = blocks > kSerialBlocks ? (blocks + kChunkBlocks - 1) / kChunkBlocks : 1;
+  parallel_for(chunks, threads, [&](int64_t c) {
+    const int64_t end = chunks == 1 ? blocks : std::min(blocks, (c + 1) * kChunkBlocks);
+    for (int64_t b = chunks == 1 ? 0 : c * kChunkBlocks; b < end; ++b)
+      adam8bit_block(b, n, p, g, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k);
+  });
 }
 
-constexpr int64_t kAdamWChunk = 1 << 14;  // elements per OpenMP work item (64 KiB of each fp32 stream)
+constexpr int64_t kAdamWChunk = 1 << 14;  // elements per work item (64 KiB of each fp32 stream)
 
-// Whole tensors: each thread takes one contiguous run of chunks (schedule(static)), every stream read once in
-// order. Chunks are whole vectors, so only the tensor's last n % lanes elements take the scalar loop (as in torch).
+// Chunks are whole vectors, so only the tensor's last n % lanes elements take the scalar loop (as in torch).
 template <typename G>
 void adamw32(int64_t n, float* p, const G* g, float* m, float* v, uint16_t* out, const AdamW32& k, int threads) {
-  const int64_t chunks = (n + kAdamWChunk - 1) / kAdamWChunk;
-#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for((n + kAdamWChunk - 1) / kAdamWChunk, threads, [&](int64_t c) {
     const int64_t from = c * kAdamWChunk, to = std::min(n, from + kAdamWChunk);
     const int64_t done = k.simd ? adamw_vector(from, to, p, g, m, v, out, k) : from;
     adamw_scalar(done, to, p, g, m, v, out, k);
-  }
+  });
 }
 
 template <typename G>
@@ -532,17 +547,27 @@ double sum_squares(int64_t n, const G* g, int threads) {
   const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
   double total = 0.0;
   double* partial = new double[chunks > 0 ? chunks : 1];
-#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, threads, [&](int64_t c) {
     const int64_t start = c * kNormChunk, end = std::min(n, start + kNormChunk);
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = start; i < end; ++i) {
-      const float x = load(g, i);
-      acc += x * x;
+    // 16 running sums, element i into sum i % 16, then added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): the same
+    // order for any vector width (one AVX-512 register, two AVX2 ones, or scalar code), so the same bits.
+    alignas(64) float acc[kSumLanes] = {};
+    const int64_t whole = start + (end - start) / kSumLanes * kSumLanes;
+    for (int64_t i = start; i < whole; i += kSumLanes) {
+#pragma omp simd
+      for (int64_t j = 0; j < kSumLanes; ++j) {
+        const float x = load(g, i + j);
+        acc[j] += x * x;
+      }
     }
-    partial[c] = acc;
-  }
+    for (int64_t i = whole; i < end; ++i) {
+      const float x = load(g, i);
+      acc[i - whole] += x * x;
+    }
+    for (int64_t width = kSumLanes / 2; width > 0; width /= 2)
+      for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
+    partial[c] = acc[0];
+  });
   for (int64_t c = 0; c < chunks; ++c) total += partial[c];
   delete[] partial;
   return total;
@@ -612,6 +637,15 @@ int adamw_step(int64_t n, float* p, const void* g, int g_kind, float* m, float* 
   else if (g_kind == 1) adamw32(n, p, static_cast<const uint16_t*>(g), m, v, out, k, threads);
   else return -1;
   return 0;
+}
+
+// The lanes of the loops compiled here: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (the scalar loops only).
+int simd_lanes() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
+  return static_cast<int>(kLanes);
+#else
+  return 1;
+#endif
 }
 
 double grad_sum_squares(int64_t n, const void* g, int g_kind, int threads) {

@@ -12,15 +12,29 @@ states (qmap[code] * absmax), multiply the gradient by `grad_scale` (the clip co
 no pass of its own), Adam in fp32 in the operation order of bitsandbytes' CPU path, write the weight (fp32,
 or bf16 with stochastic rounding), re-quantize both states exactly as bitsandbytes' CPU quantizer does (new
 absmax per block, then its 65536-entry lookup table: the code nearest to x / absmax rounded to a grid of
-65536 points, the lower code on a tie). OpenMP threads over blocks; the GIL is released during the call
-(ctypes), so the update can run on a worker thread beside autograd.
+65536 points, the lower code on a tie). The GIL is released during the call (ctypes), so the update can run on
+a worker thread beside autograd.
 
-Same results as bitsandbytes: for fp32 weights the states (codes, absmax) and the weights equal
-bitsandbytes' own step bitwise (tests/memory_modes/test_host_adamw.py; torch's CPU kernels round each op
-separately except `add_(x, alpha=)`, which fuses a multiply-add in its vectorised loop, and so does this
-kernel). For bf16 weights the fp32 result is rounded stochastically: noise from a counter-based hash of
-(seed, element index), the seed drawn from torch's CPU generator once per call, so `torch.manual_seed`
-makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
+Threads (host_pool.cpp): `torch.get_num_threads()` of them, the caller and helpers that sleep between
+calls. Each call splits its tensor into chunks that threads claim one at a time; the caller claims too and,
+once none is left, waits only for chunks a helper has started. So a helper whose core is busy elsewhere (the
+trainer's main thread, data or reward work, another job) costs the call nothing, where an OpenMP region per
+tensor waited at its barrier for every thread of its team (benchmarks/offload_host_update.py --busy 0 1: 2
+cores, one busy process). Which thread computes a chunk does not change its bits. The kernel also works in
+a child forked after it ran (a fresh pool there). Two Python threads calling at once: the second computes
+its call on its own thread.
+
+Same results as bitsandbytes: for fp32 weights the states (codes, absmax) equal bitsandbytes' own step
+bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/memory_modes/test_host_adamw.py).
+torch's CPU kernels round each op separately except `add_(x, alpha=)` and `addcmul_`, which fuse a
+multiply-add in their AVX2/AVX-512 loops, and so does this kernel (where torch's kernels round it twice, as
+with ATEN_CPU_CAPABILITY=default on an x86 CPU without AVX2, codes may differ by one place and absmax by an
+ulp); torch's CPU sqrt (MKL's) is not always correctly rounded and the kernel's is, so weights may differ by
+an ulp where that ulp of the denominator survives the update's rounding: how often depends on the CPU (MKL
+picks its code path per CPU: measured never on its AVX2 path, on a few weights in 10^4 on its AVX-512 path,
+more on its SSE4.2 path). For bf16 weights the fp32 result is rounded stochastically: noise from a
+counter-based hash of (seed, element index), the seed drawn from torch's CPU generator once per call, so
+`torch.manual_seed` makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
 
 State format: the class from `host_adamw8bit_class` is bitsandbytes' AdamW8bit (via sr_adamw.py's
 subclass), so qmap1/qmap2, state1/state2 (uint8), absmax1/absmax2 (fp32 per 256-block), `step`, and fp32
@@ -31,13 +45,16 @@ Gradient scale: set `group["grad_scale"] = coef` before a step; every parameter 
 as if its gradient had been multiplied by `coef` (in fp32, inside the kernel; on the fallback path the
 gradient is multiplied in place first), and the key goes back to 1.0 after the group's step.
 
-Build: the .cpp is compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, OpenMP,
-ninja) into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per
-CPU type; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another target, e.g. the
-oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8 lanes; most
-desktop CPUs), else scalar loops; all three give the same bits (the tests run each). Where it cannot build
-(no compiler, no ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py /
-bitsandbytes) after one logged warning that says why and how to fix it.
+Build: the .cpp files are compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, ninja)
+into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per CPU type
+and version of the sources; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another
+target, e.g. the oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8
+lanes; most desktop CPUs), else scalar loops; all give the same bits on every entry point (the tests run each:
+test_host_adamw_levels.py); LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v4, x86-64-v3 or x86-64 forces the AVX-512,
+AVX2 or scalar path (`simd_lanes()` of the library says which it runs). Where it cannot build (no compiler, no
+ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py / bitsandbytes) after one
+logged warning that says why and how to fix it. `kernel_status()` says which step this process runs and why
+(for an environment check: require=True raises).
 
 Only these classes read `grad_scale`: torch.optim.AdamW ignores a param-group key of that name. offload.py's
 `clip_gradient` sets it for HostAdamW8bit (`takes_grad_scale`); HostAdamW gets the clip through `step_fused`
@@ -69,6 +86,7 @@ import logging
 import math
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -76,14 +94,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
+SOURCES = [SOURCE, SOURCE.with_name("host_pool.cpp")]  # the kernels; their threads
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
+          "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI
 _KIND = {torch.float32: _FP32, torch.bfloat16: _BF16}
 
 _library: ctypes.CDLL | None = None
 _load_error: str | None = None  # why the kernel is unavailable (logged once), None while untried or loaded
 _luts: dict[bytes, torch.Tensor] = {}
-SIMD = True  # False: the kernel's scalar loops only (what a CPU without AVX-512 runs; the tests compare both)
+_march: str | None = None  # the -march of the loaded build
+SIMD = True  # False: the kernel's scalar loops only (what a CPU without AVX2 runs; the tests run every path)
 
 
 def _cpu_tag() -> str:
@@ -98,6 +119,16 @@ def _cpu_tag() -> str:
     return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
 
 
+def _source_tag() -> str:
+    """A hash of the kernel's sources and flags, part of the build's name: two checkouts with different
+    kernels that share torch's extension cache (one home directory) keep a build each, where one name would
+    have each process rebuild the other's library in place."""
+    digest = hashlib.sha1(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def _build(march: str = "native") -> ctypes.CDLL:
     """Compile (or find in torch's extension cache) and load the kernels for `-march=<march>`."""
     from torch.utils import cpp_extension
@@ -108,9 +139,9 @@ def _build(march: str = "native") -> ctypes.CDLL:
         pass
     tag = _cpu_tag() if march == "native" else march.replace("-", "_")
     flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
-    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}", sources=[str(SOURCE)],
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
-                              verbose=False)
+    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}_{_source_tag()}",
+                              sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                              extra_ldflags=["-pthread"], is_python_module=False, verbose=False)
     lib = ctypes.CDLL(path)
     p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
     lib.build_quantize_lut.argtypes = [p, p]
@@ -127,12 +158,14 @@ def _build(march: str = "native") -> ctypes.CDLL:
     lib.adamw_step.restype = i32
     lib.grad_sum_squares.argtypes = [i64, p, i32, i32]
     lib.grad_sum_squares.restype = ctypes.c_double
+    lib.simd_lanes.argtypes = []
+    lib.simd_lanes.restype = i32
     return lib
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None (after one warning) where they cannot be had."""
-    global _library, _load_error
+    global _library, _load_error, _march
     if _library is not None or _load_error is not None:
         return _library
     if os.environ.get("LOWMEM_GRPO_HOST_KERNEL", "1") == "0":
@@ -140,16 +173,61 @@ def library() -> ctypes.CDLL | None:
         logger.warning("host optimizer kernel off (LOWMEM_GRPO_HOST_KERNEL=0): the offloaded optimizer takes "
                        "bitsandbytes' CPU path, several times slower; unset it to use the kernel")
         return None
+    march = os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native")
     try:
-        _library = _build(os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native"))
+        _library, _march = _build(march), march
     except Exception as e:  # noqa: BLE001  (a failed build of any kind means: fall back)
-        lines = str(e).strip().splitlines()
-        _load_error = f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        detail = next((line for line in lines if "error:" in line.lower()), lines[-1] if lines else "")
+        _load_error = f"{type(e).__name__}: {detail}"[:300]  # the compiler's first error, else the last line
         logger.warning("the fused host optimizer kernel (memory_modes/host_adamw.cpp) did not build (%s); the "
                        "offloaded optimizer takes bitsandbytes' CPU path, several times slower. Fix: install a "
-                       "C++ compiler with OpenMP (g++) and ninja (pip install ninja), then restart",
+                       "C++ compiler (g++) and ninja (pip install ninja), then restart",
                        _load_error)
     return _library
+
+
+class HostKernelUnavailable(RuntimeError):
+    """The host optimizer kernel is not loaded: the offloaded optimizer's host step falls back to
+    bitsandbytes' CPU path (8-bit AdamW) or torch's AdamW (fp32), several times slower."""
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Which host optimizer step this process runs (`kernel_status`)."""
+
+    native: bool      # True: the compiled kernel is loaded and the offloaded optimizer's host step runs in it
+    reason: str       # why it is not ("" when native): the build's error or LOWMEM_GRPO_HOST_KERNEL=0
+    path: str | None  # the loaded library file
+    march: str | None  # the -march it was built for ("native" unless LOWMEM_GRPO_HOST_KERNEL_MARCH says)
+    simd_lanes: int   # lanes of its loops: 16 (AVX-512), 8 (AVX2), 1 (scalar); 0 when not native
+    threads: int      # threads per call (torch.get_num_threads())
+
+    def __str__(self) -> str:
+        if not self.native:
+            return f"host optimizer kernel: FALLBACK (bitsandbytes' / torch's CPU step): {self.reason}"
+        return (f"host optimizer kernel: native, {self.simd_lanes}-lane loops, -march={self.march}, "
+                f"{self.threads} threads ({self.path})")
+
+
+def kernel_status(require: bool = False) -> KernelStatus:
+    """Load the host optimizer kernel (building it on first use: seconds, once per process and CPU type) and
+    say whether the offloaded optimizer's host step runs in it (`native`) or in the fallback, with the reason
+    and the fix. Returns the same answer for the rest of the process (a failed build is not retried; its
+    warning is logged once). Never raises unless `require=True`: then a fallback raises
+    HostKernelUnavailable, its message the status's text, for an environment check that must fail loudly."""
+    lib = library()
+    if lib is None:
+        reason = _load_error or "not loaded"
+        if reason == "LOWMEM_GRPO_HOST_KERNEL=0":
+            reason += " (the kernel is switched off; unset it to use the kernel)"
+        else:
+            reason += ". Fix: a C++ compiler (g++) and ninja (pip install ninja), then restart"
+        status = KernelStatus(False, reason, None, None, 0, _threads())
+        if require:
+            raise HostKernelUnavailable(str(status))
+        return status
+    return KernelStatus(True, "", getattr(lib, "_name", None), _march, int(lib.simd_lanes()), _threads())
 
 
 def _lut(qmap: torch.Tensor) -> torch.Tensor:
@@ -179,6 +257,7 @@ def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _threads() -> int:
+    """Threads per kernel call (the caller included): torch's intra-op thread count."""
     return torch.get_num_threads()
 
 

@@ -10,6 +10,7 @@ import torch
 
 from lowmem_grpo.memory_modes import host_adamw
 from lowmem_grpo.memory_modes.host_adamw import HostAdamW
+from tests.memory_modes.conftest import torch_rounds_like_the_kernel
 
 STATES = ("exp_avg", "exp_avg_sq")
 TORCH_TAIL = 16  # torch's fused CPU AdamW (AVX-512) does the last n % 16 elements in its scalar loop
@@ -41,7 +42,7 @@ def _assert_close(ours, theirs, what, rel=1e-6):
 
 @pytest.mark.parametrize("n", [16 * 1000 + 7, 3 * (1 << 14) + 5, 11], ids=["tail", "threads", "tiny"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_steps_as_torch_fused_adamw(kernel, simd, n, grad_dtype):
+def test_steps_as_torch_fused_adamw(kernel, torch_fuses, simd, n, grad_dtype):
     # torch's fused CPU AdamW op for op: bitwise equal except in the last n % 16 elements, which torch's
     # kernel does in a scalar loop that rounds v * beta2 before adding (1 - beta2) g^2 (one fp32 ulp of v
     # there, at most); those within 1e-6 relative. Weight decay, bias correction from step 1, a new lr each
@@ -63,9 +64,11 @@ def test_steps_as_torch_fused_adamw(kernel, simd, n, grad_dtype):
         assert opt_ours.param_groups[0]["lr"] == lr
 
 
-def test_within_1e_6_of_torch_unfused_adamw_with_two_groups(kernel):
-    # torch's default (fused=False) path: the states equal, the weights within 1e-6 relative after several
-    # steps (its sqrt is not correctly rounded: a weight here and there an ulp away). Two groups: weight decay on one, off on the other.
+def test_within_1e_6_of_torch_unfused_adamw_with_two_groups_any_cpu(kernel):
+    # torch's default (fused=False) path: the weights and states within 1e-6 relative after several steps (its
+    # sqrt is not always correctly rounded: a weight here and there an ulp away); the states bitwise equal
+    # where torch's CPU kernels fuse multiply-adds as the kernel does. Two groups: weight decay on one, off on
+    # the other.
     g0 = torch.Generator().manual_seed(0)
     start = [torch.randn(64, 96, generator=g0), torch.randn(301, generator=g0)]
     theirs = [torch.nn.Parameter(t.clone()) for t in start]
@@ -83,14 +86,16 @@ def test_within_1e_6_of_torch_unfused_adamw_with_two_groups(kernel):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             opt.step()
+    exact = torch_rounds_like_the_kernel()
     for a, b in zip(theirs, ours):
         _assert_close(b, a, "param")
         for k in STATES:
-            assert torch.equal(opt_ours.state[b][k], opt_theirs.state[a][k]), k
+            _assert_close(opt_ours.state[b][k], opt_theirs.state[a][k], k)
+            assert torch.equal(opt_ours.state[b][k], opt_theirs.state[a][k]) or not exact, k
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_offloaded_update_equals_clip_widen_step_and_copy(kernel, simd, grad_dtype):
+def test_offloaded_update_equals_clip_widen_step_and_copy(kernel, torch_fuses, simd, grad_dtype):
     # offload.py's update of an fp32 master before the kernel: the gradient buffer clipped in place in its own
     # dtype by the clip coefficient (a tensor of that dtype), widened to fp32, torch's fused step, the master
     # rounded to nearest into the gradient buffer for upload. step_fused does it in one pass, writing the
@@ -207,7 +212,7 @@ def test_mixed_parameters_kernel_and_torch_in_one_step(kernel):
         assert b.grad is not None  # the kernel's parameters got their .grad back after torch's step
 
 
-def test_state_dict_loads_either_way(kernel):
+def test_state_dict_loads_either_way(kernel, torch_fuses):
     # HostAdamW's state is torch AdamW's: a state saved by one continues in the other exactly (sizes a
     # multiple of 16, where the two compute the same bits).
     shapes = [(64, 96), (304,)]
@@ -294,7 +299,8 @@ def test_optimizers_offload_adamw_uses_the_kernel(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, monkeypatch, dtype):
+def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, torch_fuses, monkeypatch,
+                                                                  dtype):
     # The offloaded optimizer as optimizers.py builds it for optim.optimizer=adamw (fp32 masters, HostAdamW
     # inside) against the same with torch's fused AdamW inside: two micro-batches per step, the global clip
     # active, three steps: device weights, masters and states the same bits (every tensor of this model is a
@@ -353,7 +359,7 @@ def test_a_tensor_the_kernel_cannot_take_is_left_untouched(kernel):
     assert torch.equal(a, b)
 
 
-def test_a_small_beta1_takes_torch_other_lerp_form(kernel, simd):
+def test_a_small_beta1_takes_torch_other_lerp_form(kernel, torch_fuses, simd):
     # exp_avg.lerp_(grad, w) with w = 1 - beta1 >= 0.5 is computed from the gradient's end in torch's kernel:
     # g + (w - 1)(g - m). Bitwise as torch's fused step.
     n = 16 * 300
