@@ -179,15 +179,14 @@ def budget_left(budget: float, environ=os.environ, now: Optional[float] = None) 
 # ----- environment --------------------------------------------------------------------------------------
 def host_kernel_check() -> dict:
     """The offloaded optimizer's host AdamW kernel (memory_modes/host_adamw.cpp) built natively here and
-    loads: what it returns is recorded. Raises RuntimeError, with the reason, where the optimizer would fall
-    back to bitsandbytes' CPU path (no compiler or ninja, a failed build, LOWMEM_GRPO_HOST_KERNEL=0)."""
+    loads: what it returns is recorded. Raises host_adamw.HostKernelUnavailable (a RuntimeError), with the
+    reason, where the optimizer would fall back (no compiler or ninja, a failed build,
+    LOWMEM_GRPO_HOST_KERNEL=0)."""
     from lowmem_grpo.memory_modes import host_adamw
     t0 = time.perf_counter()
-    library = host_adamw.library()  # builds on first use (into torch's extension cache), else loads
-    if library is None:
-        raise RuntimeError(f"the host AdamW kernel is not available ({host_adamw._load_error}): the "
-                           "offloaded optimizer falls back to bitsandbytes' CPU path")
-    return {"host_adamw_kernel": library._name, "host_adamw_kernel_s": round(time.perf_counter() - t0, 2)}
+    status = host_adamw.kernel_status(require=True)  # builds on first use (torch's extension cache), else loads
+    return {"host_adamw_kernel": status.path, "host_adamw_simd_lanes": status.simd_lanes,
+            "host_adamw_threads": status.threads, "host_adamw_kernel_s": round(time.perf_counter() - t0, 2)}
 
 
 def check_env(json_path: Optional[str]) -> int:
