@@ -279,7 +279,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         cache holds them in no-grad passes too; the compiled step holds its own instead: static_decode.py),
         and the compiled step's CUDA graphs."""
         cache_rows = generation_cache_rows(cfg, rows, micro_batch, device)
-        kv = cache_rows * seq * layers * costs.kv_cache
+        from ..policy.static_decode import SPARE_COLUMNS  # the static buffers' columns past the length
+        spare = SPARE_COLUMNS if compiled_decode(cfg, device) else 0
+        kv = cache_rows * (seq + spare) * layers * costs.kv_cache
         prefill = rows * g.max_prompt_length * (costs.no_grad_peak - costs.kv_cache)  # one layer's transient
         logits = GENERATION_LOGIT_BUFFERS * 4 * rows * arch.vocab
         graphs = decode_graph_bytes(cfg, cache_rows, arch, ab, device)

@@ -96,6 +96,14 @@ def bucket_for(rows: int, micro_batch: int) -> int:
     return next(b for b in buckets(micro_batch) if b >= rows)
 
 
+# Columns each K/V buffer holds past its length, which no view covers: every view (B, H, L, D) then has a head
+# stride other than L x D, so torch.compile never meets a view that is contiguous along its length. Without
+# them the largest length bucket's views are contiguous and the others are not, and the compiled step is
+# compiled twice per batch bucket (a guard on the head stride against the dynamic length), which reaches
+# dynamo's recompile limit (8) at four batch buckets.
+SPARE_COLUMNS = 8
+
+
 def length_buckets(length: int) -> list[int]:
     """The attended lengths the step runs at: the cache's length and its halves down to an eighth, each
     rounded up to a multiple of 8 (and at most the length)."""
@@ -259,9 +267,10 @@ class StaticKV:
         """rows: the buffers' (a bucket of micro_batch; a call with fewer rows than the micro-batch allocates
         fewer). The step's graphs depend on the bucket alone, not on `rows`: it gets views (bucket_views)."""
         device = like.keys[0].device
-        self.keys = [torch.zeros((rows, k.shape[1], length, k.shape[3]), dtype=k.dtype, device=device)
-                     for k in like.keys]  # per layer (rows, H, L, D)
-        self.values = [torch.zeros((rows, v.shape[1], length, v.shape[3]), dtype=v.dtype, device=device)
+        columns = length + SPARE_COLUMNS
+        self.keys = [torch.zeros((rows, k.shape[1], columns, k.shape[3]), dtype=k.dtype, device=device)
+                     for k in like.keys]  # per layer (rows, H, L + spare, D)
+        self.values = [torch.zeros((rows, v.shape[1], columns, v.shape[3]), dtype=v.dtype, device=device)
                        for v in like.values]
         self.micro_batch, self.rows, self.length, self.compiled = micro_batch, rows, length, compiled
         self.nbytes = sum(t.numel() * t.element_size() for t in self.keys + self.values)  # what it allocated

@@ -15,8 +15,8 @@ import torch
 from lowmem_grpo.config import ConfigError, GenerationConfig, load_config
 from lowmem_grpo.policy import static_decode
 from lowmem_grpo.policy.sampling import SamplingStats, decode_mode, sample
-from lowmem_grpo.policy.static_decode import (StaticKV, bucket_for, buckets, length_bucket_for, length_buckets,
-                                              static_decode_problem)
+from lowmem_grpo.policy.static_decode import (SPARE_COLUMNS, StaticKV, bucket_for, buckets, length_bucket_for,
+                                              length_buckets, static_decode_problem)
 
 from .test_refill import generate_completions
 from .test_sampling import CPU, PAD, frequent_token, random_prompts, tiny_model
@@ -123,7 +123,7 @@ def test_static_cache_bytes_are_the_planned_preallocation():
         mp.setattr(StaticKV, "__init__", spy)
         for prompts, G, rows in (([[5, 6, 7]] * 1, 40, 16), ([[5, 6, 7], [8, 9]], 3, 8)):
             sample(model, prompts, G, cfg, eos_ids=[1], pad_id=PAD, device=CPU, decode="static")
-            assert made[-1].rows == rows and made[-1].nbytes == rows * (10 + 12) * per_row_token
+            assert made[-1].rows == rows and made[-1].nbytes == rows * (10 + 12 + SPARE_COLUMNS) * per_row_token
     assert len(made) == 2  # one allocation per rollout
     assert [t.untyped_storage().nbytes() for t in held] == [0, 0]  # freed when the rollout ended all the same
 
@@ -148,13 +148,15 @@ def test_planner_counts_the_static_cache_of_the_bucket():
 
     def kv(device, *more):
         return phases(device, *more)["rollout"]["KV cache"]
-    per_row = 128 * 2 * layer_costs(tiny, torch.float32, True).kv_cache  # (prompt + completion) x layers x K, V
+    per_column = 2 * layer_costs(tiny, torch.float32, True).kv_cache  # a row's column: layers x K, V
+    per_row = 128 * per_column  # (prompt + completion) columns
+    spare = 64 * SPARE_COLUMNS * per_column  # the static buffers' columns past the length
     graphs = (4 + 2) * 64 * 1000  # 64 rows x V: the fp32 logits buffer, the pool's bf16 logits
-    assert kv("cuda") - kv("cuda", "compile_decode=false") == (64 - 40) * per_row + graphs
+    assert kv("cuda") - kv("cuda", "compile_decode=false") == (64 - 40) * per_row + spare + graphs
     assert kv("cpu") == kv("cuda", "compile_decode=false")
     assert kv("cpu", "compile_decode=true") == kv("cuda") - graphs
     spg8 = "steps_per_generation=8"
-    assert kv("cuda", spg8) == kv("cuda", spg8, "compile_decode=false") + graphs
+    assert kv("cuda", spg8) == kv("cuda", spg8, "compile_decode=false") + spare + graphs
     on, off = phases("cuda"), phases("cuda", "compile_decode=false")
     assert {k: v for k, v in on.items() if k not in ("rollout", "evaluation")} == {
         k: v for k, v in off.items() if k not in ("rollout", "evaluation")}
@@ -180,7 +182,7 @@ def test_profiler_counts_the_static_cache_as_the_rollouts_kv_cache(tmp_path, mon
         "progress_bar=false", "device=cpu"])
     prof, _, _ = profile_trainer(Trainer(cfg), steps=1)
     assert len(made) == 1 and made[0].rows == 8
-    assert made[0].nbytes == 8 * (8 + 6) * 2 * 2 * 2 * 16 * 4  # rows x length x layers x K, V x heads x dim x fp32
+    assert made[0].nbytes == 8 * (8 + 6 + SPARE_COLUMNS) * 2 * 2 * 2 * 16 * 4  # rows x columns x layers x K, V x heads x dim x fp32
     kv = prof.result.devices["host"].summary()["phases"]["rollout"]["categories"]["KV cache"]
     assert kv >= made[0].nbytes
 
@@ -199,7 +201,7 @@ def test_compilations_bounded_by_buckets(monkeypatch):
     """Item 5: prompts of other lengths, other numbers of samples (batch sizes), sampled and greedy, and
     repeated rollouts compile the step at most once per batch bucket, with no graph break: its attended
     length is dynamic, so the length buckets share their batch bucket's graph."""
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")  # dynamo's tracing, counted; no Inductor
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")  # dynamo and AOT tracing (its guards), no Inductor
     torch._dynamo.reset()
     model = tiny_model("llama", seed=11)
     cfg = GenerationConfig(max_completion_length=10, generation_micro_batch_size=8, **CFG)
