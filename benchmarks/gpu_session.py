@@ -23,12 +23,14 @@ first, in this order:
   decode        tokens/s of the 0.5B and 1.5B recipes' rollouts, the static step eager vs compiled with
                 CUDA graphs, weights read per second against the card's bandwidth, graphed tokens against
                 eager's (decode_speed.py)
-  head-memory, head-speed   the fused loss head against plain torch at N = 8192: peak, time
+  head-memory   the fused loss head against plain torch at N = 8192: peak
 second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
-  this order of importance, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K
-  recipe at their full lengths under an 8 GiB cap.
+  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
+  plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
+  full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
+Step timeouts: what each took on an H100 on 2026-11-26 (benchmarks/RESULTS.md, "GPU"), plus a quarter.
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -69,7 +71,7 @@ KILL_GRACE_S = 5
 # The cuda tests most likely to break on first contact, in the order they run: the offloaded optimizer and
 # its tied-head split (and its update thread), activation offload, the host arena, the streamed reference,
 # the decode step's CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31 logits, the fused
-# head at the 1.5B's width: the largest tensors), then every other cuda test.
+# head at the 1.5B's width: the largest tensors). 41 tests, 105 s on an H100 (2026-11-26).
 CUDA_TEST_FILES = [
     "tests/memory_modes/test_offload_cuda.py",
     "tests/memory_modes/test_offload_update_thread.py",
@@ -79,7 +81,9 @@ CUDA_TEST_FILES = [
     "tests/policy/test_decode_graphs.py",
     "tests/memory/test_profile.py",
     "tests/kernels/test_cuda_large.py",
-    # then the other cuda tests, where time is left (the second call runs what this one did not)
+]
+# Every other file of cuda tests (the second call's): 19 tests, about 65 s on an H100 (2026-11-26).
+OTHER_CUDA_TEST_FILES = [
     "tests/memory_modes/test_optimizer_in_backward_cuda.py",
     "tests/memory_modes/test_sr_adamw.py",
     "tests/memory_modes/test_host_adamw.py",
@@ -136,22 +140,26 @@ def first_call(tiny: bool, out: Path) -> list[Step]:
     return [
         Step("env", "versions, GPU, imports, host AdamW kernel",
              [PY, "benchmarks/gpu_session.py", "--check-env"], 30),
-        _test_step("cuda-tests", "the cuda tests most likely to break", CUDA_TEST_FILES, 110,
+        _test_step("cuda-tests", "the cuda tests most likely to break", CUDA_TEST_FILES, 130,
                    out / "first-junit.xml"),
-        _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 165, tiny),
+        _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny),
         _decode_step(["Qwen2.5-0.5B:recipes/qwen2.5-0.5b_gsm8k_8gb.yaml",
-                      "Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 140),
+                      "Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 190),
         Step("head-memory", "fused loss head vs plain torch: peak",
              [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
-        Step("head-speed", "fused loss head vs plain torch: time",
-             [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
     ]
 
 
-def second_call(tiny: bool) -> list[Step]:
+def second_call(tiny: bool, out: Path) -> list[Step]:
     """Device call 2's own steps, in order of importance, after what the first did not finish; each starts
     only if its whole timeout fits in what is left (together they need more than the call has)."""
+    cuda = [] if tiny else ["--device", "cuda"]
+    head = ["--tokens", "64", "--vocab", "4096"] if tiny else ["--tokens", "8192"]
     return [
+        _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 80,
+                   out / "second-other-junit.xml"),
+        Step("head-speed", "fused loss head vs plain torch: time",
+             [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
         _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
         _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 1, 150, tiny),
         _trainer_step("trainer-0.5b-gsm8k", "Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 1024, 2, 120, tiny),
@@ -433,7 +441,7 @@ def second_steps(tiny: bool, out: Path, state: Path = STATE, redo: Optional[list
         again = [dataclasses.replace(s, argv=[a.replace("first-junit.xml", "second-junit.xml")
                                               for a in s.argv])
                  for s in unfinished(first_call(tiny, out), records or [], redo)]
-    return again + second_call(tiny)
+    return again + second_call(tiny, out)
 
 
 def run_call(call: str, out: Path, budget: float, *, tiny: bool, timeout_scale: float = 1.0,
