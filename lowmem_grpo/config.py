@@ -205,9 +205,10 @@ class GenerationConfig:
                                                   "micro-batch and its halves down to an eighth), compiled with "
                                                   "torch.compile; on CUDA with CUDA graphs per bucket (one "
                                                   "compilation per bucket on the first rollout, a graph capture per "
-                                                  "bucket per rollout). Same tokens and distribution; a step "
-                                                  "torch.compile cannot compile falls back to the dynamic one "
-                                                  "(logged). auto = on for CUDA, off on the CPU (measured not to "
+                                                  "bucket per rollout). Same tokens and distribution; if the "
+                                                  "process's first compiled rollout fails in any way, or a "
+                                                  "compilation or graph capture fails later, that rollout and "
+                                                  "the next ones run with the dynamic step (logged). auto = on for CUDA, off on the CPU (measured not to "
                                                   "pay there: benchmarks/RESULTS.md); true | false.",
                                           check=("auto", True, False))
 

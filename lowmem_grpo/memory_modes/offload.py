@@ -86,8 +86,8 @@ interleave with the caller's draws: the updates draw what they drew inline, and 
 waited for the global generator moves to where the copy ended, where the inline update leaves it; a
 caller that draws from it in between (CPU sampling before the next forward) keeps its draws and is warned
 once that the run now differs from an inline one. Threads: the host kernel (host_adamw.py) releases the
-GIL and runs on torch's intra-op OpenMP threads (`torch.get_num_threads()`), as do torch's own CPU ops on
-the worker; on a GPU machine the caller mostly waits on CUDA, so the two share the cores with little
+GIL and runs on its own pool of `torch.get_num_threads()` threads (host_pool.cpp), torch's own CPU ops on
+the worker on torch's intra-op threads; on a GPU machine the caller mostly waits on CUDA, so the two share the cores with little
 contention; on a CPU-only machine the forward and the update compete for the same cores (same results,
 less overlap).
 
