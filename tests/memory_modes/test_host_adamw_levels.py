@@ -18,7 +18,8 @@ bnb = pytest.importorskip("bitsandbytes")
 LEVELS = ["native", "avx2", "baseline", "scalar"]
 
 
-def _state(n: int) -> dict:
+def eight_bit_state(n: int) -> dict:
+    """Zeroed 8-bit AdamW states of `n` elements in the layout the host kernel takes (bitsandbytes' codes)."""
     blocks = (n + 255) // 256
     return {"state1": torch.zeros(n, dtype=torch.uint8), "state2": torch.zeros(n, dtype=torch.uint8),
             "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks),
@@ -33,7 +34,7 @@ def _outputs(n: int) -> dict[str, list[torch.Tensor]]:
         for grad in (torch.float32, torch.bfloat16):
             for stochastic in (True, False):
                 gen = torch.Generator().manual_seed(n)
-                p, st = torch.randn(n, generator=gen).to(weight), _state(n)
+                p, st = torch.randn(n, generator=gen).to(weight), eight_bit_state(n)
                 for step in (1, 2, 3):
                     g = (0.01 * torch.randn(n, generator=gen)).to(grad)
                     g[:7] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 3.0, -3.0, 1e-3])[:n].to(grad)

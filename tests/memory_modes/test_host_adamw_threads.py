@@ -15,8 +15,10 @@ import torch
 
 from lowmem_grpo.memory_modes import host_adamw
 
+from .test_host_adamw_levels import eight_bit_state
+
 ROOT = Path(__file__).resolve().parents[2]
-bnb = pytest.importorskip("bitsandbytes")
+pytest.importorskip("bitsandbytes")  # (the states: test_host_adamw_levels.eight_bit_state)
 
 
 def _run(script: str, timeout: float) -> subprocess.CompletedProcess:
@@ -95,18 +97,10 @@ def test_the_kernel_runs_in_a_forked_child(kernel):
     assert result.returncode == 0, (result.returncode, "4: the child hung", result.stderr[-2000:])
 
 
-def _state(n: int) -> dict:
-    blocks = (n + 255) // 256
-    return {"state1": torch.zeros(n, dtype=torch.uint8), "state2": torch.zeros(n, dtype=torch.uint8),
-            "absmax1": torch.zeros(blocks), "absmax2": torch.zeros(blocks),
-            "qmap1": bnb.functional.create_dynamic_map(signed=True),
-            "qmap2": bnb.functional.create_dynamic_map(signed=False)}
-
-
 def _steps(seed: int, n: int = 256 * 700 + 13) -> list[torch.Tensor]:
     """Three 8-bit and three fp32 AdamW steps on inputs from `seed`: the weights and states after them."""
     gen = torch.Generator().manual_seed(seed)
-    p, st = torch.randn(n, generator=gen).to(torch.bfloat16), _state(n)
+    p, st = torch.randn(n, generator=gen).to(torch.bfloat16), eight_bit_state(n)
     w, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
     for step in (1, 2, 3):
         g = (0.01 * torch.randn(n, generator=gen)).to(torch.bfloat16)
