@@ -30,7 +30,7 @@ second: the first call's steps that did not finish on this machine (not started,
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
   plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
   full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
-Step timeouts: what each took on an H100 on 2026-11-26 (benchmarks/RESULTS.md, "GPU"), plus a quarter.
+Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus a quarter.
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -71,7 +71,7 @@ KILL_GRACE_S = 5
 # The cuda tests most likely to break on first contact, in the order they run: the offloaded optimizer and
 # its tied-head split (and its update thread), activation offload, the host arena, the streamed reference,
 # the decode step's CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31 logits, the fused
-# head at the 1.5B's width: the largest tensors). 41 tests, 105 s on an H100 (2026-11-26).
+# head at the 1.5B's width: the largest tensors). 41 tests, 105 s on an H100.
 CUDA_TEST_FILES = [
     "tests/memory_modes/test_offload_cuda.py",
     "tests/memory_modes/test_offload_update_thread.py",
@@ -82,7 +82,7 @@ CUDA_TEST_FILES = [
     "tests/memory/test_profile.py",
     "tests/kernels/test_cuda_large.py",
 ]
-# Every other file of cuda tests (the second call's): 19 tests, about 65 s on an H100 (2026-11-26).
+# Every other file of cuda tests (the second call's): 19 tests, about 65 s on an H100.
 OTHER_CUDA_TEST_FILES = [
     "tests/memory_modes/test_optimizer_in_backward_cuda.py",
     "tests/memory_modes/test_sr_adamw.py",
