@@ -30,7 +30,7 @@ second: the first call's steps that did not finish on this machine (not started,
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
   plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
   full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
-Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus a quarter.
+Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter.
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
