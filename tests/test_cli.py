@@ -177,3 +177,19 @@ def test_two_model_sources_on_the_command_line_are_one_line(capsys, no_trainer):
         assert main(argv) == 2
         err = _one_line_error(capsys.readouterr().err)
         assert "two model sources: model.name_or_path=" in err and "model.config=null" in err
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_configuration_error_under_torchrun_is_said_by_rank_0_while_the_others_wait(rank, monkeypatch, capsys):
+    """torchrun stops every rank as soon as one exits: a silent rank that exited at once could stop rank 0
+    before it printed the error (seen as an empty stderr). The others wait; rank 0 says it and exits."""
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    assert main(["eval", "recipes/toy_tokens.yaml"]) == 2
+    said = capsys.readouterr().err
+    if rank == "0":
+        assert "runs in one process" in said and slept == []
+    else:
+        assert said == "" and slept == [cli.SILENT_RANK_GRACE_S]

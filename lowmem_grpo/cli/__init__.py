@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from lowmem_grpo import __version__
 
@@ -23,6 +24,10 @@ from ..config import ConfigError, describe, load_config
 from .options import key_options_to_overrides
 from .recipes import copy_recipe, list_recipes, resolve_recipe
 from .train import evaluate, train
+
+# Seconds a rank other than 0 waits before exiting on a configuration error, which rank 0 reports for all
+# of them: torchrun stops every rank as soon as one exits, and rank 0 could be stopped before it printed.
+SILENT_RANK_GRACE_S = 5.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -174,6 +179,8 @@ def main(argv=None) -> int:
         rank = int(os.environ.get("RANK", "0"))
         if rank == 0 or not isinstance(e, ConfigError):  # under torchrun every rank reads the same config
             print(f"lowmem-grpo: error: {'' if rank == 0 else f'rank {rank}: '}{e}", file=sys.stderr)
+        else:  # torchrun ends every rank once one exits: the silent ones wait for rank 0 to say it
+            time.sleep(SILENT_RANK_GRACE_S)
         return 2
     except KeyboardInterrupt:
         return 130
