@@ -29,7 +29,7 @@ test-slow: setup
 # ---- Lowest allowed versions (pyproject.toml's floors) ------------------------------------------------
 # The floors of the packages whose APIs and internals we use, in a venv of their own next to the CPU
 # torch (torch's own floor, 2.6, has no CPU wheel here: see pyproject.toml), running the tests of the
-# version-sensitive code: memory_modes (bitsandbytes' optimizer internals), the kernels' torch.library
+# version-sensitive code: optim (bitsandbytes' optimizer internals), the kernels' torch.library
 # registration, model loading, the trainer and the API (transformers), config, data (datasets), the
 # planner (transformers' configs and the one-layer probe), packing and sampling. `time make test-floor`
 # from no venv, 2026-11-24, 2 cores shared with other jobs (load ~5): 7m57s (venv 2m34s, tests 5m23s:
@@ -37,7 +37,7 @@ test-slow: setup
 # tests/test_docs.py checks FLOOR_PINS against pyproject.toml's floors.
 FLOOR := .venv-floor
 FLOOR_PINS := bitsandbytes==0.50.0 transformers==4.56.0 datasets==2.19.0
-FLOOR_TESTS := tests/memory_modes tests/kernels/test_library.py tests/kernels/test_import_name.py \
+FLOOR_TESTS := tests/optim tests/kernels/test_library.py tests/kernels/test_import_name.py \
 	tests/kernels/test_transformers_models.py tests/training/test_config.py tests/training/test_data.py \
 	tests/memory/test_plan.py tests/policy tests/test_api.py \
 	tests/training/test_trainer.py::test_smoke_two_steps_change_every_parameter \

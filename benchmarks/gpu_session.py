@@ -73,20 +73,20 @@ KILL_GRACE_S = 5
 # the decode step's CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31 logits, the fused
 # head at the 1.5B's width: the largest tensors). 41 tests, 105 s on an H100.
 CUDA_TEST_FILES = [
-    "tests/memory_modes/test_offload_cuda.py",
-    "tests/memory_modes/test_offload_update_thread.py",
-    "tests/memory_modes/test_activation_offload.py",
-    "tests/memory_modes/test_host_arena_cuda.py",
-    "tests/memory_modes/test_reference.py",
+    "tests/optim/test_offload_cuda.py",
+    "tests/optim/test_offload_update_thread.py",
+    "tests/training/test_activation_offload.py",
+    "tests/optim/test_host_arena_cuda.py",
+    "tests/policy/test_reference.py",
     "tests/policy/test_decode_graphs.py",
     "tests/memory/test_profile.py",
     "tests/kernels/test_cuda_large.py",
 ]
 # Every other file of cuda tests (the second call's): 19 tests, about 65 s on an H100.
 OTHER_CUDA_TEST_FILES = [
-    "tests/memory_modes/test_optimizer_in_backward_cuda.py",
-    "tests/memory_modes/test_sr_adamw.py",
-    "tests/memory_modes/test_host_adamw.py",
+    "tests/optim/test_optimizer_in_backward_cuda.py",
+    "tests/optim/test_sr_adamw.py",
+    "tests/optim/test_host_adamw.py",
     "tests/policy/test_packing.py",
     "tests/kernels/test_mask_count.py",
     "tests/memory/test_fit.py",
@@ -186,11 +186,11 @@ def budget_left(budget: float, environ=os.environ, now: Optional[float] = None) 
 
 # ----- environment --------------------------------------------------------------------------------------
 def host_kernel_check() -> dict:
-    """The offloaded optimizer's host AdamW kernel (memory_modes/host_adamw.cpp) built natively here and
+    """The offloaded optimizer's host AdamW kernel (optim/host_adamw.cpp) built natively here and
     loads: what it returns is recorded. Raises host_adamw.HostKernelUnavailable (a RuntimeError), with the
     reason, where the optimizer would fall back (no compiler or ninja, a failed build,
     LOWMEM_GRPO_HOST_KERNEL=0)."""
-    from lowmem_grpo.memory_modes import host_adamw
+    from lowmem_grpo.optim import host_adamw
     t0 = time.perf_counter()
     status = host_adamw.kernel_status(require=True)  # builds on first use (torch's extension cache), else loads
     return {"host_adamw_kernel": status.path, "host_adamw_simd_lanes": status.simd_lanes,
@@ -221,7 +221,7 @@ def check_env(json_path: Optional[str]) -> int:
         info["gpu"] = None
     sys.path.insert(0, str(ROOT / "benchmarks"))
     modules = ["lowmem_grpo.kernels", "lowmem_grpo.training.trainer", "lowmem_grpo.memory.profile",
-               "lowmem_grpo.memory.plan", "lowmem_grpo.memory_modes.sr_adamw", "lowmem_grpo.cli",
+               "lowmem_grpo.memory.plan", "lowmem_grpo.optim.sr_adamw", "lowmem_grpo.cli",
                "bitsandbytes", "triton", "matplotlib", "pytest_timeout", "bench_utils", "trainer_step",
                "plan_accuracy", "decode_speed", "loss_head_memory", "loss_head_speed", "gpu_session_pytest"]
     for name in modules:

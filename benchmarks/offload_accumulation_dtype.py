@@ -1,4 +1,4 @@
-"""The offloaded optimizer's host accumulation dtype (memory_modes/offload.py): error of summing
+"""The offloaded optimizer's host accumulation dtype (optim/offload.py): error of summing
 micro-batch gradients in bf16 (the weight dtype: one rounding per add, as autograd sums .grad on the
 device) or in fp32 (2 more bytes per parameter of host RAM), against the exact sum (fp64), for
 gradient_accumulation_steps = 2, 4, 8, 16.

@@ -7,7 +7,7 @@ values), the whole host step of one offloaded optimizer step, tensor by tensor, 
 the host: the gradient's fp32 norm, the clip to the tensor's share of max_grad_norm, and the update of
 the host copy. Two paths (`--paths`):
 
-  today   what memory_modes/offload.py did before host_adamw.py: fp32_norm_tensor, grad.mul_(coef),
+  today   what optim/offload.py did before host_adamw.py: fp32_norm_tensor, grad.mul_(coef),
           then sr_adamw.py's AdamW8bitSR (bitsandbytes' CPU 8-bit path, chunked, stochastic rounding);
           for `--optimizer adamw`: fp32_norm_tensor, grad.mul_(coef), the bf16 gradient widened to fp32,
           torch.optim.AdamW(fused=True) on the fp32 master, the master rounded into the bf16 upload buffer.
@@ -47,8 +47,8 @@ import torch
 
 from lowmem_grpo.memory.plan import Arch
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.memory_modes.offload import host_bytes_per_param, pcie_bytes_per_step
-from lowmem_grpo.memory_modes.optimizer_in_backward import fp32_norm_tensor
+from lowmem_grpo.optim.offload import host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.optim.optimizer_in_backward import fp32_norm_tensor
 
 # Bytes one host step must read and write per parameter (the memory-bound floor):
 #   adamw_8bit  norm: read grad (2); update: read grad, weight (2 + 2), two codes (2), write weight (2),
@@ -85,8 +85,8 @@ class EightBitStep:
     """The 8-bit AdamW with stochastic rounding, per tensor: norm, clip, update (module docstring)."""
 
     def __init__(self, params, grads, fused: bool):
-        from lowmem_grpo.memory_modes import host_adamw
-        from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        from lowmem_grpo.optim import host_adamw
+        from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
         for p, g in zip(params, grads):
             p.grad = g
         if fused and host_adamw.library() is None:
@@ -111,7 +111,7 @@ class AdamWStep:
     gradient and steps torch's fused AdamW, `fused` steps host_adamw.HostAdamW in one pass (module docstring)."""
 
     def __init__(self, params, grads, fused: bool):
-        from lowmem_grpo.memory_modes import host_adamw
+        from lowmem_grpo.optim import host_adamw
         if fused and host_adamw.library() is None:
             raise RuntimeError(f"the host kernel did not build: {host_adamw._load_error}")
         self.fused, self.params, self.grads, self.host_adamw = fused, params, grads, host_adamw

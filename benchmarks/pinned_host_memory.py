@@ -1,6 +1,6 @@
 """Pinned host memory of a recipe: what the run pins, against what the planner says and against what
 per-tensor `pin_memory=True` would pin (torch's caching host allocator rounds each request up to a
-power of two: lowmem_grpo/memory_modes/host_arena.py).
+power of two: lowmem_grpo/host_arena.py).
 
     python benchmarks/pinned_host_memory.py --arch Qwen2.5-1.5B --recipe recipes/qwen2.5-1.5b_gsm8k_8gb.yaml \\
         --json out.json          # on a GPU; --tiny: the architecture at toy width (CPU rehearsal)
@@ -37,9 +37,9 @@ from bench_utils import machine_info, write_json  # noqa: E402
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
 from lowmem_grpo.memory.presets import preset  # noqa: E402
-from lowmem_grpo.memory_modes.offload import process_ram  # noqa: E402
-from lowmem_grpo.memory_modes.optimizers import _optimizer_class, build_optimizer  # noqa: E402
-from lowmem_grpo.memory_modes.reference import pinned_copies  # noqa: E402
+from lowmem_grpo.optim.offload import process_ram  # noqa: E402
+from lowmem_grpo.optim.optimizers import _optimizer_class, build_optimizer  # noqa: E402
+from lowmem_grpo.policy.reference import pinned_copies  # noqa: E402
 
 MiB = 2**20
 TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -131,7 +131,7 @@ def measure(args) -> dict:
         rss, cached = process_ram() or 0, _cached_bytes(device)
         arena = pinned_copies(params) if device == "cuda" else None
         if arena is None:  # a CPU: the same block, not registered
-            from lowmem_grpo.memory_modes.host_arena import HostArena
+            from lowmem_grpo.host_arena import HostArena
             arena = HostArena([(p.shape, p.dtype) for p in params])
             for p in params:
                 p.data = arena.take(p.shape, p.dtype).copy_(p.data)

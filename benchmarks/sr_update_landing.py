@@ -5,7 +5,7 @@
 A tiny random Llama (hidden 128, 2 layers) takes `steps` 8-bit AdamW steps on fixed random
 gradients (the same for every mode; every mode starts from the same bf16-representable weights).
 Reported per mode: mean |delta w| and the fraction of elements changed, for the attention/MLP
-matrices and for the RMSNorm gains. The CPU test tests/memory_modes/test_sr_adamw.py asserts the same contrast.
+matrices and for the RMSNorm gains. The CPU test tests/optim/test_sr_adamw.py asserts the same contrast.
 """
 
 import argparse
@@ -41,8 +41,8 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-6)
     args = ap.parse_args()
-    from lowmem_grpo.memory_modes.optimizers import build_optimizer  # noqa: F401  (quiets bitsandbytes' CPU probe warning)
-    from lowmem_grpo.memory_modes.sr_adamw import _bnb, sr_adamw8bit_class
+    from lowmem_grpo.optim.optimizers import build_optimizer  # noqa: F401  (quiets bitsandbytes' CPU probe warning)
+    from lowmem_grpo.optim.sr_adamw import _bnb, sr_adamw8bit_class
     bnb = _bnb()
     modes = {"fp32 weights, AdamW8bit": (torch.float32, bnb.optim.AdamW8bit),
              "bf16 weights, AdamW8bit + stochastic rounding": (torch.bfloat16, sr_adamw8bit_class()),

@@ -48,7 +48,7 @@ from bench_utils import use_train_allocator  # noqa: E402
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
 from lowmem_grpo.memory.presets import preset  # noqa: E402
-from lowmem_grpo.memory_modes.host_arena import HostArena  # noqa: E402
+from lowmem_grpo.host_arena import HostArena  # noqa: E402
 from lowmem_grpo.policy.model import load_model  # noqa: E402
 from lowmem_grpo.training.metrics import peak_memory_bytes, reset_peak_memory  # noqa: E402
 from lowmem_grpo.training.trainer import Trainer  # noqa: E402
@@ -183,7 +183,7 @@ def pinned_host_bytes(device: torch.device) -> dict:
 
 
 class HostUpdateClock:
-    """Seconds an offloaded optimizer (memory_modes/offload.py) spends in its host updates (`_update_all`,
+    """Seconds an offloaded optimizer (optim/offload.py) spends in its host updates (`_update_all`,
     on whichever thread runs them), summed until `take()`; a no-op for an optimizer without them."""
 
     def __init__(self, optimizer):

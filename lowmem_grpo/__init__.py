@@ -2,21 +2,18 @@
 
 The package, bottom to top (each layer imports only the ones above it in this list):
 
-    ranges                the allowed ranges of settings that both kernels and config check
-    kernels/              fused loss-head ops (import nothing else of the package but ranges)
-    config, phases        the settings tree; the step's phase markers for the profiler
-    policy/               loading the model, generation, the no-grad log-prob passes
-    rewards/              reward functions: TRL's signature, built-ins, loading, calling
-    memory_modes/         bf16 + stochastic rounding, optimizer in backward, reference off the GPU,
-                          activation offload, optimizer construction
-    training/             the GRPO loop: Trainer, generation batches, data, checkpoints, metrics, eval
-    memory/               memory tools: track(), the profiler, the planner and its layer probe, presets
-    api                   the Python API in TRL's shape: GRPOConfig, GRPOTrainer (the CLI's Trainer), callbacks
-    cli/                  `lowmem-grpo train|eval|plan|profile|recipes`
+    ranges, phases, host_arena   setting ranges; the profiler's phase markers; pinned host memory
+    kernels/       the fused loss head (imports nothing else of the package but ranges)
+    config/        the settings tree: schema, YAML recipes, `section.key=value` overrides, checks
+    optim/         the optimizer: bf16 + stochastic rounding, in backward, offloaded to the host
+    policy/        the model: loading, generation (rollouts), log-prob passes, the reference model
+    rewards/       reward functions: TRL's signature, built-ins, loading, calling
+    training/      the GRPO loop: Trainer, one step's arithmetic, data, checkpoints, metrics, eval
+    memory/        memory tools: track(), the profiler, the planner and its layer probe, presets
+    api, cli/      the Python API in TRL's shape (GRPOConfig, GRPOTrainer); `lowmem-grpo ...`
 
-shipped_recipes (where the recipes installed with the package are) imports nothing and sits at the
-bottom with config. `from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback` loads the API
-(and torch) on first use only, so `import lowmem_grpo` and `lowmem_grpo.kernels` stay light.
+`from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback` loads the API (and torch) on first
+use only, so `import lowmem_grpo` and `lowmem_grpo.kernels` stay light. docs/ tells the design.
 """
 
 import logging

@@ -26,7 +26,7 @@ from typing import Optional
 
 from .config import Config, ConfigError, _key_index, _nearest, _sections, _set, apply_mapping, describe, \
     load_config, validate
-from .policy.model import ModelError, check_fused_head, disable_dropout, weights_dtype
+from .policy.model import ModelError, build_head, disable_dropout, weights_dtype
 from .rewards.loading import spec_record
 from .shipped_recipes import find_shipped
 from .training.callbacks import TrainerCallback
@@ -238,7 +238,7 @@ def _use_model(cfg: Config, model):
     if getattr(model.config, "quantization_config", None) is not None:
         raise ModelError("the model is loaded quantised (quantization_config): full-parameter training needs "
                          "unquantised weights; load it without a quantization config (or pass its name)")
-    check_fused_head(model)
+    build_head(model)
     dtype = weights_dtype(m)
     if any(p.dtype != dtype for p in model.parameters()):
         logger.info(f"converting the model's weights to {dtype} (model.precision={m.precision})")

@@ -140,7 +140,7 @@ class ModelConfig:
     precision: str = _f("fp32", "fp32: fp32 master weights and gradients (exact; 8 bytes/parameter before "
                                 "optimizer states). bf16_sr: bf16 weights and gradients (4 bytes/parameter); the "
                                 "8-bit AdamW update is computed in fp32 chunks and stochastically rounded back, so "
-                                "lr-1e-6 updates land (lowmem_grpo/memory_modes/sr_adamw.py). Needs optim.optimizer=adamw_8bit "
+                                "lr-1e-6 updates land (lowmem_grpo/optim/sr_adamw.py). Needs optim.optimizer=adamw_8bit "
                                 "or paged_adamw_8bit and a GPU with native bf16 (or the CPU).",
                                 check=("fp32", "bf16_sr"))
     offload_activations: bool = _f(False, "Copy the layer inputs that checkpointing keeps to pinned CPU RAM on a "
@@ -313,7 +313,7 @@ class OptimConfig:
                                               "train.optimizer_in_backward on the device clips per tensor.",
                                         check=NON_NEGATIVE)
     offload_optimizer: bool = _f(False, "Keep the optimizer states, a copy of the weights and a gradient buffer in "
-                                        "host RAM and run the update on the CPU (memory_modes/offload.py): the GPU "
+                                        "host RAM and run the update on the CPU (optim/offload.py): the GPU "
                                         "holds no optimizer state and no full gradient: backward hooks send each "
                                         "gradient to the host as soon as it is complete, where micro-batches are "
                                         "summed (in the weight dtype, as autograd sums .grad; gradient accumulation "

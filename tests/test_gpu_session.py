@@ -172,7 +172,7 @@ def test_the_second_call_takes_up_what_the_first_did_not_finish(tmp_path):
 @pytest.mark.parametrize("cause", ["switched off", "build fails"])
 def test_the_env_step_fails_loudly_where_the_host_kernel_falls_back(monkeypatch, cause):
     gs = _gpu_session()
-    from lowmem_grpo.memory_modes import host_adamw
+    from lowmem_grpo.optim import host_adamw
     monkeypatch.setattr(host_adamw, "_library", None)  # untried, as in a fresh process
     monkeypatch.setattr(host_adamw, "_load_error", None)
     if cause == "switched off":
@@ -191,7 +191,7 @@ def test_the_env_step_fails_loudly_where_the_host_kernel_falls_back(monkeypatch,
 
 def test_the_env_step_records_the_native_host_kernel(monkeypatch):
     gs = _gpu_session()
-    from lowmem_grpo.memory_modes import host_adamw
+    from lowmem_grpo.optim import host_adamw
 
     class Library:
         _name = "/cache/lowmem_grpo_host_adamw_0123.so"

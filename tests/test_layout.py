@@ -16,19 +16,21 @@ PACKAGE = ROOT / "lowmem_grpo"
 # package (first component under lowmem_grpo) -> the other packages it may import
 BELOW = {
     "ranges": set(),  # the value ranges both the kernels and the config check (one copy of each rule)
+    "phases": set(),
+    "host_arena": set(),  # pinned host memory: the optimizer's states, offloaded activations, the reference
     "kernels": {"ranges"},
     "integrations": {"ranges", "kernels"},  # other trainers (TRL) on our kernels; nothing imports it
     "config": {"ranges"},
-    "phases": set(),
     "shipped_recipes": set(),
-    "policy": {"ranges", "config", "kernels"},
+    "optim": {"ranges", "config", "phases", "host_arena"},
+    "policy": {"ranges", "config", "kernels", "host_arena"},
     "rewards": set(),
-    "memory_modes": {"ranges", "config", "phases", "kernels", "policy"},
-    "training": {"ranges", "config", "phases", "kernels", "policy", "rewards", "memory_modes"},
-    "memory": {"ranges", "config", "phases", "kernels", "policy", "rewards", "memory_modes", "training"},
-    "api": {"ranges", "config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes",
+    "training": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim"},
+    "memory": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim", "training"},
+    "memory_modes": {"host_arena", "optim", "policy", "training"},  # the old import path, deprecated
+    "api": {"ranges", "config", "phases", "host_arena", "kernels", "shipped_recipes", "policy", "rewards", "optim",
             "training"},
-    "cli": {"ranges", "config", "phases", "kernels", "shipped_recipes", "policy", "rewards", "memory_modes",
+    "cli": {"ranges", "config", "phases", "host_arena", "kernels", "shipped_recipes", "policy", "rewards", "optim",
             "training", "memory", "api"},
 }
 

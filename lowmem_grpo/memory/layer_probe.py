@@ -101,7 +101,7 @@ def _measure(decoder, norm, hidden: int, batch: int, dtype: torch.dtype, autocas
         del normed
     # The same under activation offload's hooks, every saved tensor moved (the host copies are live tensors
     # here too: told apart by the bytes the hooks moved)
-    from ..memory_modes.activation_offload import offload_activations
+    from ..training.activation_offload import offload_activations
     hooks = offload_activations(min_bytes=0, copy_on_cpu=True)
     with _LiveBytes() as probe, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), hooks:
         normed = norm(x)

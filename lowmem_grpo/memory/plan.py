@@ -48,7 +48,7 @@ tied embedding's second (V, H) gradient at the lookup (the host holds one more (
 whatever gradient_accumulation_steps is (the micro-batches are summed on the host).
 
 Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
-the offloaded optimizer's states, weight copy and gradient buffer (memory_modes/offload.py; with
+the offloaded optimizer's states, weight copy and gradient buffer (optim/offload.py; with
 gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the layer inputs of
 activation offload with the final norm's saves (one micro-batch's). Not counted: the Python process
 itself (torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a
@@ -68,8 +68,8 @@ import torch
 from ..config import Config, ConfigError, batch_plan
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
-from ..memory_modes.activation_offload import MIN_BYTES
-from ..memory_modes.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
+from ..training.activation_offload import MIN_BYTES
+from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from .layer_probe import layer_costs
 
 GiB = 2**30
@@ -218,7 +218,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         grads_before = 0
         grads_head = grads_end = wb * ((embedding if arch.tied else 0) + (others[0] if others else 0))
         if device == "cuda":  # gradients held while their norms reach the host (optimizer_in_backward.py)
-            from ..memory_modes.optimizer_in_backward import LAG_BYTES
+            from ..optim.optimizer_in_backward import LAG_BYTES
             lag = min(LAG_BYTES, grads_all)
             grads_head, grads_end = grads_head + lag, grads_end + lag
     else:  # after the first micro-batch of an accumulation, every gradient exists before backward starts
@@ -322,7 +322,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
 
 def activations_offloaded(cfg: Config, layer_io: int) -> bool:
     """Whether model.offload_activations moves the layer inputs (`layer_io` bytes each, one micro-batch's):
-    it leaves saved tensors under its minimum size where they are (memory_modes/activation_offload.py).
+    it leaves saved tensors under its minimum size where they are (training/activation_offload.py).
     The final norm's saves are at least a layer input's size, so they go with them (not counted: its fp32
     ones alone moving, when a layer input is between half the minimum and the minimum)."""
     return cfg.model.offload_activations and cfg.model.gradient_checkpointing and layer_io >= MIN_BYTES
@@ -372,17 +372,17 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
     """Host RAM the run keeps on purpose, per category (module docstring).
 
     The offloaded optimizer's weight copy (unless fp32 masters) and gradient buffer are one block of
-    host memory laid out as memory_modes/host_arena.py lays it out, its alignment and page rounding
+    host memory laid out as host_arena.py lays it out, its alignment and page rounding
     included, and the tied head's buffer another: the two categories sum to the bytes the run pins,
     to the byte (tests/memory/test_host_ram_plan.py checks it against the real optimizer). The
-    streamed reference model on a GPU is one block too (memory_modes/reference.py)."""
-    from ..memory_modes.host_arena import arena_bytes, round_up
+    streamed reference model on a GPU is one block too (policy/reference.py)."""
+    from ..host_arena import arena_bytes, round_up
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     host = {}
     if cfg.train.beta > 0:
         streamed = device != "cpu" and cfg.train.reference_compute != "cpu"  # auto streams on a GPU
         host["reference model"] = arena_bytes(wb * n for n in arch.tensor_sizes) if streamed else wb * arch.params
-    if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (memory_modes/offload.py)
+    if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (optim/offload.py)
         master = 4 if cfg.optim.optimizer == "adamw" else wb
         host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
         copies = [wb * n for n in arch.tensor_sizes] if master == wb else []  # in the block, in its order
@@ -392,7 +392,7 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
         if arch.tied:  # the tied head's contribution, its own block
             host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
         if cfg.train.gradient_accumulation_steps > 1:  # later micro-batches' gradients arrive there
-            from ..memory_modes.offload import staging_bytes
+            from ..optim.offload import staging_bytes
             host["gradient buffer"] += staging_bytes()
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations

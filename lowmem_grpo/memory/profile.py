@@ -230,7 +230,7 @@ class MemoryProfile:
                 states += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         known = {"weights": _storages(self.params), "optimizer states": _storages(states),
                  "reference model": _storages(self.reference), "rollout batch": _storages(self.batch)}
-        # optim.offload_optimizer (memory_modes/offload.py): the host weight copies and gradient buffers,
+        # optim.offload_optimizer (optim/offload.py): the host weight copies and gradient buffers,
         # views of one block (host_arena.py), so counted view by view, not by storage
         for category, attr in (("weights copy", "host"), ("gradient buffer", "host_grad")):
             held = getattr(self.optimizer, attr, None)
@@ -439,7 +439,7 @@ def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) ->
     batch = trainer.generation.batch.state_dict().values() if trainer.generation is not None else ()
     weights = list(trainer.policy.parameters()) + list(trainer.policy.buffers())
     times, widths = [], (0, 0)
-    # The offloaded optimizer's host update runs on a worker thread (memory_modes/offload.py), where the
+    # The offloaded optimizer's host update runs on a worker thread (optim/offload.py), where the
     # host tracker (a dispatch mode: per thread) would not see the states it makes: updated inline here,
     # the same bytes at the same point of the step.
     update_thread = getattr(trainer.optimizer, "update_thread", None)

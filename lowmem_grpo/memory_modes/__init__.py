@@ -1,13 +1,53 @@
-"""Memory modes: what makes full-parameter GRPO fit an 8 GB card, each switched on by the config.
+"""Deprecated: the old name of `lowmem_grpo.optim` (and of three modules that moved elsewhere).
 
-    sr_adamw.py               bf16 weights whose 8-bit AdamW updates land (stochastic rounding)
-    optimizer_in_backward.py  each parameter stepped in its grad hook, its gradient freed at once
-    offload.py                the same, with the optimizer states and the update in host RAM
-    host_arena.py             pinned host buffers as views of one block of exactly the planned size
-    reference.py              the reference model in CPU RAM, run on the CPU or streamed to the GPU
-    activation_offload.py     checkpointed layer inputs to pinned host memory on a side stream
-    optimizers.py             building the configured optimizer (and LR schedule) from these
+`import lowmem_grpo.memory_modes.X` keeps working for one release and warns (DeprecationWarning) with
+the new path. Old module -> new module:
 
-May import the settings (lowmem_grpo.config), the phase markers (lowmem_grpo.phases), the kernels and
-the policy; never the training loop, the memory tools or the CLI.
+    memory_modes.offload, .optimizer_in_backward, .optimizers, .sr_adamw, .host_adamw -> optim.<same>
+    memory_modes.reference           -> policy.reference
+    memory_modes.activation_offload  -> training.activation_offload
+    memory_modes.host_arena          -> host_arena
+
+Renamed classes stay reachable under their old names here: `OffloadedOptimizerInBackward` is
+`optim.offload.OffloadedOptimizer`.
 """
+
+import importlib
+import sys
+import types
+import warnings
+
+MOVED = {
+    "offload": "lowmem_grpo.optim.offload",
+    "optimizer_in_backward": "lowmem_grpo.optim.optimizer_in_backward",
+    "optimizers": "lowmem_grpo.optim.optimizers",
+    "sr_adamw": "lowmem_grpo.optim.sr_adamw",
+    "host_adamw": "lowmem_grpo.optim.host_adamw",
+    "reference": "lowmem_grpo.policy.reference",
+    "activation_offload": "lowmem_grpo.training.activation_offload",
+    "host_arena": "lowmem_grpo.host_arena",
+}
+RENAMED = {"OffloadedOptimizerInBackward": "OffloadedOptimizer"}
+
+warnings.warn("lowmem_grpo.memory_modes is deprecated: import lowmem_grpo.optim (the optimizer), "
+              "lowmem_grpo.policy.reference, lowmem_grpo.training.activation_offload or "
+              "lowmem_grpo.host_arena instead", DeprecationWarning, stacklevel=2)
+
+
+class _Moved(types.ModuleType):
+    """The old module: every attribute read from the new one (old class names through RENAMED)."""
+
+    def __init__(self, old: str, new: str):
+        super().__init__(old, f"Deprecated alias of {new}.")
+        self._new = new
+
+    def __getattr__(self, name):
+        module = importlib.import_module(self._new)
+        return getattr(module, RENAMED.get(name, name))
+
+    def __dir__(self):
+        return sorted(set(dir(importlib.import_module(self._new))) | set(RENAMED))
+
+
+for _old, _new in MOVED.items():
+    sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _Moved(f"{__name__}.{_old}", _new)

@@ -16,7 +16,7 @@ graph, which writes the logits into the static output buffer (`out`, (rows, V) f
 one is read before the next replays). The graph reads and writes by address: the K/V buffers, the static
 buffers and the weights it was captured with must stay where they are until `reset()`, which they do for
 a rollout (static_decode.StaticKV holds them; the optimizers update weights in place, between rollouts).
-Replays run no Python, so no forward hook: the offloaded optimizer's waits (memory_modes/offload.py) happen
+Replays run no Python, so no forward hook: the offloaded optimizer's waits (optim/offload.py) happen
 in the rollout's eager prefill, before any step.
 
 The recorder is injectable (static_decode.GRAPH_RECORDER): the CPU tests record a closure and replay it by

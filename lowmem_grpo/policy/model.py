@@ -185,7 +185,7 @@ def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Mo
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         except OSError as e:
             raise ModelError(f"could not load model {path!r}: {e}") from e
-    check_fused_head(model)
+    build_head(model)
     if cfg.disable_dropout:
         disable_dropout(model)
     return model
@@ -249,7 +249,7 @@ class Head:
 
     decoder: nn.Module  # input_ids -> last_hidden_state (after the final norm)
     output: nn.Linear  # the output embedding (tied: its weight is the input embedding's)
-    # Set by the offloaded optimizer for a tied embedding (memory_modes/offload.py, "The tied embedding"):
+    # Set by the offloaded optimizer for a tied embedding (optim/offload.py, "The tied embedding"):
     # returns a leaf with the weight's storage and values but a gradient of its own, so the head's
     # contribution reaches the optimizer as soon as the head's backward is done. None: the weight itself.
     weight_source: Optional[Callable[[], torch.Tensor]] = None
@@ -265,7 +265,7 @@ class Head:
         return self.output.bias
 
 
-def check_fused_head(model: nn.Module) -> Head:
+def build_head(model: nn.Module) -> Head:
     """Split a causal LM into decoder + linear head, refusing models whose logits are not hidden @ W^T (+ b)."""
     check_logits_are_linear(model.config)
     head = model.get_output_embeddings()

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import Config
 from ..kernels import linear_grpo_loss
-from ..memory_modes.activation_offload import offload_activations
+from .activation_offload import offload_activations
 from ..policy.model import Head
 from ..policy.rollout import Batch, completion_hidden
 

@@ -13,11 +13,11 @@ the interface `Trainer.optimizer_step` drives the same way in every mode:
                    one optimizer step, skipped when the loss or the norm is not finite
     InBackwardStep train.optimizer_in_backward on the device: each micro-batch is a whole optimizer step
                    (gradient_accumulation_steps == 1), updated inside its backward with the per-tensor
-                   clip (memory_modes/optimizer_in_backward.py); the loss is checked before the backward,
+                   clip (optim/optimizer_in_backward.py); the loss is checked before the backward,
                    which changes the weights
     OffloadStep    optim.offload_optimizer: the hooks send every micro-batch's gradients to the host,
                    where they are summed; after the last, the global norm and one update on the CPU
-                   (memory_modes/offload.py). It owns the loss head's handle on a tied weight.
+                   (optim/offload.py). It owns the loss head's handle on a tied weight.
 
 A step in which every completion was skipped (zero advantages) still steps Adam on a zero gradient, in
 every mode, as TRL's optimizer does.
@@ -31,8 +31,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..memory_modes.offload import OffloadedOptimizerInBackward
-from ..memory_modes.optimizer_in_backward import OptimizerInBackward
+from ..optim.offload import OffloadedOptimizer
+from ..optim.optimizer_in_backward import OptimizerInBackward
 from ..phases import phase
 from . import distributed
 
@@ -128,7 +128,7 @@ class OffloadStep(StepMode):
     """Gradients summed on the host, the global norm, one update on the CPU (module docstring). Gives the
     loss heads their handle on a tied embedding (`split_tied_head`)."""
 
-    def __init__(self, optimizer: OffloadedOptimizerInBackward, model: torch.nn.Module, heads: list):
+    def __init__(self, optimizer: OffloadedOptimizer, model: torch.nn.Module, heads: list):
         self.optimizer = optimizer
         optimizer.split_tied_head(model, heads)  # a tied embedding's two (V, H) gradients never meet on the device
         optimizer.wait_in_forward(model, heads)  # the host update runs on the worker thread
@@ -158,7 +158,7 @@ def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, los
                    shards, max_grad_norm: float | None, heads: list) -> StepMode:
     """The mode of the optimizer `build_optimizer` made. `heads`: every loss head that reads the output
     embedding's weight for the loss (the offload mode may give them a handle of their own)."""
-    if isinstance(optimizer, OffloadedOptimizerInBackward):
+    if isinstance(optimizer, OffloadedOptimizer):
         return OffloadStep(optimizer, model, heads)
     if isinstance(optimizer, OptimizerInBackward):
         return InBackwardStep(optimizer)

@@ -8,7 +8,7 @@ Simplifications, stated plainly:
 - One device per process. Under torchrun every rank runs this same loop on its own slice of the
   prompts (distributed.py says what is shared and how); with one process every collective is the
   identity. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
-  reference log-probs once per generation batch, on the CPU or streamed to the GPU (memory_modes/reference.py).
+  reference log-probs once per generation batch, on the CPU or streamed to the GPU (policy/reference.py).
 - When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
   uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
 - Micro-batches of a generation batch are visited in generation order on every iteration.
@@ -35,10 +35,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan
-from ..memory_modes.optimizers import build_optimizer, build_scheduler
-from ..memory_modes.reference import Reference
+from ..optim.optimizers import build_optimizer, build_scheduler
+from ..policy.reference import Reference
 from ..phases import phase
-from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, check_fused_head, enable_checkpointing,
+from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
                             load_model, load_tokenizer)
 from ..policy.packing import resolve_pack_prompts
 from ..policy.rollout import Batch
@@ -137,7 +137,7 @@ class Trainer:
         if m.gradient_checkpointing:
             enable_checkpointing(self.policy)
         self.policy.config.use_cache = False  # training forwards never need the KV cache
-        self.head = check_fused_head(self.policy)
+        self.head = build_head(self.policy)
         g = cfg.generation
         packing = resolve_pack_prompts(t.pack_prompts, self.policy,
                                        max_length=g.max_prompt_length + g.max_completion_length)

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-import lowmem_grpo.memory_modes.host_arena as host_arena
+import lowmem_grpo.host_arena as host_arena
 from lowmem_grpo.config import load_config
 from lowmem_grpo.memory.plan import Arch, optimizer_state_bytes, plan
-from lowmem_grpo.memory_modes.host_arena import PAGE
-from lowmem_grpo.memory_modes.optimizers import build_optimizer
+from lowmem_grpo.host_arena import PAGE
+from lowmem_grpo.optim.optimizers import build_optimizer
 
 from .test_plan import MINIMAL, TINY
 
@@ -61,9 +61,9 @@ def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer, accumula
 
 
 def test_streamed_reference_block_equals_the_plan(monkeypatch):
-    # The reference streamed on a GPU lives in one pinned block (memory_modes/reference.py); the CUDA
+    # The reference streamed on a GPU lives in one pinned block (policy/reference.py); the CUDA
     # registration is faked here, the block and its bytes are real.
-    from lowmem_grpo.memory_modes.reference import pinned_copies
+    from lowmem_grpo.policy.reference import pinned_copies
     registered = []
     monkeypatch.setattr(host_arena, "_register", lambda base: registered.append(base.numel()))
     monkeypatch.setattr(host_arena, "_unregister", lambda base: registered.append("unregistered"))

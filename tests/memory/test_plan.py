@@ -5,9 +5,9 @@ import pytest
 
 from lowmem_grpo.config import load_config
 from lowmem_grpo.memory.plan import Arch, optimizer_state_bytes, plan
-from lowmem_grpo.memory_modes.optimizer_in_backward import LAG_BYTES
+from lowmem_grpo.optim.optimizer_in_backward import LAG_BYTES
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.memory_modes.host_arena import ALIGN, PAGE
+from lowmem_grpo.host_arena import ALIGN, PAGE
 
 MINIMAL = ["model.name_or_path=x", "reward_funcs=[numeric_answer]"]
 
@@ -165,7 +165,7 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
         assert cats["optimizer states"] == 0, phase  # no state and no update temporaries on the device
         if phase != "backward":
             assert cats.get("gradients", 0) == on_device["phase_categories"][phase].get("gradients", 0), phase
-    # Pinned on a GPU, in blocks laid out as memory_modes/host_arena.py lays them out: each tensor starts
+    # Pinned on a GPU, in blocks laid out as host_arena.py lays them out: each tensor starts
     # on a 64-byte boundary, each block is whole pages (tests/memory/test_host_ram_plan.py checks them
     # against the real buffers). Every tensor of this model is a multiple of 64 bytes in bf16.
     assert all(2 * n % ALIGN == 0 for n in arch.tensor_sizes)
@@ -193,7 +193,7 @@ def test_offloaded_accumulation_keeps_the_gradients_on_the_host():
     # gradient_accumulation_steps=4 offloaded (no optimizer_in_backward setting): the device holds the
     # gradients of the hooks in flight only (as with one micro-batch per step), never a whole gradient;
     # the host holds the staging ring on top of the buffers of one micro-batch per step.
-    from lowmem_grpo.memory_modes.offload import staging_bytes
+    from lowmem_grpo.optim.offload import staging_bytes
     arch = Arch.from_config(TINY)
     common = MINIMAL + ["precision=bf16_sr", "steps_per_generation=4", "offload_optimizer=true"]
     one = plan(load_config(None, common + ["gradient_accumulation_steps=1"]), arch)
@@ -344,11 +344,11 @@ def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures
 def test_activation_offload_moves_layer_inputs_and_the_norms_saves_over_its_minimum_to_the_host():
     # model.offload_activations: the layer inputs checkpointing keeps and the final norm's saves (all but its
     # output; a tensor saved twice goes once) are host RAM, one micro-batch's; tensors under activation
-    # offload's 1 MiB minimum stay on the device (memory_modes/activation_offload.py), so a plan with
+    # offload's 1 MiB minimum stay on the device (training/activation_offload.py), so a plan with
     # layer inputs under it is the plan without offload.
     import torch
     from lowmem_grpo.memory.layer_probe import layer_costs
-    from lowmem_grpo.memory_modes.activation_offload import MIN_BYTES
+    from lowmem_grpo.training.activation_offload import MIN_BYTES
     arch = Arch.from_config(TINY)  # hidden 64 in bf16: a layer input is 128 bytes per position
     length = 2048
 

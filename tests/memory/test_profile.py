@@ -82,7 +82,7 @@ def test_offloaded_optimizer_host_memory_is_counted_by_category(tmp_path):
 
 
 def test_fused_head_workspace_is_the_loss_head_and_in_backward_gradients_are_gradients():
-    from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward
+    from lowmem_grpo.optim.optimizer_in_backward import OptimizerInBackward
     from lowmem_grpo.kernels import linear_token_logprobs
     from lowmem_grpo.kernels.linear import default_chunk_size
 

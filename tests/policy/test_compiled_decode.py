@@ -32,16 +32,16 @@ def layered_qwen2(layers: int, seed: int = 0):
 
 def test_the_offloaded_optimizers_waits_stay_out_of_the_compiled_step(monkeypatch):
     """The offloaded optimizer puts a pre-hook on every module that waits for that module's update
-    (memory_modes/offload.py, wait_in_forward). Traced into the compiled step, it split the step of a
+    (optim/offload.py, wait_in_forward). Traced into the compiled step, it split the step of a
     12-layer model into 25 graphs with 28 breaks (and on a GPU the trace crashed). The step must stay one
     graph; the waits happen in the rollout's prefill, which runs eagerly before any decode step: every
     parameter of the model has been waited for before the first compiled step runs."""
-    from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
-    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    from lowmem_grpo.optim.offload import OffloadedOptimizer
+    from lowmem_grpo.optim.optimizers import build_optimizer
     monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "eager")
     events = []
-    real_wait = OffloadedOptimizerInBackward._wait_for
-    monkeypatch.setattr(OffloadedOptimizerInBackward, "_wait_for", lambda self, indices: (
+    real_wait = OffloadedOptimizer._wait_for
+    monkeypatch.setattr(OffloadedOptimizer, "_wait_for", lambda self, indices: (
         events.append(("wait", tuple(indices))), real_wait(self, indices))[1])
     real_call = StaticKV.__call__
     monkeypatch.setattr(StaticKV, "__call__", lambda self, *a, **k: (
@@ -49,7 +49,7 @@ def test_the_offloaded_optimizers_waits_stay_out_of_the_compiled_step(monkeypatc
     torch._dynamo.reset()
     model = layered_qwen2(12)
     opt = build_optimizer(model, OptimConfig(optimizer="adamw", offload_optimizer=True, learning_rate=1e-3))
-    assert isinstance(opt, OffloadedOptimizerInBackward)
+    assert isinstance(opt, OffloadedOptimizer)
     opt.wait_in_forward(model)
     cfg = GenerationConfig(max_completion_length=6, generation_micro_batch_size=1, max_prompt_length=8)
     prompts = random_prompts([5, 3], 64, seed=2)

@@ -23,8 +23,8 @@ from torch import nn
 
 from lowmem_grpo.kernels import linear_token_logprobs
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.memory_modes.reference import Reference
-from lowmem_grpo.policy.model import check_fused_head, enable_checkpointing
+from lowmem_grpo.policy.reference import Reference
+from lowmem_grpo.policy.model import build_head, enable_checkpointing
 from lowmem_grpo.policy.packing import (PackingError, pack, packed_completion_hidden, packing_supported,
                                         planned_token_counts, probe_packing, resolve_pack_prompts, token_counts)
 from lowmem_grpo.policy.rollout import Batch, completion_hidden, token_logprobs
@@ -74,7 +74,7 @@ def make_batch(vocab: int, seed: int = 0) -> Batch:
 
 def logp_and_grads(model, mb: Batch, pack: bool, autocast: bool = False):
     """(log-probs (B, C) fp32, {name: grad fp32}) of sum(logp * w * mask) with fixed random weights w."""
-    head = check_fused_head(model)
+    head = build_head(model)
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         hidden = completion_hidden(head, mb, pack)  # (B, C, H)
@@ -177,7 +177,7 @@ def test_identical_prompts_of_different_groups_share_a_row():
 
 def test_token_logprobs_packed_in_micro_batches():
     model = make_model("qwen2").eval()
-    head, batch = check_fused_head(model), make_batch(model.config.vocab_size)
+    head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=4, device=torch.device("cpu"))
     plain = token_logprobs(head, batch, **kw)
     packed = token_logprobs(head, batch, **kw, pack=True)
@@ -193,7 +193,7 @@ def test_reference_packed(mode):
     plain = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4)
     packed = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4, pack=True)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
-    expected = token_logprobs(check_fused_head(model), batch, temperature=TEMPERATURE, micro_batch=4,
+    expected = token_logprobs(build_head(model), batch, temperature=TEMPERATURE, micro_batch=4,
                               device=torch.device("cpu"))
     torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
 
@@ -211,7 +211,7 @@ def test_attention_without_masks_is_refused_naming_the_fix(impl):
     with pytest.raises(PackingError, match="train.pack_prompts=false"):
         resolve_pack_prompts(True, model)
     with pytest.raises(PackingError, match=impl.replace("|", r"\|")):
-        completion_hidden(check_fused_head(model), make_batch(97), pack=True)
+        completion_hidden(build_head(model), make_batch(97), pack=True)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -230,7 +230,7 @@ def test_sliding_window_is_refused_unless_sequences_stay_inside_it():
     assert packing_supported(model, max_length=8)[0]
     assert not packing_supported(model, max_length=9)[0]
     with pytest.raises(PackingError, match="sliding window"):  # 7 + 6 tokens reach the window at run time
-        completion_hidden(check_fused_head(model), make_batch(97), pack=True)
+        completion_hidden(build_head(model), make_batch(97), pack=True)
 
 
 @pytest.mark.parametrize("layer_type", ["linear_attention", "mamba"])
@@ -296,7 +296,7 @@ def test_packed_matches_unpacked_flex_attention_forward():
     """Forward only: torch has no FlexAttention backward on the CPU (packed or not); the CUDA test
     below checks gradients."""
     model = make_model("llama", attn="flex_attention").eval()
-    head, batch = check_fused_head(model), make_batch(model.config.vocab_size)
+    head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=5, device=torch.device("cpu"))
     torch.testing.assert_close(token_logprobs(head, batch, **kw, pack=True), token_logprobs(head, batch, **kw),
                                rtol=1e-5, atol=1e-5)

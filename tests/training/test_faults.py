@@ -256,7 +256,7 @@ def _raise_oom_on_second_call(real):
 ])
 def test_out_of_memory_names_the_phase_and_the_cheapest_fix_and_saves(toy_config, monkeypatch, phase, extra, fix):
     import lowmem_grpo.training.generation as generation
-    from lowmem_grpo.memory_modes.reference import Reference
+    from lowmem_grpo.policy.reference import Reference
     if phase == "reference log-probs":  # the stream mode needs a GPU: its log-probs are patched away anyway
         monkeypatch.setattr(Reference, "__init__", lambda self, model, device, mode: setattr(self, "device", device))
     trainer = Trainer(toy_config("max_steps=4", *extra))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lowmem_grpo.config import ConfigError
-from lowmem_grpo.memory_modes import host_adamw
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+from lowmem_grpo.optim import host_adamw
+from lowmem_grpo.optim.offload import OffloadedOptimizer
 from lowmem_grpo.training.trainer import Trainer
 from tests.optional import needs_bitsandbytes
 
@@ -70,7 +70,7 @@ def test_offloaded_run_equals_the_plain_run(toy_config, tmp_path, monkeypatch, p
     # the global clip active: offloaded (optimizer_in_backward=true: accepted, the same) against the plain
     # path. (The on-device optimizer in backward would clip per tensor: a different run.)
     # bnb_on_host: the host steps with bitsandbytes' own CPU path, the plain run's code: bitwise equal.
-    # fused_host_kernel (memory_modes/host_adamw.py; its own tests compare it with bitsandbytes op by op):
+    # fused_host_kernel (optim/host_adamw.py; its own tests compare it with bitsandbytes op by op):
     # fp32 within 1e-6 of each tensor's scale (torch's CPU sqrt is not correctly rounded, the kernel's is,
     # and an 8-bit state code that flips on the difference carries it on); bf16_sr draws other rounding
     # noise, so runs agree only statistically: the two runs' difference is well under how far the 8-bit-state
@@ -80,7 +80,7 @@ def test_offloaded_run_equals_the_plain_run(toy_config, tmp_path, monkeypatch, p
     for offload in (False, True):
         trainer = Trainer(toy_config(*COMMON, f"precision={precision}", f"offload_optimizer={offload}",
                                      f"optimizer_in_backward={offload}", output_dir=tmp_path / str(offload)))
-        assert isinstance(trainer.optimizer, OffloadedOptimizerInBackward) == offload
+        assert isinstance(trainer.optimizer, OffloadedOptimizer) == offload
         # offloaded: the tied embedding's head gradient comes on a leaf of its own (offload.py); equal all the same
         assert (trainer.head.weight is not trainer.policy.lm_head.weight) == offload
         start = _params(trainer)
@@ -98,7 +98,7 @@ def test_a_slow_update_thread_changes_nothing(toy_config, tmp_path, monkeypatch,
     # not wait for its update (a module without the pre-hook, the fused head's weight, a rollout path that
     # bypasses the module) would see the old weight, and the run would differ from the plain one.
     _host_kernel(monkeypatch, False)  # bitsandbytes' path: the plain run's code, so bit for bit
-    real_update, workers = OffloadedOptimizerInBackward._update, set()
+    real_update, workers = OffloadedOptimizer._update, set()
     rng = random.Random(0)
 
     def slow_update(self, *args, **kwargs):
@@ -107,7 +107,7 @@ def test_a_slow_update_thread_changes_nothing(toy_config, tmp_path, monkeypatch,
             time.sleep(0.01 + rng.random() * 0.04)
         return real_update(self, *args, **kwargs)
 
-    monkeypatch.setattr(OffloadedOptimizerInBackward, "_update", slow_update)
+    monkeypatch.setattr(OffloadedOptimizer, "_update", slow_update)
     runs = {}
     for offload in (False, True):
         trainer = Trainer(toy_config(*COMMON, f"precision={precision}", f"offload_optimizer={offload}",
@@ -179,7 +179,7 @@ def test_accumulated_offloaded_run_equals_the_plain_run(toy_config, tmp_path, mo
     runs, logged = {}, {}
     for offload in (False, True):
         trainer = Trainer(toy_config(*common, f"offload_optimizer={offload}", output_dir=tmp_path / str(offload)))
-        assert isinstance(trainer.optimizer, OffloadedOptimizerInBackward) == offload
+        assert isinstance(trainer.optimizer, OffloadedOptimizer) == offload
         assert (trainer.head.weight is not trainer.policy.lm_head.weight) == offload
         logged[offload] = _run_recording_grad_norms(trainer)
         runs[offload] = _params(trainer)

@@ -4,7 +4,7 @@ the offload mode owns the loss head's handle on a tied weight (no registry the o
 import pytest
 import torch
 
-from lowmem_grpo.policy.model import check_fused_head
+from lowmem_grpo.policy.model import build_head
 from lowmem_grpo.training.step_modes import InBackwardStep, OffloadStep, PlainStep
 from lowmem_grpo.training.trainer import Trainer
 from tests.optional import needs_bitsandbytes
@@ -29,7 +29,7 @@ def test_each_memory_mode_has_its_step_mode(toy_config, overrides, mode):
         assert trainer.head.weight is tied and trainer.loss_module.head.weight is tied
     # A head made elsewhere (the reference, a user's) reads the weight itself, whatever the mode: the
     # handle belongs to the heads it was given, not to the model.
-    assert check_fused_head(trainer.policy).weight is tied
+    assert build_head(trainer.policy).weight is tied
     trainer.generation = trainer.new_generation_batch()
     metrics = trainer.optimizer_step()
     assert metrics["grad_norm"] > 0 and not metrics["skipped"]

@@ -59,7 +59,7 @@ def test_skipping_gives_the_same_parameters(toy_config, tmp_path, case):
 
 @needs_bitsandbytes
 @pytest.mark.parametrize("precision, in_backward", [("fp32", True), ("bf16_sr", False), ("bf16_sr", True)])
-def test_skipping_gives_the_same_parameters_memory_modes(toy_config, tmp_path, precision, in_backward):
+def test_skipping_gives_the_same_parameters_optim(toy_config, tmp_path, precision, in_backward):
     common = ["max_steps=4", "max_completion_length=4", "beta=0.0", "optimizer=adamw_8bit", f"precision={precision}",
               f"optimizer_in_backward={in_backward}", "per_device_train_batch_size=4", "steps_per_generation=2",
               "num_iterations=2", "learning_rate=1e-2"]

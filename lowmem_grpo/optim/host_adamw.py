@@ -25,7 +25,7 @@ a child forked after it ran (a fresh pool there). Two Python threads calling at 
 its call on its own thread.
 
 Same results as bitsandbytes: for fp32 weights the states (codes, absmax) equal bitsandbytes' own step
-bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/memory_modes/test_host_adamw.py).
+bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/optim/test_host_adamw.py).
 torch's CPU kernels round each op separately except `add_(x, alpha=)` and `addcmul_`, which fuse a
 multiply-add in their AVX2/AVX-512 loops, and so does this kernel (where torch's kernels round it twice, as
 with ATEN_CPU_CAPABILITY=default on an x86 CPU without AVX2, codes may differ by one place and absmax by an
@@ -70,7 +70,7 @@ v * beta2 + (1 - beta2) g^2 as one fma, correctly rounded sqrt and divisions, th
 double), and writes the master rounded to nearest even into the upload buffer, which may be the gradient
 buffer itself. Measured: bitwise equal to torch.optim.AdamW(fused=True) except in a tensor's last n % 16
 elements (torch's scalar tail rounds v * beta2 before the add: an ulp of v there), within 1e-6 of
-torch's fused=False path (tests/memory_modes/test_host_adamw_fp32.py). The state is torch AdamW's own
+torch's fused=False path (tests/optim/test_host_adamw_fp32.py). The state is torch AdamW's own
 (`step` a float32 tensor, `exp_avg`, `exp_avg_sq`): checkpoints load either way. What the kernel does not do
 (amsgrad, maximize, CUDA or non-fp32 weights, no compiled kernel) steps in torch's own AdamW.
 The one-pass entry for offload.py's `_update` is `HostAdamW.step_fused(master, grad_buffer, lr=, grad_scale=,
@@ -180,7 +180,7 @@ def library() -> ctypes.CDLL | None:
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
         detail = next((line for line in lines if "error:" in line.lower()), lines[-1] if lines else "")
         _load_error = f"{type(e).__name__}: {detail}"[:300]  # the compiler's first error, else the last line
-        logger.warning("the fused host optimizer kernel (memory_modes/host_adamw.cpp) did not build (%s); the "
+        logger.warning("the fused host optimizer kernel (optim/host_adamw.cpp) did not build (%s); the "
                        "offloaded optimizer takes bitsandbytes' CPU path, several times slower. Fix: install a "
                        "C++ compiler (g++) and ninja (pip install ninja), then restart",
                        _load_error)

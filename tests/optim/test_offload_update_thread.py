@@ -1,4 +1,4 @@
-"""The offloaded optimizer's host update on its worker thread (memory_modes/offload.py, "Off the autograd
+"""The offloaded optimizer's host update on its worker thread (optim/offload.py, "Off the autograd
 thread"): the same parameters, states and RNG stream as the inline update, a forward right after end_step
 that waits for exactly the weights it reads, and a worker's error raised on the caller's thread."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lowmem_grpo.config import OptimConfig
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
-from lowmem_grpo.memory_modes.optimizers import build_optimizer
-from lowmem_grpo.policy.model import check_fused_head
+from lowmem_grpo.optim.offload import OffloadedOptimizer
+from lowmem_grpo.optim.optimizers import build_optimizer
+from lowmem_grpo.policy.model import build_head
 
 from .test_offload import _head_loss, _make, _model
 
@@ -27,7 +27,7 @@ def _untied_model(dtype=torch.float32, device="cpu"):
     return model.to(device, dtype)
 
 
-def _optimizer(kind: str, model, update_thread: bool) -> OffloadedOptimizerInBackward:
+def _optimizer(kind: str, model, update_thread: bool) -> OffloadedOptimizer:
     """`kind`: adamw / adamw_8bit built directly on fp32 weights, or build_* through the real build path
     (optimizers.build_optimizer with offload_optimizer) on bf16 weights: 8-bit AdamW with stochastic
     rounding (host_adamw.py's kernel), torch AdamW on fp32 masters."""
@@ -37,7 +37,7 @@ def _optimizer(kind: str, model, update_thread: bool) -> OffloadedOptimizerInBac
         opt = build_optimizer(model, cfg, stochastic_rounding=True)
         opt.update_thread = update_thread
         return opt
-    return OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make(kind), CLIP,
+    return OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make(kind), CLIP,
                                         update_thread=update_thread)
 
 
@@ -45,7 +45,7 @@ def _setup(kind, tied, update_thread, device="cpu"):
     dtype = torch.bfloat16 if kind.startswith("build_") else torch.float32
     model = _model(dtype, device) if tied else _untied_model(dtype, device)
     opt = _optimizer(kind, model, update_thread)
-    model.loss_head = check_fused_head(model)  # what _head_loss uses; the trainer's head
+    model.loss_head = build_head(model)  # what _head_loss uses; the trainer's head
     opt.wait_in_forward(model, [model.loss_head])
     assert opt.split_tied_head(model, [model.loss_head]) == tied
     return model, opt
@@ -195,7 +195,7 @@ def test_state_dict_after_a_threaded_step_is_the_inline_one():
 def test_without_forward_waits_the_update_stays_inline():
     # Until wait_in_forward is called nothing waits for the worker, so end_step updates inline.
     model = _model()
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), CLIP)
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), CLIP)
     assert opt.update_thread
     opt.begin_step()
     _head_loss(model, 0).backward()
@@ -294,7 +294,7 @@ def test_an_optimizer_nobody_holds_is_collected_and_its_thread_ends(kind):
 _EXIT_RIGHT_AFTER_END_STEP = """
 import sys, time
 import torch
-from tests.memory_modes.test_offload_update_thread import _optimizer_step, _setup
+from tests.optim.test_offload_update_thread import _optimizer_step, _setup
 model, opt = _setup("build_adamw_8bit", tied=False, update_thread=True)
 update = opt._update
 def slowed(index, *args):

@@ -1,4 +1,4 @@
-"""Pinned host memory of exact size on a GPU machine (memory_modes/host_arena.py): registered pages that
+"""Pinned host memory of exact size on a GPU machine (host_arena.py): registered pages that
 report is_pinned() (every view's storage starts on the registered range), nothing from torch's caching
 host allocator (no power-of-two growth), asynchronous copies that land, and pages unlocked when released,
 or at the next known point once collected."""
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.host_arena import HostArena, arena_bytes, buffer_bytes, unlock_pending
+from lowmem_grpo.host_arena import HostArena, arena_bytes, buffer_bytes, unlock_pending
 
 pytestmark = pytest.mark.cuda
 
@@ -75,7 +75,7 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_rel
 
     from lowmem_grpo.config import load_config
     from lowmem_grpo.memory.plan import Arch, plan
-    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    from lowmem_grpo.optim.optimizers import build_optimizer
     conf = dict(vocab_size=999, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, tie_word_embeddings=True)
     torch.manual_seed(0)

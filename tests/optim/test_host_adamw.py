@@ -1,4 +1,4 @@
-"""The fused host kernel for bitsandbytes' 8-bit AdamW (memory_modes/host_adamw.py): bitsandbytes' states
+"""The fused host kernel for bitsandbytes' 8-bit AdamW (optim/host_adamw.py): bitsandbytes' states
 and update, its quantizer, unbiased stochastic rounding, the gradient scale, the fallback, and threads."""
 
 import logging
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import host_adamw
-from lowmem_grpo.memory_modes.host_adamw import host_adamw8bit_class
-from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
-from tests.memory_modes.ulp import assert_within_one_bf16_ulp, bf16_ulp
+from lowmem_grpo.optim import host_adamw
+from lowmem_grpo.optim.host_adamw import host_adamw8bit_class
+from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
+from tests.optim.ulp import assert_within_one_bf16_ulp, bf16_ulp
 
 bnb = pytest.importorskip("bitsandbytes")
 F = bnb.functional

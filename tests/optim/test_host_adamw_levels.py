@@ -1,4 +1,4 @@
-"""The host kernel's code paths compute the same bits (memory_modes/host_adamw.py): AVX-512 loops, AVX2 loops,
+"""The host kernel's code paths compute the same bits (optim/host_adamw.py): AVX-512 loops, AVX2 loops,
 scalar loops compiled without AVX, and the native build's scalar loops, on every entry point: the 8-bit AdamW
 step (each weight and gradient dtype, stochastic and nearest rounding, a gradient scale), the fp32 AdamW step
 with its rounded copy, the quantizer and the gradient's sum of squares. So a run's numbers do not depend on
@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import host_adamw
-from tests.memory_modes.conftest import build_for, cpu_flags
+from lowmem_grpo.optim import host_adamw
+from tests.optim.conftest import build_for, cpu_flags
 
 bnb = pytest.importorskip("bitsandbytes")
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..phases import scope
-from .host_arena import HostArena, arena_bytes, round_up
+from ..host_arena import HostArena, arena_bytes, round_up
 
 log = logging.getLogger(__name__)
 

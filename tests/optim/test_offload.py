@@ -1,4 +1,4 @@
-"""Optimizer states in host RAM (memory_modes/offload.py): the same update as the plain path (autograd's
+"""Optimizer states in host RAM (optim/offload.py): the same update as the plain path (autograd's
 .grad, torch's clip_grad_norm_, one optimizer step), the non-finite guard, the tied-head split, and state
 that survives a save/load. Gradient accumulation: test_offload_accumulation.py; on a GPU, against the
 device's own optimizer: test_offload_cuda.py."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward, host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.optim.offload import OffloadedOptimizer, host_bytes_per_param, pcie_bytes_per_step
 
 
 def _model(dtype=torch.float32, device="cpu"):
@@ -34,7 +34,7 @@ def _make(kind):
         return lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=False)
     pytest.importorskip("bitsandbytes")
     if kind == "bf16_sr":
-        from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
         cls = sr_adamw8bit_class()
         return lambda groups: cls(groups, lr=1e-2, min_8bit_size=256)
     import bitsandbytes as bnb
@@ -90,8 +90,8 @@ def assert_states_equal_plain(plain, offloaded):
 
 def split_head(opt, model):
     """Split the tied head for the loss head that `_head_loss` uses (kept on the model as `loss_head`)."""
-    from lowmem_grpo.policy.model import check_fused_head
-    model.loss_head = check_fused_head(model)
+    from lowmem_grpo.policy.model import build_head
+    model.loss_head = build_head(model)
     return opt.split_tied_head(model, [model.loss_head])
 
 
@@ -116,7 +116,7 @@ def test_offloaded_steps_equal_plain_steps(kind):
     dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
     plain_model, offloaded = _model(dtype), _model(dtype)
     a = Plain(plain_model, _make(kind), 0.05)
-    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make(kind), 0.05)
+    b = OffloadedOptimizer([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make(kind), 0.05)
     for step in range(4):
         norms = []
         for model, opt in ((plain_model, a), (offloaded, b)):
@@ -139,7 +139,7 @@ def test_offloaded_steps_equal_plain_steps(kind):
 def test_zero_gradient_step_updates_the_device_weights():
     on_device, offloaded = _model(), _model()
     a = Plain(on_device, _make("adamw"), 1.0)
-    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    b = OffloadedOptimizer([{"params": list(offloaded.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
     for model, opt in ((on_device, a), (offloaded, b)):
         opt.begin_step()
         _loss(model, 0).backward()
@@ -151,7 +151,7 @@ def test_zero_gradient_step_updates_the_device_weights():
 
 def test_a_nonfinite_gradient_is_skipped_and_touches_nothing():
     model = _model()
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
     opt.begin_step()
     _loss(model, 0).backward()
     opt.end_step()
@@ -173,7 +173,7 @@ def test_state_dict_round_trip_continues_exactly():
     # Save after two steps, load into a fresh model + optimizer (weights first, as the trainer resumes),
     # take two more steps on both: identical.
     model = _model()
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw_8bit"), 1.0)
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw_8bit"), 1.0)
     for step in range(2):
         opt.begin_step()
         _loss(model, step).backward()
@@ -181,7 +181,7 @@ def test_state_dict_round_trip_continues_exactly():
     saved_weights = {k: v.clone() for k, v in model.state_dict().items()}
     saved_state = opt.state_dict()
     resumed = _model()
-    again = OffloadedOptimizerInBackward([{"params": list(resumed.parameters()), "lr": 1e-2}],
+    again = OffloadedOptimizer([{"params": list(resumed.parameters()), "lr": 1e-2}],
                                          _make("adamw_8bit"), 1.0)
     resumed.load_state_dict(saved_weights)
     again.load_state_dict(saved_state)
@@ -204,11 +204,11 @@ def test_host_ram_and_pcie_arithmetic():
 
 
 def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
-    import lowmem_grpo.memory_modes.offload as offload
+    import lowmem_grpo.optim.offload as offload
     model = _model()
     monkeypatch.setattr(offload, "available_host_ram", lambda: 1024)
     with pytest.raises(MemoryError, match="needs 0.0 GiB of host RAM.*1024|available"):
-        OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+        OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
 
 
 def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
@@ -218,7 +218,7 @@ def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
     lr = 1e-5
     make = lambda groups: torch.optim.AdamW(groups, lr=lr, fused=True)  # noqa: E731
     model, ref_model = _model(torch.bfloat16), _model(torch.bfloat16)
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": lr}], make, None, master_fp32=True)
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": lr}], make, None, master_fp32=True)
     ref_master = [p.detach().float().clone() for p in ref_model.parameters()]
     ref_opts = [make([m]) for m in ref_master]
     start = [p.detach().clone() for p in model.parameters()]
@@ -244,7 +244,7 @@ def test_fp32_master_on_the_host_lands_small_updates_in_bf16_weights():
     state = opt.state_dict()
     again_model = _model(torch.bfloat16)
     again_model.load_state_dict(model.state_dict())
-    again = OffloadedOptimizerInBackward([{"params": list(again_model.parameters()), "lr": lr}], make, None,
+    again = OffloadedOptimizer([{"params": list(again_model.parameters()), "lr": lr}], make, None,
                                          master_fp32=True)
     again.load_state_dict(state)
     assert all(torch.equal(again.host[q], opt.host[p]) for p, q in zip(model.parameters(), again_model.parameters()))
@@ -258,8 +258,8 @@ def _head_loss(model, seed, poison=False, rows=3):
     """A loss through the fused head (as the trainer computes it): the tied weight is used twice, by the
     embedding lookup and by the head (via Head.weight: the split's leaf, when there is one)."""
     from lowmem_grpo.kernels import linear_token_logprobs
-    from lowmem_grpo.policy.model import check_fused_head, hidden_states
-    head = getattr(model, "loss_head", None) or check_fused_head(model)  # split_head's, if split
+    from lowmem_grpo.policy.model import build_head, hidden_states
+    head = getattr(model, "loss_head", None) or build_head(model)  # split_head's, if split
     ids = torch.randint(0, model.config.vocab_size, (rows, 7), generator=torch.Generator().manual_seed(seed))
     ids = ids.to(model.device)
     hidden = hidden_states(head, ids, torch.ones_like(ids))  # (3, 7, H)
@@ -285,15 +285,15 @@ def test_tied_head_split_steps_equal_the_unsplit_steps(kind):
     models = {name: _model(dtype) for name in ("device", "unsplit", "split")}
     opts = {"device": Plain(models["device"], _make(kind), 0.05)}
     for name in ("unsplit", "split"):
-        opts[name] = OffloadedOptimizerInBackward([{"params": list(models[name].parameters()), "lr": 1e-2}],
+        opts[name] = OffloadedOptimizer([{"params": list(models[name].parameters()), "lr": 1e-2}],
                                                   _make(kind), 0.05)
     split = models["split"]
     assert split_head(opts["split"], split) and opts["split"].tied is split.model.embed_tokens.weight
-    from lowmem_grpo.policy.model import check_fused_head
+    from lowmem_grpo.policy.model import build_head
     assert split.loss_head.weight is not split.lm_head.weight  # the head's own leaf ...
     assert split.loss_head.weight.data_ptr() == split.lm_head.weight.data_ptr()  # ... on the same storage
-    assert check_fused_head(split).weight is split.lm_head.weight  # only the head given the handle reads it
-    assert check_fused_head(models["unsplit"]).weight is models["unsplit"].lm_head.weight
+    assert build_head(split).weight is split.lm_head.weight  # only the head given the handle reads it
+    assert build_head(models["unsplit"]).weight is models["unsplit"].lm_head.weight
     for step in range(4):
         norms = {name: _step(models[name], opts[name], step) for name in models}
         assert norms["split"] == norms["unsplit"]
@@ -311,7 +311,7 @@ def test_tied_head_split_steps_equal_the_unsplit_steps(kind):
 def test_tied_head_split_drops_nothing():
     # The check above fails if a contribution is lost: dropping the head's makes the weights differ.
     models = [_model(), _model()]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
             for m in models]
     split_head(opts[1], models[1])
     opts[1]._head_hook = lambda leaf: setattr(leaf, "grad", None)  # noqa: E731  (the head's contribution, lost)
@@ -326,7 +326,7 @@ def test_tied_head_split_skips_a_nonfinite_sum_and_touches_nothing():
     # NaN in the head's contribution only: the sum is non-finite, so the global norm is, and the whole
     # step is skipped (every weight and state left as it was), exactly as without the split.
     models = [_model(), _model()]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
             for m in models]
     assert split_head(opts[1], models[1])
     for m, o in zip(models, opts):
@@ -352,16 +352,16 @@ def test_tied_head_split_head_only_and_outside_a_step():
     # Hidden states given directly (no lookup): the head's contribution is the whole gradient, applied at
     # end_step. A backward outside a step: the weight's .grad holds both contributions, as without the split.
     from lowmem_grpo.kernels import linear_token_logprobs
-    from lowmem_grpo.policy.model import check_fused_head
+    from lowmem_grpo.policy.model import build_head
     models = [_model(), _model()]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), None)
             for m in models]
     split_head(opts[1], models[1])
     hidden = torch.randn(5, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
     ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(1))
     for m, o in zip(models, opts):
         o.begin_step()
-        head = getattr(m, "loss_head", None) or check_fused_head(m)
+        head = getattr(m, "loss_head", None) or build_head(m)
         (-linear_token_logprobs(hidden, head.weight, ids).mean()).backward()
         o.end_step()
     assert not torch.equal(models[1].lm_head.weight, _model().lm_head.weight)
@@ -388,7 +388,7 @@ def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
         torch.manual_seed(0)
         m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
-        opt = OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}],
+        opt = OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}],
                                            lambda groups: torch.optim.SGD(groups, lr=1e-2), 1.0)
         if split:
             split_head(opt, m)
@@ -408,9 +408,9 @@ def test_tied_head_split_refuses_a_head_gradient_after_the_lookups():
     # weight, saved by the head and changed in place since, usually speaks first; the split's check is
     # behind it.)
     from lowmem_grpo.kernels import linear_token_logprobs
-    from lowmem_grpo.policy.model import check_fused_head, hidden_states
+    from lowmem_grpo.policy.model import build_head, hidden_states
     model = _model()
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), None)
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), None)
     assert split_head(opt, model)
     head = model.loss_head
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(0))
@@ -428,7 +428,7 @@ def test_tied_head_split_follows_a_replaced_weight_storage():
     # weights may do) the next forward gets a new leaf on the new storage, and steps still equal the
     # unsplit optimizer's bit for bit.
     models = [_model(), _model()]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 0.05)
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], _make("adamw"), 0.05)
             for m in models]
     assert split_head(opts[1], models[1])
     first_leaf = models[1].loss_head.weight
@@ -449,7 +449,7 @@ def test_tied_head_split_follows_a_replaced_weight_storage():
 class LaggingCopies:
     """Stands in for the side stream of a GPU that runs behind the host: a gradient's copy to its host
     buffer lands only when the host waits for its event or a later one (one stream: in order), and
-    never by itself. Installed in place of OffloadedOptimizerInBackward._to_host, it makes the CPU run
+    never by itself. Installed in place of OffloadedOptimizer._to_host, it makes the CPU run
     the CUDA path's bookkeeping (events polled and waited for, updates held back, the head's copy
     waited for through _head_ready): code that read a host buffer before its copy landed would read
     the previous step's gradient."""
@@ -457,7 +457,7 @@ class LaggingCopies:
     def __init__(self, monkeypatch):
         self.recorded = self.done = self.waits = 0
         self.in_flight = []  # (sequence number, copy to run when it lands)
-        monkeypatch.setattr(OffloadedOptimizerInBackward, "_copy_to_host",
+        monkeypatch.setattr(OffloadedOptimizer, "_copy_to_host",
                             lambda opt, grad, host: self.to_host(grad, host))
 
     def to_host(self, grad, host):
@@ -493,11 +493,11 @@ def test_tied_head_split_with_lagging_copies_equals_the_plain_path(monkeypatch):
     # copies, end_step waits for the rest, and the parameters after several clipped steps are bit for bit
     # those of the plain path. The head-only step (no lookup) waits for the head's copy in end_step.
     from lowmem_grpo.kernels import linear_token_logprobs
-    from lowmem_grpo.policy.model import check_fused_head
+    from lowmem_grpo.policy.model import build_head
     copies = LaggingCopies(monkeypatch)
     models = [_model(), _model()]
     device = Plain(models[0], _make("adamw"), 0.05)
-    split = OffloadedOptimizerInBackward([{"params": list(models[1].parameters()), "lr": 1e-2}], _make("adamw"),
+    split = OffloadedOptimizer([{"params": list(models[1].parameters()), "lr": 1e-2}], _make("adamw"),
                                          0.05, lag_bytes=8 * 1024)
     assert split_head(split, models[1])
     for step in range(4):
@@ -508,7 +508,7 @@ def test_tied_head_split_with_lagging_copies_equals_the_plain_path(monkeypatch):
     ids = torch.randint(0, 64, (5,), generator=torch.Generator().manual_seed(1))
     for m, o in zip(models, (device, split)):  # the head alone: its copy is the whole gradient
         o.begin_step()
-        head = getattr(m, "loss_head", None) or check_fused_head(m)
+        head = getattr(m, "loss_head", None) or build_head(m)
         (-linear_token_logprobs(hidden, head.weight, ids).mean()).backward()
         o.end_step()
     assert not copies.in_flight

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import sr_adamw as sr_optim
-from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class, stochastic_round_to_bf16
+from lowmem_grpo.optim import sr_adamw as sr_optim
+from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class, stochastic_round_to_bf16
 
 bnb = pytest.importorskip("bitsandbytes")
 

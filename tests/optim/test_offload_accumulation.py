@@ -1,4 +1,4 @@
-"""Gradient accumulation with the offloaded optimizer (memory_modes/offload.py): each micro-batch's
+"""Gradient accumulation with the offloaded optimizer (optim/offload.py): each micro-batch's
 gradients summed on the host, the global norm, one update per optimizer step -- the plain path's
 parameters and states (autograd's .grad summed on the device, torch's clip_grad_norm_, one step)."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import lowmem_grpo.memory_modes.offload as offload
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward, staging_bytes
+import lowmem_grpo.optim.offload as offload
+from lowmem_grpo.optim.offload import OffloadedOptimizer, staging_bytes
 
 from .test_offload import LaggingCopies, Plain, _head_loss, _make, _model, assert_states_equal_plain, \
     assert_uploaded, split_head
@@ -33,7 +33,7 @@ def _pair(kind, split=True, **kw):
     dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
     plain_model, offloaded_model = _model(dtype), _model(dtype)
     plain = Plain(plain_model, _make(kind), CLIP)
-    opt = OffloadedOptimizerInBackward([{"params": list(offloaded_model.parameters()), "lr": 1e-2}], _make(kind),
+    opt = OffloadedOptimizer([{"params": list(offloaded_model.parameters()), "lr": 1e-2}], _make(kind),
                                        CLIP, **kw)
     if split:
         assert split_head(opt, offloaded_model)
@@ -145,7 +145,7 @@ def test_the_clip_factor_goes_to_the_host_kernel_not_through_the_gradient(monkey
     # With host_adamw's kernel the clip costs no pass of its own: the factor is the kernel's grad_scale and
     # the host gradient buffers are read, never rewritten. (Without the kernel the gradient is multiplied in
     # place: test_accumulated_steps_equal_the_plain_path.)
-    from lowmem_grpo.memory_modes import host_adamw
+    from lowmem_grpo.optim import host_adamw
     pytest.importorskip("bitsandbytes")
     if host_adamw.library() is None:
         pytest.skip(f"the host kernel did not build here: {host_adamw._load_error}")
@@ -153,7 +153,7 @@ def test_the_clip_factor_goes_to_the_host_kernel_not_through_the_gradient(monkey
     monkeypatch.setattr(host_adamw, "adamw8bit_step", lambda *a, **k: scales.append(k["grad_scale"]) or real(*a, **k))
     cls = host_adamw.host_adamw8bit_class(stochastic_rounding=True)
     model = _model(torch.bfloat16)
-    opt = OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}],
+    opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}],
                                        lambda groups: cls(groups, lr=1e-2, min_8bit_size=256), CLIP)
     assert split_head(opt, model)
     opt.begin_step()
@@ -176,12 +176,12 @@ def test_the_global_norm_sums_in_the_plain_paths_order():
     # otherwise than the model. The plain path's clip_grad_norm_ sums the per-tensor norms in the model's
     # order, and a sum in another order rounds otherwise: the global norm (hence the clip factor) must be
     # summed in `norm_order`, to the last bit, whatever the gradients.
-    from lowmem_grpo.memory_modes.optimizers import _param_groups
+    from lowmem_grpo.optim.optimizers import _param_groups
     for step in range(8):
         plain_model, offloaded_model = _model(), _model()
         groups = [{**g, "lr": 1e-2} for g in _param_groups(offloaded_model, 0.0)]
         assert [id(p) for g in groups for p in g["params"]] != [id(p) for p in offloaded_model.parameters()]
-        opt = OffloadedOptimizerInBackward(groups, _make("adamw"), CLIP, norm_order=list(offloaded_model.parameters()))
+        opt = OffloadedOptimizer(groups, _make("adamw"), CLIP, norm_order=list(offloaded_model.parameters()))
         opt.begin_step()
         for i in range(MICRO_BATCHES):
             (_head_loss(plain_model, 10 * step + i) / MICRO_BATCHES).backward()

@@ -1,4 +1,4 @@
-"""The fused host kernel for fp32 AdamW (memory_modes/host_adamw.py `HostAdamW`, `adamw_step`): torch AdamW's
+"""The fused host kernel for fp32 AdamW (optim/host_adamw.py `HostAdamW`, `adamw_step`): torch AdamW's
 arithmetic and state format, the bf16 gradient read as it is, the clip inside the pass, the rounded upload
 copy, torch's path for what the kernel does not do, and the fallback without the compiled kernel."""
 
@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import host_adamw
-from lowmem_grpo.memory_modes.host_adamw import HostAdamW
-from tests.memory_modes.conftest import torch_rounds_like_the_kernel
+from lowmem_grpo.optim import host_adamw
+from lowmem_grpo.optim.host_adamw import HostAdamW
+from tests.optim.conftest import torch_rounds_like_the_kernel
 
 STATES = ("exp_avg", "exp_avg_sq")
 TORCH_TAIL = 16  # torch's fused CPU AdamW (AVX-512) does the last n % 16 elements in its scalar loop
@@ -287,7 +287,7 @@ def test_a_failed_build_warns_once_then_torch_steps(monkeypatch, caplog):
 def test_optimizers_offload_adamw_uses_the_kernel(kernel):
     # optim.optimizer=adamw with offload_optimizer: the inner optimizers on the host are HostAdamW.
     from lowmem_grpo.config import OptimConfig
-    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    from lowmem_grpo.optim.optimizers import build_optimizer
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
     opt = build_optimizer(model, OptimConfig(optimizer="adamw", offload_optimizer=True, max_grad_norm=1.0))
@@ -305,8 +305,8 @@ def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, torch_
     # inside) against the same with torch's fused AdamW inside: two micro-batches per step, the global clip
     # active, three steps: device weights, masters and states the same bits (every tensor of this model is a
     # multiple of 16 elements, where the two compute alike). The kernel does run.
-    from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
-    from tests.memory_modes.test_offload import _loss, _model
+    from lowmem_grpo.optim.offload import OffloadedOptimizer
+    from tests.optim.test_offload import _loss, _model
 
     calls, widened = [], []
     real, real_step = host_adamw.adamw_step, HostAdamW.step
@@ -317,7 +317,7 @@ def test_offloaded_adamw_with_the_kernel_equals_torch_fused_inner(kernel, torch_
     assert all(p.numel() % TORCH_TAIL == 0 for p in models[0].parameters())
     kw = dict(lr=1e-2, weight_decay=0.01, fused=True)
     inner = [lambda g: HostAdamW(g, **kw), lambda g: torch.optim.AdamW(g, **kw)]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": 1e-2}], make, 0.05,
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], make, 0.05,
                                          master_fp32=True) for m, make in zip(models, inner)]
     try:
         for step in range(3):

@@ -1,4 +1,4 @@
-"""The host kernel's threads (memory_modes/host_pool.cpp): a call never waits for a helper thread that gets no
+"""The host kernel's threads (optim/host_pool.cpp): a call never waits for a helper thread that gets no
 core, the kernel works in a forked child, and the results are the same bits for any thread count and when two
 Python threads call it at once (the second runs its job alone)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import host_adamw
+from lowmem_grpo.optim import host_adamw
 
 from .test_host_adamw_levels import eight_bit_state
 
@@ -38,7 +38,7 @@ def test_a_helper_that_gets_no_core_does_not_hold_up_the_call(kernel):
     result = _run("""
         import json, os, subprocess, sys, time
         import torch
-        from lowmem_grpo.memory_modes import host_adamw
+        from lowmem_grpo.optim import host_adamw
         torch.set_num_threads(1)  # (no torch threads of its own: every new thread below is the kernel's)
         cpu = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpu})  # the threads the kernel starts now inherit this one core
@@ -77,7 +77,7 @@ def test_the_kernel_runs_in_a_forked_child(kernel):
     result = _run("""
         import os, signal, sys, time
         import torch
-        from lowmem_grpo.memory_modes import host_adamw
+        from lowmem_grpo.optim import host_adamw
         torch.set_num_threads(2)
         g = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
         parent = host_adamw.grad_sum_squares(g)

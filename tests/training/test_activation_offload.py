@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import activation_offload
-from lowmem_grpo.memory_modes.activation_offload import HostBlock, _Offloaded, offload_activations, side_stream
-from lowmem_grpo.memory_modes.host_arena import arena_bytes
+from lowmem_grpo.training import activation_offload
+from lowmem_grpo.training.activation_offload import HostBlock, _Offloaded, offload_activations, side_stream
+from lowmem_grpo.host_arena import arena_bytes
 from lowmem_grpo.policy.model import enable_checkpointing
 
 

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from lowmem_grpo.policy.model import check_fused_head
-from lowmem_grpo.memory_modes.reference import Reference
+from lowmem_grpo.policy.model import build_head
+from lowmem_grpo.policy.reference import Reference
 from lowmem_grpo.policy.rollout import Batch, eos_mask, left_pad, token_logprobs
 
 
@@ -30,7 +30,7 @@ def _batch():
 @pytest.mark.parametrize("mode", ["cpu", "stream"])
 def test_reference_logprobs_match_a_plain_forward(mode):
     model = _model()
-    expected = token_logprobs(check_fused_head(model), _batch(), temperature=0.8, micro_batch=2,
+    expected = token_logprobs(build_head(model), _batch(), temperature=0.8, micro_batch=2,
                               device=torch.device("cpu"))
     ref = Reference(copy.deepcopy(model), torch.device("cpu"), mode)
     got = ref.logprobs(_batch(), temperature=0.8, micro_batch=2)
@@ -48,7 +48,7 @@ def test_reference_logprobs_match_a_plain_forward(mode):
 def test_streamed_reference_on_cuda_matches_and_keeps_weights_on_the_host():
     model = _model()
     device = torch.device("cuda")
-    expected = token_logprobs(check_fused_head(copy.deepcopy(model).to(device)), _batch(), temperature=0.8,
+    expected = token_logprobs(build_head(copy.deepcopy(model).to(device)), _batch(), temperature=0.8,
                               micro_batch=2, device=device)
     ref = Reference(copy.deepcopy(model), device, "stream")
     got = ref.logprobs(_batch(), temperature=0.8, micro_batch=2)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward, fp32_norm
+from lowmem_grpo.optim.optimizer_in_backward import OptimizerInBackward, fp32_norm
 
 
 def _model():
@@ -223,7 +223,7 @@ def test_zero_gradient_step_equals_the_hooks_on_a_zero_loss(kind):
     # so this also checks that the parameters are stepped in the hooks' order.
     if kind == "bf16_sr":
         pytest.importorskip("bitsandbytes")
-        from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+        from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
         cls = sr_adamw8bit_class()
         make = lambda groups: cls(groups, lr=1e-2, min_8bit_size=256)  # noqa: E731
     else:

@@ -53,19 +53,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
     if cfg.offload_optimizer:  # (in_backward or not: offload always sends gradients down from the hooks)
-        from .offload import OffloadedOptimizerInBackward
+        from .offload import OffloadedOptimizer
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
         states = optimizer_state_bytes(sizes, cfg.optimizer, 4)  # (torch AdamW's are fp32, as its masters)
         clipped = [p for p in model.parameters() if p.requires_grad]  # the plain path's clip_grad_norm_ order
         if cfg.optimizer == "adamw":  # on the CPU: host_adamw.py's fused kernel (torch's fused AdamW arithmetic,
             from .host_adamw import HostAdamW  # torch's AdamW state format) on fp32 master weights
-            return OffloadedOptimizerInBackward(groups, lambda g: HostAdamW(g, fused=True, **kw),
+            return OffloadedOptimizer(groups, lambda g: HostAdamW(g, fused=True, **kw),
                                                 cfg.max_grad_norm, defaults=kw, master_fp32=True, state_bytes=states,
                                                 norm_order=clipped)
         # on the CPU: the fused 8-bit kernel (host_adamw.py), bitsandbytes' state format
         from .host_adamw import host_adamw8bit_class
         host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
-        return OffloadedOptimizerInBackward(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
+        return OffloadedOptimizer(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
                                             state_bytes=states, norm_order=clipped)
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward

@@ -124,7 +124,7 @@ import torch
 from torch import nn
 
 from ..phases import mark_gradient, scope
-from .host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
+from ..host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def staging_bytes() -> int:
     return STAGING_SLOTS * STAGING_CHUNK_BYTES
 
 
-class OffloadedOptimizerInBackward(OptimizerInBackward):
+class OffloadedOptimizer(OptimizerInBackward):
     """The optimizer-in-backward hooks send each gradient to a host buffer; `end_step` clips by the global
     norm and steps host copies of the weights (module docstring).
 
@@ -758,7 +758,7 @@ def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
         worker.join()
 
 
-def _work(optimizer_ref: "weakref.ref[OffloadedOptimizerInBackward]", jobs: queue.SimpleQueue) -> None:
+def _work(optimizer_ref: "weakref.ref[OffloadedOptimizer]", jobs: queue.SimpleQueue) -> None:
     """The update thread's loop: one job per optimizer step, until None (release_host_memory, or the
     optimizer's finalizer) or the optimizer is gone."""
     while True:

@@ -1,15 +1,15 @@
-"""One block of host memory carved into views (memory_modes/host_arena.py), and the offloaded optimizer's
-start-up check of host RAM (memory_modes/offload.py, check_host_ram) with /proc readings faked."""
+"""One block of host memory carved into views (host_arena.py), and the offloaded optimizer's
+start-up check of host RAM (optim/offload.py, check_host_ram) with /proc readings faked."""
 
 import math
 
 import pytest
 import torch
 
-import lowmem_grpo.memory_modes.host_arena as host_arena
-import lowmem_grpo.memory_modes.offload as offload
-from lowmem_grpo.memory_modes.host_arena import ALIGN, PAGE, HostArena, arena_bytes
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+import lowmem_grpo.host_arena as host_arena
+import lowmem_grpo.optim.offload as offload
+from lowmem_grpo.host_arena import ALIGN, PAGE, HostArena, arena_bytes
+from lowmem_grpo.optim.offload import OffloadedOptimizer
 
 # deliberately odd shapes: sizes that are not multiples of the alignment, a scalar, an empty tensor
 SPECS = [((5, 123, 123), torch.bfloat16), ((7,), torch.float32), ((), torch.int64), ((3, 0), torch.float16),
@@ -230,7 +230,7 @@ def _tiny():
 
 def _build(model, state_bytes):
     make = lambda groups: torch.optim.AdamW(groups, lr=1e-2)  # noqa: E731
-    return OffloadedOptimizerInBackward([{"params": list(model.parameters()), "lr": 1e-2}], make, 1.0,
+    return OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], make, 1.0,
                                         state_bytes=state_bytes)
 
 
@@ -263,7 +263,7 @@ def test_build_optimizer_passes_the_states_to_the_check(monkeypatch, tmp_path):
     pytest.importorskip("bitsandbytes")
     from lowmem_grpo.config import OptimConfig
     from lowmem_grpo.memory.plan import optimizer_state_bytes
-    from lowmem_grpo.memory_modes.optimizers import build_optimizer
+    from lowmem_grpo.optim.optimizers import build_optimizer
     model = _tiny()
     sizes = [p.numel() for p in model.parameters()]
     cfg = OptimConfig(optimizer="adamw", offload_optimizer=True)

@@ -1,4 +1,4 @@
-"""The offloaded optimizer on a GPU against the device's own optimizer (memory_modes/offload.py), and the rule
+"""The offloaded optimizer on a GPU against the device's own optimizer (optim/offload.py), and the rule
 they are compared by (ulp.py, `assert_within_updates`), with the CPU evidence for its bounds.
 
 Both paths take the same gradients (both backwards run on the GPU) and step through different kernels, the
@@ -32,7 +32,7 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.offload import OffloadedOptimizerInBackward
+from lowmem_grpo.optim.offload import OffloadedOptimizer
 
 from .test_offload import (Plain, _head_loss, _loss, _make, _model, _step, assert_every_weight_moved,
                            assert_uploaded, split_head)
@@ -139,7 +139,7 @@ def test_tied_head_split_drops_nothing_the_rule_would_miss():
     # test_tied_head_split_drops_nothing): after one step the weight is outside the rule even at the
     # loosest fraction used here.
     models = [_model(), _model()]
-    opts = [OffloadedOptimizerInBackward([{"params": list(m.parameters()), "lr": LR}], _make("adamw"), None)
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": LR}], _make("adamw"), None)
             for m in models]
     split_head(opts[1], models[1])
     opts[1]._head_hook = lambda leaf: setattr(leaf, "grad", None)  # noqa: E731  (the head's part, lost)
@@ -170,7 +170,7 @@ def test_offloaded_on_cuda_matches_and_holds_no_device_states(kind, dtype, steps
     start = {k: v.detach().clone() for k, v in on_device.named_parameters()}
     # lr 1e-2: more than one bf16 ulp at a norm gain of 1.0 (2**-7), so every element moves
     a = Plain(on_device, _make(kind), 1.0)
-    b = OffloadedOptimizerInBackward([{"params": list(offloaded.parameters()), "lr": LR}], _make(kind), 1.0)
+    b = OffloadedOptimizer([{"params": list(offloaded.parameters()), "lr": LR}], _make(kind), 1.0)
     for step in range(steps):
         for model, opt in ((on_device, a), (offloaded, b)):
             torch.manual_seed(10 + step)
@@ -193,7 +193,7 @@ def _split_on_cuda(kind, dtype, max_grad_norm):
     models = {name: _model(dtype, "cuda") for name in ("device", "unsplit", "split")}
     opts = {"device": Plain(models["device"], _make(kind), max_grad_norm)}
     for name in ("unsplit", "split"):
-        opts[name] = OffloadedOptimizerInBackward([{"params": list(models[name].parameters()), "lr": LR}],
+        opts[name] = OffloadedOptimizer([{"params": list(models[name].parameters()), "lr": LR}],
                                                   _make(kind), max_grad_norm)
     assert split_head(opts["split"], models["split"])
     return models, opts

@@ -27,10 +27,10 @@ from torch import Tensor, nn
 
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
-from ..policy.model import check_fused_head, position_ids_for
-from ..policy.packing import packed_completion_hidden, should_pack
-from ..policy.rollout import Batch
-from .host_arena import HostArena
+from .model import build_head, position_ids_for
+from .packing import packed_completion_hidden, should_pack
+from .rollout import Batch
+from ..host_arena import HostArena
 
 
 def pinned_copies(params: list[nn.Parameter]) -> HostArena:
@@ -95,7 +95,7 @@ class Reference:
         if mode not in ("cpu", "stream"):
             raise ValueError(f"reference mode must be cpu or stream, got {mode!r}")
         self.model = model.eval().requires_grad_(False)
-        self.head = check_fused_head(model)
+        self.head = build_head(model)
         self.mode = mode
         self.device = device if mode == "stream" else torch.device("cpu")
         self.streamer = None

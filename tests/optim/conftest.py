@@ -14,7 +14,7 @@ import platform
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes import host_adamw
+from lowmem_grpo.optim import host_adamw
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.memory_modes.optimizer_in_backward import OptimizerInBackward, fp32_norm
+from lowmem_grpo.optim.optimizer_in_backward import OptimizerInBackward, fp32_norm
 
 from .ulp import assert_within_one_bf16_ulp
 
@@ -39,7 +39,7 @@ def _loss(model, seed):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16_sr"])
 def test_cuda_in_backward_equals_a_normal_step(precision):
-    from lowmem_grpo.memory_modes.sr_adamw import sr_adamw8bit_class
+    from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
     dtype = torch.bfloat16 if precision == "bf16_sr" else torch.float32
     cls = sr_adamw8bit_class() if precision == "bf16_sr" else bnb.optim.AdamW8bit
     make = lambda groups: cls(groups, lr=1e-3, min_8bit_size=256)  # noqa: E731
