@@ -6,7 +6,7 @@
                           train_dataset=rows)
     trainer.train()
 
-`GRPOConfig` holds the same settings tree as a recipe (lowmem_grpo/config.py), each key by its bare
+`GRPOConfig` holds the same settings tree as a recipe (lowmem_grpo/config/), each key by its bare
 name, coerced and checked by the same code as the command line's. `GRPOTrainer` IS the command
 line's `training.trainer.Trainer`: it only turns Python objects (a loaded model and tokenizer,
 callables, a datasets.Dataset or a list of dicts) into the Config and arguments that Trainer takes,
@@ -24,8 +24,8 @@ import typing
 from pathlib import Path
 from typing import Optional
 
-from .config import Config, ConfigError, _key_index, _nearest, _sections, _set, apply_mapping, describe, \
-    load_config, validate
+from .config import Config, ConfigError, apply_mapping, describe, did_you_mean, key_index, load_config, \
+    section_classes, set_value, validate
 from .policy.model import ModelError, build_head, disable_dropout, weights_dtype
 from .rewards.loading import spec_record
 from .shipped_recipes import find_shipped
@@ -85,26 +85,26 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         """Every setting by bare key name."""
-        return {key: getattr(getattr(self._cfg, section), key) for key, section in _key_index().items()}
+        return {key: getattr(getattr(self._cfg, section), key) for key, section in key_index().items()}
 
     def __getattr__(self, name: str):
         if name.startswith("_"):  # copy/pickle probe these before _cfg exists
             raise AttributeError(name)
-        index = _key_index()
+        index = key_index()
         if name in index:
             return getattr(getattr(self._cfg, index[name]), name)
-        if name in _sections():  # args.train.max_steps also works
+        if name in section_classes():  # args.train.max_steps also works
             return getattr(self._cfg, name)
-        raise AttributeError(f"GRPOConfig has no setting {name!r}{_nearest(name, list(index))}")
+        raise AttributeError(f"GRPOConfig has no setting {name!r}{did_you_mean(name, list(index))}")
 
     def __setattr__(self, name: str, value) -> None:
         if name in GRPOConfig.__slots__:  # copy and pickle restore these
             object.__setattr__(self, name, value)
             return
-        index = _key_index()
+        index = key_index()
         if name not in index:
-            raise ConfigError(f"unknown config key {name!r}{_nearest(name, list(index))}")
-        _set(self._cfg, index[name], name, value)
+            raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, list(index))}")
+        set_value(self._cfg, index[name], name, value)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, GRPOConfig) and self._cfg == other._cfg
@@ -117,7 +117,7 @@ class GRPOConfig:
     @staticmethod
     def _defaults() -> dict:
         cfg = Config()
-        return {key: getattr(getattr(cfg, section), key) for key, section in _key_index().items()}
+        return {key: getattr(getattr(cfg, section), key) for key, section in key_index().items()}
 
 
 def _check_settings(cfg: Config) -> None:
@@ -135,7 +135,7 @@ def _signature() -> inspect.Signature:
     """GRPOConfig's keyword arguments, for help(), tab completion and inspect."""
     defaults = Config()
     params = []
-    for section, cls in _sections().items():
+    for section, cls in section_classes().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,

@@ -12,13 +12,13 @@ from __future__ import annotations
 import typing
 from typing import Optional
 
-from ..config import ConfigError, _resolve, _sections
+from ..config import ConfigError, resolve_key, section_classes
 
 ALIASES = {"model_name_or_path": "name_or_path"}  # TRL's ModelConfig name for the same setting
 
 
 def _is_bool(section: str, key: str) -> bool:
-    tp = typing.get_type_hints(_sections()[section])[key]
+    tp = typing.get_type_hints(section_classes()[section])[key]
     return tp is bool or tp == Optional[bool]
 
 
@@ -43,7 +43,7 @@ def key_options_to_overrides(args: list[str], own_options: set[str], extra_keys:
         if name in extra_keys:
             is_bool = False
         else:
-            section, key = _resolve(name, f" (from {arg.split('=', 1)[0]})")  # unknown: names the nearest key
+            section, key = resolve_key(name, f" (from {arg.split('=', 1)[0]})")  # unknown: names the nearest key
             is_bool = _is_bool(section, key)
         if not has_value:
             following = args[i] if i < len(args) else None

@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from lowmem_grpo.config import Config, ConfigError, _key_index, batch_plan, describe, load_config
+from lowmem_grpo.config import Config, ConfigError, batch_plan, describe, key_index, load_config
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 MINIMAL = ["model.name_or_path=some/model", "reward_funcs=[numeric_answer]"]
 
 
 def test_every_key_is_unique_and_documented():
-    index = _key_index()  # raises if two sections share a key name
+    index = key_index()  # raises if two sections share a key name
     assert {"num_generations", "beta", "epsilon_high", "loss_type", "scale_rewards", "learning_rate",
             "per_device_train_batch_size", "max_completion_length", "reward_weights"} <= set(index)
     text = describe()

