@@ -143,6 +143,17 @@ def test_the_nav_is_read():
         "docs/nope.md", "nope.md (no file of that name in the repository)"]
 
 
+def test_readme_commands_are_the_ones_ci_and_make_run():
+    """The README's two newcomer commands are make targets, and CI runs the test one and builds the docs."""
+    readme = (ROOT / "README.md").read_text()
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    ci = re.findall(r"^make ([\w-]+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    for target in ("demo", "test"):
+        assert re.search(rf"^make {target}\b", readme, re.M), f"README.md: no `make {target}` line"
+        assert target in targets, f"Makefile: no target {target}"
+    assert ci[:2] == ["test", "docs"], f".ci/run runs {ci}: `make test` (README's test command), then `make docs`"
+
+
 def test_readme_stays_short():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, at most {README_MAX_LINES}: move detail into "
