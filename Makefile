@@ -3,7 +3,7 @@
 # the package index serves (a CUDA build from PyPI on Linux x86_64; the CPU build on this project's
 # machines, from their local wheel index). To keep a torch you installed into .venv first (e.g. from
 # pytorch.org's index for your CUDA driver): `make setup TORCH_PIN=torch` (already satisfied, left alone).
-# README: "On your GPU".
+# docs/gpu-notes.md: "Running on your GPU".
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -33,7 +33,7 @@ test-slow: setup
 # registration, model loading, the trainer and the API (transformers), config, data (datasets), the
 # planner (transformers' configs and the one-layer probe), packing and sampling. `time make test-floor`
 # from no venv, 2026-11-24, 2 cores shared with other jobs (load ~5): 7m57s (venv 2m34s, tests 5m23s:
-# 219 passed, 13 skipped), 4m54s of CPU time (README: "Tests and benchmarks").
+# 219 passed, 13 skipped), 4m54s of CPU time (docs/testing.md).
 # tests/test_docs.py checks FLOOR_PINS against pyproject.toml's floors.
 FLOOR := .venv-floor
 FLOOR_PINS := bitsandbytes==0.50.0 transformers==4.56.0 datasets==2.19.0
@@ -72,7 +72,7 @@ bench-cpu: setup
 	$(BIN)/python benchmarks/loss_head_memory.py --device cpu --tokens 2048 4096 8192
 	$(BIN)/python benchmarks/loss_head_speed.py --device cpu --tokens 4096
 
-# ---- GPU session (README: "GPU session") -------------------------------------------------------------
+# ---- GPU session (docs/gpu-notes.md) -------------------------------------------------------------
 # The GPU machine reaches no registry and its image lacks bitsandbytes: carry it as a wheel in .whl/.
 BNB_PIN ?= bitsandbytes==0.50.2
 wheels: .whl/.downloaded

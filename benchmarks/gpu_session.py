@@ -243,7 +243,7 @@ def check_env(json_path: Optional[str]) -> int:
     if json_path:
         Path(json_path).write_text(json.dumps(info, indent=2))
     if missing:
-        print("MISSING OR FALLEN BACK (carry wheels in .whl/, see README's GPU section):\n  "
+        print("MISSING OR FALLEN BACK (carry wheels in .whl/, see docs/gpu-notes.md):\n  "
               + "\n  ".join(missing), file=sys.stderr)
     return 1 if missing else 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU session, from a bare copy of this tree (no install): README's "GPU session" section has the
+# The GPU session, from a bare copy of this tree (no install): docs/gpu-notes.md has the
 # device-tool commands. Results go to $OUT (default gpu-results/): CALL.log, CALL.jsonl, CALL-junit.xml.
 #
 #   bash benchmarks/gpu_session.sh first        # device call 1 (timeout_s 540); `--help` lists its steps
@@ -23,7 +23,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     if ! "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
          .whl/*.whl; then
       echo "gpu_session: the wheels in .whl/ did not install (above: pip's reason). Download them again" \
-           "with README's command (GPU session) and carry .whl" >&2
+           "with the command in docs/gpu-notes.md and carry .whl" >&2
       exit 3
     fi
     touch "$site/.installed"

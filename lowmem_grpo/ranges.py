@@ -1,7 +1,7 @@
 """Allowed ranges of numeric settings, and the one copy of the rules the fused loss ops check.
 
 The ops in kernels/ check their hyper-parameters when they are called (epsilon, beta, temperature);
-config.py checks the same settings when a recipe is loaded, so a bad value stops the run before any
+lowmem_grpo/config/ checks the same settings when a recipe is loaded, so a bad value stops the run before any
 model loads. Both read the rule from here, so the two checks cannot drift apart. This module is pure
 Python and imports nothing of the package: the package's lowest layer, below kernels and config.
 """

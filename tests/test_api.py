@@ -14,7 +14,7 @@ import yaml
 
 from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback
 from lowmem_grpo.cli import main
-from lowmem_grpo.config import ConfigError, _key_index, load_config
+from lowmem_grpo.config import ConfigError, key_index, load_config
 from lowmem_grpo.training.data import DataError
 from tests.optional import needs_datasets
 from tests.training.conftest import TINY_LLAMA, label_reward, toy_rows, write_jsonl
@@ -55,7 +55,7 @@ def test_config_takes_every_key_by_name_and_coerces_like_a_recipe():
     args.max_steps = 7
     assert args.to_config().train.max_steps == 7
     assert GRPOConfig(**{"train.max_steps": 4}).max_steps == 4
-    assert set(args.to_dict()) == set(_key_index())
+    assert set(args.to_dict()) == set(key_index())
     assert "max_steps=7" in repr(args) and "seed" not in repr(args)  # only what differs from the defaults
     import copy
     import pickle
@@ -93,9 +93,9 @@ def test_config_attribute_errors_name_the_nearest_key():
 def test_help_lists_every_key():
     import inspect
     doc = GRPOConfig.__doc__
-    for key in _key_index():
+    for key in key_index():
         assert re.search(rf"^  {key} = ", doc, re.M), key
-    assert list(inspect.signature(GRPOConfig).parameters) == list(_key_index())
+    assert list(inspect.signature(GRPOConfig).parameters) == list(key_index())
 
 
 def test_from_recipe_by_path_or_shipped_name(tmp_path):

@@ -20,7 +20,6 @@ from .schema import LR_SCHEDULES, Config, DataConfig, EvalConfig, GenerationConf
     OutputConfig, RewardsConfig, TrainConfig, describe, key_index, section_classes, setting
 from .validation import DEVICE, REPORT_TARGETS, check_field_rules, report_targets, validate
 
-_key_index = key_index  # the former private name, still imported by tests/test_api.py
 
 __all__ = [
     "BatchPlan", "batch_plan", "ConfigError", "did_you_mean", "apply_mapping", "apply_overrides", "load_config",

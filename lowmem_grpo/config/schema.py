@@ -72,7 +72,7 @@ class ModelConfig:
     disable_dropout: bool = setting(True, "Set every dropout probability of the model to 0 when it is loaded (TRL's "
                                           "disable_dropout), so the loss (train mode) and the old/reference log-probs "
                                           "(eval mode) see the same function: ratio 1 on the first pass, no KL noise "
-                                          "floor. Default differs from TRL: see README, 'Where we differ from TRL'.")
+                                          "floor. Default differs from TRL: see docs/trl.md.")
     cache_dir: str = setting("~/.cache/lowmem_grpo", "Where dequantised GGUF models are cached.")
 
 
@@ -87,7 +87,7 @@ class DataConfig:
     system_prompt: Optional[str] = setting(None, "Prepended as a system message when prompts go through the chat "
                                                  "template.")
     chat_template: bool = setting(True, "Apply the tokenizer's chat template to string prompts (if it has one). TRL "
-                                        "does not: see README, 'Where we differ from TRL'.")
+                                        "does not: see docs/trl.md.")
     prompt_truncation: str = setting("error", "Prompts longer than max_prompt_length: 'error' stops with the row "
                                               "number, 'left' keeps the last max_prompt_length tokens.",
                                               check=("error", "left"))
@@ -174,7 +174,7 @@ class TrainConfig:
     epsilon_high: Optional[float] = setting(None, "Upper clip range (default: epsilon). DAPO uses 0.28.",
                                                   check=EPSILON_HIGH)
     loss_type: str = setting("dapo", "grpo | bnpo | dapo | dr_grpo (TRL's; dapo divides by the completion tokens of "
-                                     "the optimizer step's micro-batches: README, 'Where we differ from TRL').",
+                                     "the optimizer step's micro-batches: docs/trl.md).",
                                      check=("grpo", "bnpo", "dapo", "dr_grpo"))
     importance_sampling_level: str = setting("token", "token | sequence (GSPO).", check=("token", "sequence"))
     scale_rewards: str = setting("group", "Advantage scaling: group (divide by the group's std) | batch (by the "

@@ -1,4 +1,4 @@
-"""Faults injected on purpose: each ends in a clear message and loses nothing (README, Reliability).
+"""Faults injected on purpose: each ends in a clear message and loses nothing (docs/usage.md, "Checkpoints and faults").
 
 SIGKILL at chosen and at random moments (saves included), disk full during a save, corrupted and
 truncated checkpoints, pickled code in a checkpoint, out of memory in every phase, a hanging reward
