@@ -94,7 +94,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("host_pool.cpp")]  # the kernels; their threads
+SOURCES = [SOURCE, SOURCE.with_name("host_grad_norm.cpp"), SOURCE.with_name("host_pool.cpp")]  # kernels; threads
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI

@@ -204,9 +204,9 @@ def test_host_ram_and_pcie_arithmetic():
 
 
 def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
-    import lowmem_grpo.optim.offload as offload
+    import lowmem_grpo.optim.host_ram as host_ram
     model = _model()
-    monkeypatch.setattr(offload, "available_host_ram", lambda: 1024)
+    monkeypatch.setattr(host_ram, "available_host_ram", lambda: 1024)
     with pytest.raises(MemoryError, match="needs 0.0 GiB of host RAM.*1024|available"):
         OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
 
