@@ -45,7 +45,7 @@ def staging_bytes() -> int:
 
 class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
     """The optimizer-in-backward hooks send each gradient to a host buffer; `end_step` clips by the global
-    norm and steps host copies of the weights (module docstring; docs/memory-modes.md).
+    norm and steps host copies of the weights (docs/memory-modes.md).
 
     One optimizer step: `begin_step()`, then for each micro-batch its backward followed by
     `end_backward()`, then `end_step()` (which ends the last backward itself). The state_dict has the
@@ -83,10 +83,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self.host_grad = {p: self.arena.take(p.shape, p.dtype) for p in params}
         self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
         self._host_norm_slots = self.arena.take((len(params),), torch.float32)
-        self._init_update_thread(update_thread)  # update_thread.py
-        self._error: Optional[BaseException] = None  # raised by the worker, re-raised at the next wait
-        self._step_generator = None  # (generator, global state it copied) of the step in flight
-        self._warned_rng = False
+        self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
+        self._init_update_thread(update_thread)  # update_thread.py: used once the forward waits for it
         self.refresh_host_weights()
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
