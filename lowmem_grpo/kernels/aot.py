@@ -133,7 +133,8 @@ def compile_all(ccs=tuple(SHARED_MEMORY_LIMIT), workers: int = 2, block_v: tuple
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cc", type=int, nargs="+", default=list(SHARED_MEMORY_LIMIT), choices=list(SHARED_MEMORY_LIMIT))
+    parser.add_argument("--cc", type=int, nargs="+", default=list(SHARED_MEMORY_LIMIT),
+                        choices=list(SHARED_MEMORY_LIMIT))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--block-v", type=int, nargs="+", default=None,
                         help="compile only the row kernels with these BLOCK_V (default: every one the launchers use)")

@@ -34,7 +34,8 @@ class GRPOTokenLoss:
     is_high_clipped: Tensor  # bool: rho > 1 + epsilon_high and A > 0
 
 
-def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float, ref_logp) -> tuple[float, float, float]:
+def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float,
+                       ref_logp) -> tuple[float, float, float]:
     """The clip ranges and KL coefficient as floats, checked against the ranges the config also checks
     (lowmem_grpo/ranges.py); epsilon_high None means epsilon_low."""
     epsilon_low = EPSILON_LOW.check(epsilon_low, "epsilon_low")
