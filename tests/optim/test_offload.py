@@ -386,8 +386,9 @@ def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
     peaks = {}
     for split in (False, True):
         torch.manual_seed(0)
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         tie_word_embeddings=True))
         opt = OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}],
                                            lambda groups: torch.optim.SGD(groups, lr=1e-2), 1.0)
         if split:
