@@ -10,6 +10,8 @@ ops' accepted dtypes _checks.FLOAT_DTYPES), so this list and the launchers canno
 `--block-v` compiles a subset of the block sizes (the default test suite does; the full list is a
 `slow` test). Must run without TRITON_INTERPRET (the interpreter replaces the kernels with Python
 functions that cannot be compiled).
+
+Design notes: docs/kernels.md ("Ahead-of-time compilation")
 """
 
 from __future__ import annotations

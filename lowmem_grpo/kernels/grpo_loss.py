@@ -6,6 +6,8 @@
 `grpo_token_terms` (op 2) is the same arithmetic on per-token vectors, for callers that already hold
 logp (the fused lm-head loss uses it). Both compute the derivatives in closed form in the forward;
 the backward of op 3 then writes dlogits in place into the logits buffer like op 1 does.
+
+Design notes: docs/kernels.md
 """
 
 from __future__ import annotations
