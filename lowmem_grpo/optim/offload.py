@@ -30,7 +30,7 @@ from ..phases import mark_gradient, scope
 from .host_ram import (MEMINFO, STATM, available_host_ram, check_host_ram, host_bytes_per_param,  # noqa: F401
                        pcie_bytes_per_step, process_ram)
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
-from .update_thread import UPDATE_THREAD, UpdateThread, _stop_worker, _work  # noqa: F401
+from .update_thread import UPDATE_THREAD, UpdateThread
 
 
 STAGING_SLOTS = 4  # chunks of a later micro-batch's gradient in flight to the host at once
