@@ -1,53 +1,14 @@
 """Pinned host memory of exactly the planned size: one block of plain memory, carved into views.
 
-Why not `torch.empty(..., pin_memory=True)` per tensor. torch's caching host allocator rounds every
-pinned request up to a power of two (torch 2.13, `ATen/core/CachingHostAllocator.h`,
-`CachingHostAllocatorImpl::allocate`: `roundSize = c10::llvm::PowerOf2Ceil(size)` while
-`size <= pinned_max_round_threshold() && size <= pinned_max_cached_size()`, both unlimited by
-default). Summed over Qwen2.5's tensors in bf16, a weight copy + gradient buffer + head buffer grows
-from 2.88 to 3.62 GiB (1.5B) and from 5.75 to 8.38 GiB (3B); pinned pages cannot swap, so running
-out ends in the kernel's OOM killer, not in an exception.
+`HostArena(specs, pinned=)` allocates one anonymous mapping of `arena_bytes(...)` bytes (each buffer at an
+`ALIGN`-byte offset, the total rounded to whole pages) and, on CUDA, page-locks exactly that range with
+cudaHostRegister; `take(shape, dtype)` hands out the views in the planned order, each reporting
+`is_pinned()`. Unlike per-tensor `pin_memory`, nothing is rounded up to a power of two; the planner counts
+the same bytes. Unlocking happens only at known points (`release()`, a later arena's `pin()`,
+`unlock_pending()`), after a device synchronize and never during a CUDA graph capture; an arena collected
+while pinned queues its block for the next such point. Without CUDA the block is plain memory.
 
-What torch 2.13 offers instead, as read from its sources:
-
-- `PYTORCH_ALLOC_CONF` (or `PYTORCH_CUDA_ALLOC_CONF`) keys `pinned_max_round_threshold_mb` and
-  `pinned_max_cached_size_mb` (`c10/core/AllocatorConfig.h`, key names from libc10's parser):
-  requests above the threshold are not rounded. But the setting is process-wide and read from the
-  environment once, so a library cannot apply it to its own buffers, and a user's value changes what
-  is pinned. And the free lists are indexed by `Log2_64_Ceil(size)` only (`get_free_block` takes any
-  cached block of the bucket without comparing sizes), so unrounded blocks are only safe with the
-  cache limit at or below the threshold (blocks above it are then freed, not cached).
-- `pinned_use_cuda_host_register` (`c10/cuda/CUDAAllocatorConfig.h`): the allocator mallocs and
-  registers instead of `cudaHostAlloc`, still the rounded size. `pinned_reserve_segment_size_mb`:
-  a reserved segment for small requests (rounded to 4 KiB).
-- `torch.cuda.cudart().cudaHostRegister(ptr, size, flags)` / `cudaHostUnregister(ptr)`: page-lock an
-  existing range, exactly that range; torch pins its checkpoint staging buffers this way
-  (`torch/cuda/_pin_memory_utils.py`, flags 1 = cudaHostRegisterPortable). Registered memory reports
-  `is_pinned()` and copies to and from it run asynchronously with `non_blocking=True`.
-- `torch.cuda.host_memory_stats()` (`torch/cuda/memory.py`): the caching host allocator's blocks,
-  in their rounded sizes. Memory registered here is not in them.
-
-So a HostArena plans its buffers up front, allocates one block of plain memory of the exact total (each
-buffer at an ALIGN-byte offset, the total rounded to whole pages: `arena_bytes`), and on CUDA
-page-locks that one range with cudaHostRegister; `take()` hands out the views in the planned order.
-Pinned bytes = `nbytes`, which the planner computes with the same `arena_bytes` (memory/plan.py).
-
-The block is an anonymous private mapping of exactly `nbytes` (`mmap`, wrapped by `torch.frombuffer`):
-it starts on a page, so the registered range is the whole storage and every view's storage starts where
-the registration does. That is what `Tensor.is_pinned()` asks the driver about: the start of the view's
-storage, not the view's own data pointer (ATen `native/cuda/PinnedMemoryAllocator.cpp`, `is_pinned_cuda`:
-`isPinnedPtr(self.storage().data())`). Carved from a larger allocation instead, the storage would begin
-before the registered range, torch would take the buffers for pageable memory, and `.pin_memory()` of one
-would copy it. The mapping's pages are only committed when first written (or when registered).
-
-Unlocking happens at known points only: `release()`, a later arena's `pin()`, and `unlock_pending()`
-(which the offloaded optimizer's `release_host_memory` reaches through `release()`). Each waits for the
-device first (`torch.cuda.synchronize()`: copies may still read or write the pages) and raises, with CUDA's
-last-error state reset, if cudaHostUnregister fails; none does anything while the current stream is
-capturing a CUDA graph (a synchronisation would invalidate the capture): the block waits for the next
-known point. An arena that is garbage-collected while pinned only queues its block (a finalizer can run
-anywhere, a graph capture included); the next known point unlocks it, and at exit the driver does. On a
-machine without CUDA the block is plain memory and nothing is registered.
+Design notes: docs/memory-modes.md ("The pinned host arena")
 """
 
 from __future__ import annotations
@@ -89,7 +50,7 @@ def arena_bytes(sizes: Iterable[int]) -> int:
 
 def _block(nbytes: int) -> torch.Tensor:
     """A (nbytes,) uint8 CPU tensor whose storage is exactly an anonymous private mapping of `nbytes` bytes:
-    it starts on a page and holds nothing else (module docstring). The tensor keeps the mapping alive."""
+    it starts on a page and holds nothing else (docs/memory-modes.md). The tensor keeps the mapping alive."""
     if nbytes == 0:  # (a mapping cannot be empty)
         return torch.empty(0, dtype=torch.uint8)
     if hasattr(mmap, "MAP_PRIVATE"):  # private: pages of this process only, copied on write after a fork

@@ -43,7 +43,8 @@ def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Opt
     summary = result.as_dict()
     summary.update(recipe=recipe, overrides=overrides, device=str(trainer.device), steps=steps, step_times_s=times,
                    training_device=kind, measured_peak_bytes=measured, device_equivalent=equivalent,
-                   plan={k: predicted[k] for k in ("peak_bytes", "peak_phase", "phases", "categories", "phase_categories")},
+                   plan={k: predicted[k]
+                         for k in ("peak_bytes", "peak_phase", "phases", "categories", "phase_categories")},
                    observed_lengths={"prompt": prompt_len, "completion": completion_len},
                    plan_at_observed_lengths={k: predicted_observed[k] for k in ("peak_bytes", "peak_phase", "phases")})
     main = summary["devices"][kind]  # the plan command's keys, for the training device
@@ -65,7 +66,8 @@ def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Opt
         diff = (pred["peak_bytes"] - measured) / max(measured, 1)
         print(f"planner {label}: {format_bytes(pred['peak_bytes'])} in {pred['peak_phase']} ({diff:+.1%})")
     try:
-        plot_timeline(result, str(out / "timeline.png"), title=f"{Path(recipe).name}: {steps} step(s) on {trainer.device}")
+        plot_timeline(result, str(out / "timeline.png"),
+                      title=f"{Path(recipe).name}: {steps} step(s) on {trainer.device}")
         print(f"wrote {out / 'profile.json'}, {out / 'timeline.png'}" + (f", {snapshot}" if snapshot else ""))
     except ImportError:
         print(f"wrote {out / 'profile.json'}; no timeline.png: matplotlib is not installed (pip install matplotlib)")

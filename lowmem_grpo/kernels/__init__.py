@@ -8,6 +8,8 @@
 CUDA tensors run Triton kernels; CPU tensors run a chunked torch path with the same memory bound.
 `reference` holds the plain fp32 torch spec every op is tested against. `FusedLinearGRPOLoss` is
 linear_grpo_loss behind Liger-Kernel's `LigerFusedLinearGRPOLoss` interface (fused_linear_grpo.py).
+
+Design notes: docs/kernels.md
 """
 
 from ._backend import HAS_TRITON, get_backend, set_backend, use_backend

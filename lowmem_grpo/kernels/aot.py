@@ -10,6 +10,8 @@ ops' accepted dtypes _checks.FLOAT_DTYPES), so this list and the launchers canno
 `--block-v` compiles a subset of the block sizes (the default test suite does; the full list is a
 `slow` test). Must run without TRITON_INTERPRET (the interpreter replaces the kernels with Python
 functions that cannot be compiled).
+
+Design notes: docs/kernels.md ("Ahead-of-time compilation")
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ def compile_all(ccs=tuple(SHARED_MEMORY_LIMIT), workers: int = 2, block_v: tuple
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cc", type=int, nargs="+", default=list(SHARED_MEMORY_LIMIT), choices=list(SHARED_MEMORY_LIMIT))
+    parser.add_argument("--cc", type=int, nargs="+", default=list(SHARED_MEMORY_LIMIT),
+                        choices=list(SHARED_MEMORY_LIMIT))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--block-v", type=int, nargs="+", default=None,
                         help="compile only the row kernels with these BLOCK_V (default: every one the launchers use)")

@@ -9,11 +9,10 @@
 
 Supported: loss_type "grpo", "bnpo", "dr_grpo", "dapo"; importance_sampling_level "token" and "sequence"
 (GSPO); reference log-probs given, or computed here from ref_input / ref_weight / ref_bias (no gradient)
-as Liger does. Liger's other loss types and options (cispo, sapo, luspo, vespo, delta,
-use_bias_correction_kl, vllm_is_ratio) are refused by name rather than computed differently.
-`compiled` and `chunk_size` are accepted and have no effect: Liger compiles its loss math and splits the
-batch into chunks of `chunk_size` sequences to bound its memory; ours streams the vocabulary instead,
-so its memory does not depend on either.
+as Liger does. Liger's other loss types and options are refused by name rather than computed differently;
+`compiled` and `chunk_size` are accepted and have no effect.
+
+Design notes: docs/kernels.md ("Liger-Kernel's interface")
 """
 
 from __future__ import annotations

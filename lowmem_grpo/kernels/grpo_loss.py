@@ -6,6 +6,8 @@
 `grpo_token_terms` (op 2) is the same arithmetic on per-token vectors, for callers that already hold
 logp (the fused lm-head loss uses it). Both compute the derivatives in closed form in the forward;
 the backward of op 3 then writes dlogits in place into the logits buffer like op 1 does.
+
+Design notes: docs/kernels.md
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class GRPOTokenLoss:
     is_high_clipped: Tensor  # bool: rho > 1 + epsilon_high and A > 0
 
 
-def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float, ref_logp) -> tuple[float, float, float]:
+def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float,
+                       ref_logp) -> tuple[float, float, float]:
     """The clip ranges and KL coefficient as floats, checked against the ranges the config also checks
     (lowmem_grpo/ranges.py); epsilon_high None means epsilon_low."""
     epsilon_low = EPSILON_LOW.check(epsilon_low, "epsilon_low")

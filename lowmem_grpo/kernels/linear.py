@@ -12,8 +12,7 @@ tokens into a reused [N, chunk] workspace, followed by a row kernel over it:
             dh  += dlogits_s @ W_s   accumulated across slices in fp32 [N, H] (each slice's
                                      product leaves the GEMM in the compute dtype)
             db_s = sum_n dlogits_s
-The only (V, H) allocation is dW itself: no fp32 (V, H) buffer, no (N, V) tensor. Cost against the
-naive head: one extra GEMM (the recompute), i.e. 4 GEMMs instead of 3.
+The only (V, H) allocation is dW itself: no fp32 (V, H) buffer, no (N, V) tensor. Design notes: docs/kernels.md
 """
 
 from __future__ import annotations
@@ -38,7 +37,8 @@ def _slices(vocab: int, chunk: int):
     return [(v0, min(vocab, v0 + chunk)) for v0 in range(0, vocab, chunk)]
 
 
-def _slice_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int, workspace: Tensor) -> Tensor:
+def _slice_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
+                  workspace: Tensor) -> Tensor:
     """hidden @ weight[v0:v1].T (+ bias) into the workspace, in hidden's dtype: [N, v1 - v0]."""
     out = workspace[: hidden.shape[0] * (v1 - v0)].view(hidden.shape[0], v1 - v0)
     w = weight[v0:v1].to(hidden.dtype)  # a no-op unless autocast mixes dtypes (then a [chunk, H] copy)

@@ -10,6 +10,8 @@ Per row x = logits / T (fp32 math; the row stays in its own dtype in memory):
 Both kernels also work on a vocabulary *slice* of a row ([N, n_cols] starting at column
 `col_offset`): the forward merges the slice into running statistics, the backward writes the slice
 of dlogits. That is how the fused lm-head ops (linear.py) reuse them without ever holding [N, V].
+
+Design notes: docs/kernels.md
 """
 
 from __future__ import annotations

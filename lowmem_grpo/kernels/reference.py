@@ -3,6 +3,8 @@
 Everything is computed in fp32 by default. `dtype=` recomputes in a lower precision: the tests use it
 to set tolerances (a kernel in dtype D must be as close to the fp32 reference as the reference
 computed in D is). Memory is not a concern here: these materialise the full [N, V] log-softmax.
+
+Design notes: docs/kernels.md ("The spec")
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Whether a run fits the card it is about to run on: read before any weight is loaded.
 
-`lowmem-grpo plan` on a GPU machine and `lowmem-grpo train` on a CUDA device (`check_run`, called by
-the command before it builds the trainer) read what the card has free (`torch.cuda.mem_get_info`: the driver's count, after the display, other processes and this
-process's own CUDA context) instead of trusting a number: an "8 GB" card reports ~7.6-7.8 GiB in
-all, less what a desktop's display holds. `train` refuses a run whose predicted peak plus the margin
-(plan.margin_bytes) exceeds it, naming the cheapest change that fits, as `plan` lists them; the
-model's config is all it reads (a config.json, or the recipe's model.config), so the refusal comes
-before the weights are downloaded or loaded. `train.memory_check=false` starts anyway. The Python API
-(lowmem_grpo.api, below this package's layer) does not check: `lowmem-grpo plan` first.
+`check_run` (called by `lowmem-grpo train` on a CUDA device, and `lowmem-grpo plan` on a GPU machine)
+reads what the card has free (`torch.cuda.mem_get_info`) and refuses a run whose predicted peak plus the
+margin exceeds it, naming the cheapest change that fits; only the model's config is read, so the refusal
+comes before any download. `train.memory_check=false` starts anyway; the Python API does not check.
+`use_expandable_segments` sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA starts.
 
-The free memory is read after this process's CUDA context exists (reading it makes one), and the
-margin counts a context too (0.5 GiB): the check is conservative by the context already made
-(~0.3 GiB with CUDA 12's lazy module loading). Better a refusal that `memory_check=false` overrides
-than an out-of-memory error an hour in.
-
-`use_expandable_segments` is what `train` does first: PyTorch's caching allocator then maps memory
-into segments that grow in place (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) instead of
-reserving fixed blocks. A GRPO step alternates shapes (a KV cache that grows a token at a time in
-rollout, then training micro-batches, then the next rollout), which with fixed blocks leaves freed
-memory split into pieces too small for the next large tensor; with growing segments that
-fragmentation mostly goes away, which is what the margin's 5% assumes (plan.py, FRAGMENTATION).
-The allocator reads the setting once, when CUDA starts in the process, so it is set before that.
+Design notes: docs/planner.md ("Fit")
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ a one-layer model of the architecture, random weights (no download), is run forw
 the CPU at 64 and 128 tokens, and a dispatch-level tracker records the bytes of every tensor the ops
 return, live at once. The difference between the two lengths is the cost per token (fixed costs
 such as autocast's weight copies cancel; the planner counts those itself). A few hundred ms.
+
+Design notes: docs/planner.md ("The layer probe")
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Per-rank device memory under torchrun (`lowmem-grpo plan ... --nproc N --strategy ddp|fsdp`).
 
-The one-process plan (plan.py) of the rank's own micro-batches, changed where the strategy changes
-what a rank holds (training/distributed.py):
+The one-process plan (plan.py) of the rank's own micro-batches, changed where the strategy changes what a
+rank holds (training/distributed.py): DDP keeps every gradient in its all-reduce buckets in every phase;
+FSDP shards weights, gradients and optimizer states 1/N per rank and adds what it gathers whole. Host RAM
+is per node (N / nnodes ranks); device memory is per rank. NCCL buffers are not counted.
 
-    ddp    the same as one process, plus every gradient for the whole run: DDP's all-reduce buckets
-           are allocated when the model is wrapped and the gradients are views into them
-           (gradient_as_bucket_view), so they exist in every phase, rollout included.
-    fsdp   weights, gradients and optimizer states are 1/N per rank (each tensor's rows split over
-           the ranks). On top, what is gathered whole (in bf16 when fp32 weights run under autocast):
-             rollout, log-prob passes,  the whole model (gathered once per generation batch, or for
-             evaluation                 rank 0's evaluation, next to the shards it was gathered from)
-             forward, backward          the root (embeddings, final norm, head: gathered for the
-                                        whole loss forward and backward) + two decoder layers (the
-                                        one computing and the next, prefetched); in backward also
-                                        those units' unsharded gradients before their reduce-scatter
-             optimizer                  nothing: it steps the local shards
-Host RAM is for the ranks of one node together (N / nnodes of them: torchrun --nnodes puts as many on
-each node): one reference copy with reference_compute=cpu (a node's ranks share it), one per rank
-when streamed (each pins its own). Device memory is per rank and shards over all N ranks.
-Not yet checked against a GPU run (no GPU has been lent for it); the NCCL buffers are not counted.
+Design notes: docs/planner.md ("Several GPUs")
 """
 
 from __future__ import annotations

@@ -1,61 +1,15 @@
 """Device-memory accounting of a GRPO step from a model config and the run's settings (no weights).
 
-The phases are the trainer's (and the profiler's): rollout, old log-probs, reference log-probs,
-forward, backward, optimizer; and evaluation (greedy generation of eval.eval_batch_size held-out
-prompts at once, between steps), wherever the run has held-out prompts. Each phase's peak is the sum of what is alive at its worst moment:
+`plan(cfg)` gives each phase's peak (rollout, old log-probs, reference log-probs, forward, backward,
+optimizer, evaluation) as the sum of the categories alive at its worst moment: weights, optimizer states,
+gradients, activations (per token and layer, measured by layer_probe.py), loss head, KV cache, reference
+buffers. The peak is the largest phase, in the allocator's view: CUDA context, cuBLAS workspace and
+fragmentation come on top (`margin_bytes`). `host_categories` counts the host RAM the run keeps on purpose
+(reference model, offloaded optimizer, offloaded activations) and `pinned_host_categories` the page-locked
+part of it, with the same arithmetic as the code that allocates it (host_arena.py `arena_bytes`).
+When a run does not fit, the suggestions (`SUGGESTIONS`) name the cheapest settings that would.
 
-    weights             P x bytes(weight dtype)                       (tied embedding counted once)
-    optimizer states    bitsandbytes 8-bit AdamW: 2 B/element + 2 fp32 absmax per 256-block for tensors
-                        >= 4096 elements, 8 B/element (fp32 states) below; torch AdamW: 2 x bytes(dtype)
-    gradients           all of them (bytes(dtype) x P) in backward and at the optimizer step, and in the
-                        forward of every micro-batch after the first when gradients accumulate; with
-                        the optimizer step in backward only the tensors alive at once: the tied
-                        embedding (its gradient lives from the head to the embedding lookup) + the
-                        largest other tensor, and at the lookup the embedding's second gradient while
-                        it is added to the first (not with optim.offload_optimizer, which sends the
-                        head's contribution to the host at once and adds the two there: offload.py)
-    activations         per token and layer, as measured on a one-layer model of the architecture
-                        (layer_probe.py: what autograd keeps, the forward's and backward's transients);
-                        checkpointing keeps one layer input per layer, runs each layer's forward
-                        keeping nothing inside (a no-grad forward's transient) and recomputes one layer
-                        at a time; with model.offload_activations the layer inputs and the final norm's
-                        saves are host RAM, but for the one prefetched in backward (tensors under 1 MiB
-                        stay: activations_offloaded). Plus autocast's bf16 copies of fp32 weights: all
-                        of them while the forward runs (autocast caches them until it exits), one
-                        layer's in recompute.
-                        Plus the attention mask of padded or packed rows, (rows, 1, L, L), all step,
-                        and sdpa's additive copy of it in each attention call (decoder_positions).
-    loss head           the fused head's [n, chunk] workspace (chunk from the 256 MiB bound) + the
-                        completion hidden states in the compute dtype; backward adds the fp32 [n, H]
-                        gradient. The torch fallback (CPU) adds its bounded fp32 row-chunk copies
-                        (three in the forward, one in the backward).
-    KV cache            generation micro-batch (evaluation: its rows) x (prompt + completion) x layers x
-                        measured bytes/token,
-                        + the prefill's transient or the last position's logits through sampling, +
-                        under autocast the bf16 copies of the fp32 weights, every layer's and the output
-                        head's (autocast's cache when eager, the compiled step's own copies: both held
-                        all rollout; all of generation's working memory, as profiled), + with
-                        the compiled step on CUDA its graphs' logits buffer and pool (decode_graph_bytes;
-                        the rollout's own: nothing of them stays after it)
-    reference buffers   streamed reference: two decoder layers + one head slice (weights stay on the host)
-
-Peak = the largest phase. The allocator's view only: CUDA context, cuBLAS workspace and
-fragmentation come on top (`margin_bytes`).
-
-With optim.offload_optimizer the device holds no optimizer state and no update temporaries (the
-update runs on the CPU); the gradients alive at once are those of the optimizer in backward, less the
-tied embedding's second (V, H) gradient at the lookup (the host holds one more (V, H) buffer instead),
-whatever gradient_accumulation_steps is (the micro-batches are summed on the host).
-
-Host RAM (`host_categories`), what the run keeps in CPU RAM on purpose: the reference model (beta > 0),
-the offloaded optimizer's states, weight copy and gradient buffer (optim/offload.py; with
-gradient accumulation, plus its staging ring, `staging_bytes()`, 64 MiB), and the layer inputs of
-activation offload with the final norm's saves (one micro-batch's). Not counted: the Python process
-itself (torch, transformers and the tokenizer: ~1-1.5 GiB) and the page cache of the model files. On a
-GPU some of it is pinned (`pinned_host_categories`: page-locked, it cannot swap): the streamed reference
-and the offloaded optimizer's buffers are blocks of exactly the counted bytes (host_arena.py);
-activation offload's copies go through torch's caching host allocator, which rounds each up to a power
-of two (not counted).
+Design notes: docs/planner.md (what each category counts, phase by phase)
 """
 
 from __future__ import annotations
@@ -66,9 +20,11 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError, batch_plan
+from ..host_arena import arena_bytes, round_up
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..training.activation_offload import MIN_BYTES
+from ..optim.offload import staging_bytes
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from .layer_probe import layer_costs
 
@@ -376,7 +332,6 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
     included, and the tied head's buffer another: the two categories sum to the bytes the run pins,
     to the byte (tests/memory/test_host_ram_plan.py checks it against the real optimizer). The
     streamed reference model on a GPU is one block too (policy/reference.py)."""
-    from ..host_arena import arena_bytes, round_up
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     host = {}
     if cfg.train.beta > 0:
@@ -392,7 +347,6 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
         if arch.tied:  # the tied head's contribution, its own block
             host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
         if cfg.train.gradient_accumulation_steps > 1:  # later micro-batches' gradients arrive there
-            from ..optim.offload import staging_bytes
             host["gradient buffer"] += staging_bytes()
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations
@@ -521,8 +475,8 @@ def _shorter_completions(c: Config):
     return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
 
 
-SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload, _offload_optimizer,
-               _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
+SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload,
+               _offload_optimizer, _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
 
 
 def _apply(cfg: Config, edits: dict) -> Config:

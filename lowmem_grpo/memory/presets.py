@@ -2,6 +2,8 @@
 
 Benchmarks and the memory planner build random-weight models from these: memory and speed do not
 depend on weight values, and no hub download is needed. Values are from each model's config.json.
+
+Design notes: docs/planner.md
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
 """Where the memory of a GRPO step goes: per phase and per category, host and device, over time.
 
-The trainer marks its phases with `lowmem_grpo.phases.phase(...)` (rollout, old log-probs, reference
-log-probs, forward, backward, optimizer). These are `torch.profiler.record_function` ranges: free when no profiler runs.
-`MemoryProfile` runs the PyTorch profiler with memory events, which come from the allocators
-themselves (c10's CPU allocator, CUDA's caching allocator), so every tensor is seen, including the
-fused head's workspace allocated inside our custom ops. Each allocation gets a category from where
-it was made:
+`MemoryProfile` runs the PyTorch profiler with memory events (CPU activity only, on a GPU too) and gives each
+allocation a category from where it was made: the `lowmem_grpo::` ops (loss head), `scope("optimizer")`,
+`scope("activation offload")`, a parameter's `.grad` (gradients), or the trainer's phase (`phases.phase`).
+Tensors alive at the start are counted by walking the model, the reference model and the optimizer. The
+categories at any moment add up to the allocator's total (CUDA) or the tracked tensor bytes (CPU).
+`profile_trainer` runs a trainer's steps under it.
 
-    inside a `lowmem_grpo::` op (forward or backward)   loss head
-    inside `scope("optimizer")` or the optimizer phase   optimizer states (and the step's temporaries)
-    inside `scope("activation offload")`                activations (offloaded): the host copies of the
-                                                         layer inputs (model.offload_activations)
-    whose storage a parameter's .grad holds              gradients   (post-accumulate-grad markers)
-    rollout phase                                        KV cache    (all of generation's working
-                                                                      memory: cache, logits, casts)
-    old/reference log-prob phases                        activations / reference buffers
-    forward and backward phases                          activations (saved tensors, recompute, grads
-                                                                      of activations)
-    made in a rollout or log-prob phase and still alive
-    when that phase ends                                 rollout batch (ids, masks, log-probs)
-    anything else                                        other
-
-Tensors alive when profiling starts are counted by walking the model, the reference model and the
-optimizer (weights, reference model, optimizer states, rollout batch; with optim.offload_optimizer
-also its host weight copies and gradient buffers, "weights copy" and "gradient buffer"); on CUDA the rest of the
-allocator's total at the start is `other`. The categories at any moment add up to the allocator's
-total (CUDA) or to the tracked tensor bytes (CPU; Python objects and library mallocs are not seen).
-
-The profiler records CPU activity only, on a GPU too. Memory events do not need the CUDA activity:
-every allocator (c10's CPU allocator, CUDA's caching allocator) reports each allocation and free to the
-profiler state of the thread that makes it (c10 `reportMemoryUsageToProfiler`), which keeps it whenever
-`profile_memory` is on, whatever the activities (torch/csrc/autograd/profiler_kineto.cpp,
-`KinetoThreadLocalState::reportMemoryUsage`); the CPU activity supplies the op and `record_function`
-ranges that the categories come from. The CUDA activity (CUPTI) would add a kernel event and a runtime
-event for every launch, several per op: over full-length rollouts (a thousand decode steps) that is
-millions of events for the profiler to collect and for `_analyse` to walk, and none of them is read.
+Design notes: docs/planner.md ("The profiler")
 """
 
 from __future__ import annotations
@@ -430,7 +403,8 @@ def _thin(total: np.ndarray, points: int) -> np.ndarray:
 
 
 # ----- a Trainer's steps under the profiler (lowmem-grpo profile, benchmarks) -------------------------
-def profile_trainer(trainer, steps: int, cuda_snapshot: Optional[str] = None) -> tuple[MemoryProfile, list[float], tuple]:
+def profile_trainer(trainer, steps: int,
+                    cuda_snapshot: Optional[str] = None) -> tuple[MemoryProfile, list[float], tuple]:
     """Run `steps` trainer steps under a MemoryProfile; returns it, the step times (seconds) and the
     longest (prompt, completion) widths of the batches the steps used (padded, in tokens)."""
     reference = []

@@ -1,37 +1,11 @@
 // Fused CPU kernels for the offloaded optimizer's host step (loader, semantics and tests: host_adamw.py).
-//
-// adamw8bit_step: bitsandbytes' 8-bit blockwise AdamW on the CPU, one pass over each 256-element
-// block while it is in cache: dequantize both states (qmap[code] * absmax), scale the gradient (the clip
-// coefficient), Adam in fp32 with the operation order of bitsandbytes' CPU path (torch ops:
-// _optimizer_update_8bit_blockwise_cpu), write the weight (fp32, or bf16 with stochastic rounding),
-// re-quantize both states with bitsandbytes' CPU quantizer (new absmax per block, then its 65536-entry
-// lookup table on ((x / absmax + 1) / 2) * 65535 + 0.5, truncated).
-//   memory traffic per element: read grad (2 or 4 B), weight (2 or 4 B), two 8-bit codes;
-//   write weight, two codes; per 256 elements two fp32 absmax read and written. Nothing else leaves the cache.
-//   Loops: AVX-512 (16 lanes) or AVX2 + FMA (8 lanes) where compiled for, the scalar loop for the rest of a
-//   block (and for every element elsewhere); all give the same bits.
-// adamw_step: torch.optim.AdamW's update on fp32 master weights with fp32 states, in the operation order of
-//   torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, ADAMW mode; measured: bitwise
-//   equal to torch.optim.AdamW(fused=True) on torch 2.13 but in a tensor's last n % 16 elements, which torch's
-//   scalar tail does rounding v * beta2 before the add), reading the gradient in its own dtype (bf16 or fp32)
-//   and, for bf16 device weights, writing the new master rounded to nearest even bf16 into an upload buffer in
-//   the same pass (offload.py's gradient buffer: element i is read before it is written).
-//   memory traffic per element: read grad (2 or 4 B), weight, m, v (12 B); write weight, m, v (12 B), the
-//   upload copy (2 B). 28 B with a bf16 gradient and an upload copy, where widening the gradient, torch's step
-//   and the copy touch 2 + 4 (widen) + 28 (step) + 4 + 2 (copy) = 40 B and allocate a fresh fp32 gradient.
-// grad_sum_squares: the gradient's squared L2 norm, fp32 partial sums per 64Ki-element chunk (each from 16
-//   running sums in a fixed order), added in chunk order in fp64: the same bits for any thread count and any
-//   of the loops' instruction sets.
-//
-// Plain C ABI (called through ctypes, which releases the GIL for the call); threads: host_pool.cpp.
-// Built with -ffp-contract=off: every multiply and add rounds on its own, as torch's separate ops do;
-// fused multiply-adds are spelled out (std::fma) where torch's AVX2/AVX-512 CPU kernels fuse: `add_(x,
-// alpha=)` and `addcmul_` (measured against torch 2.13: bitwise equal on 256k elements). One op cannot be
-// matched: torch's CPU `sqrt` is MKL's, which is not always correctly rounded, by a CPU-dependent amount
-// (torch 2.13 on an Intel Xeon: 1 ulp off on 0.7% of fp32 inputs on MKL's AVX-512 path, none on its AVX2
-// path, 15% on its SSE4.2 path; ~17% measured on an AMD EPYC); std::sqrt is. It only enters the weight
-// update (not the states), so the weights may differ from bitsandbytes' by an ulp or two where that ulp of
-// the denominator survives the update's rounding.
+// adamw8bit_step: bitsandbytes' 8-bit blockwise AdamW, one pass over each 256-element block while it is in
+//   cache (dequantize, clip scale, Adam in fp32, weight fp32 or bf16 with stochastic rounding, re-quantize).
+// adamw_step: torch's fused CPU AdamW on fp32 masters, reading a bf16 or fp32 gradient, optionally writing
+//   the new master rounded to bf16 into an upload buffer in the same pass.
+// Plain C ABI (ctypes releases the GIL); threads: host_pool.cpp; the norm: host_grad_norm.cpp. Built with
+// -ffp-contract=off: fused multiply-adds are spelled out (std::fma) exactly where torch's kernels fuse.
+// Operation order, memory traffic and where results may differ by an ulp: docs/memory-modes.md.
 
 #include <algorithm>
 #include <cmath>
@@ -54,8 +28,6 @@ void parallel_for(int64_t n, int threads, const F& f) {
 }
 
 constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (elements)
-constexpr int64_t kNormChunk = 1 << 16;  // elements per fp32 partial sum of the norm
-constexpr int64_t kSumLanes = 16;        // running fp32 sums per partial sum of the norm
 constexpr int64_t kSerialBlocks = 64;    // 8-bit step: tensors of up to this many blocks on the caller alone
 constexpr int64_t kChunkBlocks = 32;     // 8-bit step: blocks per work item (8192 elements)
 
@@ -542,37 +514,6 @@ void adamw32(int64_t n, float* p, const G* g, float* m, float* v, uint16_t* out,
   });
 }
 
-template <typename G>
-double sum_squares(int64_t n, const G* g, int threads) {
-  const int64_t chunks = (n + kNormChunk - 1) / kNormChunk;
-  double total = 0.0;
-  double* partial = new double[chunks > 0 ? chunks : 1];
-  parallel_for(chunks, threads, [&](int64_t c) {
-    const int64_t start = c * kNormChunk, end = std::min(n, start + kNormChunk);
-    // 16 running sums, element i into sum i % 16, then added pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): the same
-    // order for any vector width (one AVX-512 register, two AVX2 ones, or scalar code), so the same bits.
-    alignas(64) float acc[kSumLanes] = {};
-    const int64_t whole = start + (end - start) / kSumLanes * kSumLanes;
-    for (int64_t i = start; i < whole; i += kSumLanes) {
-#pragma omp simd
-      for (int64_t j = 0; j < kSumLanes; ++j) {
-        const float x = load(g, i + j);
-        acc[j] += x * x;
-      }
-    }
-    for (int64_t i = whole; i < end; ++i) {
-      const float x = load(g, i);
-      acc[i - whole] += x * x;
-    }
-    for (int64_t width = kSumLanes / 2; width > 0; width /= 2)
-      for (int64_t j = 0; j < width; ++j) acc[j] += acc[j + width];
-    partial[c] = acc[0];
-  });
-  for (int64_t c = 0; c < chunks; ++c) total += partial[c];
-  delete[] partial;
-  return total;
-}
-
 }  // namespace
 
 extern "C" {
@@ -646,11 +587,6 @@ int simd_lanes() {
 #else
   return 1;
 #endif
-}
-
-double grad_sum_squares(int64_t n, const void* g, int g_kind, int threads) {
-  if (g_kind == 0) return sum_squares(n, static_cast<const float*>(g), threads);
-  return sum_squares(n, static_cast<const uint16_t*>(g), threads);
 }
 
 }  // extern "C"

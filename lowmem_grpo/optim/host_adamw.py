@@ -1,81 +1,16 @@
-"""The offloaded optimizer's host step near memory bandwidth: fused CPU kernels for bitsandbytes' 8-bit AdamW
-(`host_adamw8bit_class`) and for torch's fp32 AdamW on fp32 master weights (`HostAdamW`, at the end).
+"""Fused CPU kernels for the offloaded optimizer's host step, loaded with ctypes (sources: host_adamw.cpp,
+host_grad_norm.cpp, host_pool.cpp; compiled on first use by torch.utils.cpp_extension).
 
-Why: bitsandbytes' CPU path for its 8-bit AdamW is a chain of torch ops (dequantize both states, about ten
-elementwise passes of fp32 Adam, quantize both states), each pass reading and writing whole fp32 tensors;
-with the bf16 widening and stochastic rounding of sr_adamw.py the host step cost 13.6 ns per parameter on
-this project's 2-core CPU, where the ~10-12 bytes it must touch take ~0.3 ns at memory bandwidth
-(benchmarks/offload_host_update.py prints both).
+`host_adamw8bit_class()`: bitsandbytes' AdamW8bit (via sr_adamw.py) whose CPU tensors with 8-bit states step
+in one pass per 256-element block; states equal bitsandbytes' bitwise, state_dicts load either way.
+`HostAdamW`: torch's fused CPU AdamW on fp32 masters; `step_fused(master, grad, lr=, grad_scale=,
+round_into=)` is the offloaded optimizer's one-pass entry (False where it cannot run). Both read
+`group["grad_scale"]` (the clip factor, applied inside the kernel; reset to 1.0 after the step).
+`grad_sum_squares`: a gradient's squared norm, the same bits for any thread count.
+Where the kernel cannot build or LOWMEM_GRPO_HOST_KERNEL=0, the torch path runs after one warning;
+`kernel_status()` says which. LOWMEM_GRPO_HOST_KERNEL_MARCH picks the -march (and so the SIMD path).
 
-How: host_adamw.cpp does the whole update of a 256-element block while it is in cache: dequantize both
-states (qmap[code] * absmax), multiply the gradient by `grad_scale` (the clip coefficient, so clipping costs
-no pass of its own), Adam in fp32 in the operation order of bitsandbytes' CPU path, write the weight (fp32,
-or bf16 with stochastic rounding), re-quantize both states exactly as bitsandbytes' CPU quantizer does (new
-absmax per block, then its 65536-entry lookup table: the code nearest to x / absmax rounded to a grid of
-65536 points, the lower code on a tie). The GIL is released during the call (ctypes), so the update can run on
-a worker thread beside autograd.
-
-Threads (host_pool.cpp): `torch.get_num_threads()` of them, the caller and helpers that sleep between
-calls. Each call splits its tensor into chunks that threads claim one at a time; the caller claims too and,
-once none is left, waits only for chunks a helper has started. So a helper whose core is busy elsewhere (the
-trainer's main thread, data or reward work, another job) costs the call nothing, where an OpenMP region per
-tensor waited at its barrier for every thread of its team (benchmarks/offload_host_update.py --busy 0 1: 2
-cores, one busy process). Which thread computes a chunk does not change its bits. The kernel also works in
-a child forked after it ran (a fresh pool there). Two Python threads calling at once: the second computes
-its call on its own thread.
-
-Same results as bitsandbytes: for fp32 weights the states (codes, absmax) equal bitsandbytes' own step
-bitwise and the weights within 2 fp32 ulps of (|weight| + 3 lr) (tests/optim/test_host_adamw.py).
-torch's CPU kernels round each op separately except `add_(x, alpha=)` and `addcmul_`, which fuse a
-multiply-add in their AVX2/AVX-512 loops, and so does this kernel (where torch's kernels round it twice, as
-with ATEN_CPU_CAPABILITY=default on an x86 CPU without AVX2, codes may differ by one place and absmax by an
-ulp); torch's CPU sqrt (MKL's) is not always correctly rounded and the kernel's is, so weights may differ by
-an ulp where that ulp of the denominator survives the update's rounding: how often depends on the CPU (MKL
-picks its code path per CPU: measured never on its AVX2 path, on a few weights in 10^4 on its AVX-512 path,
-more on its SSE4.2 path). For bf16 weights the fp32 result is rounded stochastically: noise from a
-counter-based hash of (seed, element index), the seed drawn from torch's CPU generator once per call, so
-`torch.manual_seed` makes runs reproducible whatever the thread count, and a checkpoint's RNG state covers it.
-
-State format: the class from `host_adamw8bit_class` is bitsandbytes' AdamW8bit (via sr_adamw.py's
-subclass), so qmap1/qmap2, state1/state2 (uint8), absmax1/absmax2 (fp32 per 256-block), `step`, and fp32
-states for tensors under `min_8bit_size` are bitsandbytes' own: state_dicts load either way. Only CPU
-tensors with 8-bit states take the kernel; CUDA tensors and small fp32-state tensors take sr_adamw's path.
-
-Gradient scale: set `group["grad_scale"] = coef` before a step; every parameter of the group is updated
-as if its gradient had been multiplied by `coef` (in fp32, inside the kernel; on the fallback path the
-gradient is multiplied in place first), and the key goes back to 1.0 after the group's step.
-
-Build: the .cpp files are compiled on first use by torch.utils.cpp_extension (g++ -O3 -march=native, ninja)
-into torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), one build per CPU type
-and version of the sources; LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v3 (any -march value) builds for another
-target, e.g. the oldest CPU of a cluster that shares the cache. Code paths: AVX-512 (16 lanes), AVX2 + FMA (8
-lanes; most desktop CPUs), else scalar loops; all give the same bits on every entry point (the tests run each:
-test_host_adamw_levels.py); LOWMEM_GRPO_HOST_KERNEL_MARCH=x86-64-v4, x86-64-v3 or x86-64 forces the AVX-512,
-AVX2 or scalar path (`simd_lanes()` of the library says which it runs). Where it cannot build (no compiler, no
-ninja) or LOWMEM_GRPO_HOST_KERNEL=0, the optimizer takes today's path (sr_adamw.py / bitsandbytes) after one
-logged warning that says why and how to fix it. `kernel_status()` says which step this process runs and why
-(for an environment check: require=True raises).
-
-Only these classes read `grad_scale`: torch.optim.AdamW ignores a param-group key of that name. offload.py's
-`clip_gradient` sets it for HostAdamW8bit (`takes_grad_scale`); HostAdamW gets the clip through `step_fused`
-(where the kernel cannot run, offload.py clips the bf16 gradient buffer in place, as before).
-
-fp32 AdamW (`HostAdamW`, optim.optimizer=adamw with offload_optimizer). Before it, offload.py's update of an
-fp32 master with a bf16 gradient buffer took four passes: the clip (grad.mul_), a fresh fp32 copy of the
-gradient, torch's fused CPU AdamW, and the master rounded into the upload buffer (2.2 ns per parameter on
-this project's 2-core CPU, RESULTS.md). `adamw_step` does it in one: it reads the bf16 gradient as it is,
-applies the clip coefficient (rounded back to bf16, as the in-place clip of the bf16 buffer leaves it), steps
-with torch's fused CPU AdamW's arithmetic op for op (decoupled weight decay, exp_avg.lerp_ as one fma,
-v * beta2 + (1 - beta2) g^2 as one fma, correctly rounded sqrt and divisions, the bias corrections in
-double), and writes the master rounded to nearest even into the upload buffer, which may be the gradient
-buffer itself. Measured: bitwise equal to torch.optim.AdamW(fused=True) except in a tensor's last n % 16
-elements (torch's scalar tail rounds v * beta2 before the add: an ulp of v there), within 1e-6 of
-torch's fused=False path (tests/optim/test_host_adamw_fp32.py). The state is torch AdamW's own
-(`step` a float32 tensor, `exp_avg`, `exp_avg_sq`): checkpoints load either way. What the kernel does not do
-(amsgrad, maximize, CUDA or non-fp32 weights, no compiled kernel) steps in torch's own AdamW.
-The one-pass entry for offload.py's `_update` is `HostAdamW.step_fused(master, grad_buffer, lr=, grad_scale=,
-round_into=)`; where it returns False (no kernel) the caller takes its four passes. Called through `step()`
-instead (offload.py's widened fp32 `.grad`), the kernel computes the same bits, less the saved passes.
+Design notes: docs/memory-modes.md ("The host AdamW kernels")
 """
 
 from __future__ import annotations
@@ -94,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("host_pool.cpp")]  # the kernels; their threads
+SOURCES = [SOURCE, SOURCE.with_name("host_grad_norm.cpp"), SOURCE.with_name("host_pool.cpp")]  # kernels; threads
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI
@@ -313,9 +248,9 @@ def adamw8bit_step(p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: floa
 
 
 def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
-    """bitsandbytes' AdamW8bit (PagedAdamW8bit) whose CPU 8-bit updates run in the fused kernel (module
-    docstring); bf16 weights get stochastic rounding unless `stochastic_rounding=False` (then round to
-    nearest, as bitsandbytes' own step). Takes `group["grad_scale"]` (module docstring)."""
+    """bitsandbytes' AdamW8bit (PagedAdamW8bit) whose CPU 8-bit updates run in the fused kernel; bf16 weights
+    get stochastic rounding unless `stochastic_rounding=False` (then round to nearest, as bitsandbytes' own
+    step). Takes `group["grad_scale"]` (docs/memory-modes.md, "Gradient scale")."""
     from .sr_adamw import _bnb, sr_adamw8bit_class
     bnb = _bnb()
     if stochastic_rounding:
@@ -339,7 +274,7 @@ def host_adamw8bit_class(paged: bool = False, stochastic_rounding: bool = True):
             scale = float(group.get("grad_scale", 1.0))
             try:
                 if not self._fused_step(group, p, gindex, pindex, scale):
-                    if scale != 1.0:  # the fallback path: clip the gradient itself, as before
+                    if scale != 1.0:  # the fallback path: clip the gradient itself in place
                         p.grad.mul_(scale)
                     super().update_step(group, p, gindex, pindex)
             finally:
@@ -455,7 +390,7 @@ class HostAdamW(torch.optim.AdamW):
         multiplied by `grad_scale` in that dtype first; write the new weight rounded to nearest even into bf16
         `round_into` (may be `grad` itself: each element is read before it is written). `lr`: the group's rate
         for this step (stored in the group, as the offloaded optimizer's inner steps do). Returns False,
-        touching nothing, where the kernel cannot take it (then clip, widen, step() and copy as before)."""
+        touching nothing, where the kernel cannot take it (then the caller clips, widens, steps and copies)."""
         group = next(g for g in self.param_groups if any(q is param for q in g["params"]))
         if lr is not None:
             group["lr"] = lr

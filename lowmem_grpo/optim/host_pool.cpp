@@ -1,21 +1,9 @@
-// The host kernels' threads (host_adamw.cpp): a pool whose helpers sleep between calls, and a parallel loop
-// whose caller never waits for a helper that has not started work.
-//
-// Why not OpenMP: a parallel region per tensor ends in a barrier that every thread of the team must reach.
-// Where a core is busy with something else (the trainer's main thread, a data loader, another job), the
-// helper on that core reaches it only when the scheduler gives it a time slice (milliseconds), and the
-// threads that got there first spin meanwhile: on 2 cores with one busy process the 8-bit step took 2.3-4.7x
-// its quiet time (benchmarks/offload_host_update.py --busy 0 1, RESULTS.md). Here work is split into chunks
-// that threads claim one at a time from a shared counter; the caller claims too, and once no chunk is left it
-// waits only for the chunks a helper has claimed and not finished. A helper that never got a core claims
-// nothing and costs nothing. Which thread computes a chunk never changes its result: every chunk is computed
-// by the same code on the same elements, so the results are the same bits for any thread count and any
-// schedule.
-//
-// Helpers sleep on a condition variable between jobs after 50 us of waiting that yields the core to any
-// other thread (consecutive tensors of one step follow each other within microseconds). One job at a time: a second caller (another Python thread) that
-// finds the pool busy runs its whole job on its own thread. After fork() the child makes a pool of its own
-// (the parent's helpers do not exist there).
+// The host kernels' threads (host_adamw.cpp, host_grad_norm.cpp): a pool whose helpers sleep between calls,
+// and a parallel loop whose caller never waits for a helper that has not started work. Threads claim chunks
+// one at a time from a shared counter; the caller claims too, then waits only for chunks a helper claimed.
+// Which thread computes a chunk never changes its bits. One job at a time: a second caller runs its whole
+// job on its own thread. After fork() the child makes a pool of its own.
+// Why not OpenMP, and the sleep policy: docs/memory-modes.md ("Threads").
 
 #include <unistd.h>
 

@@ -1,194 +1,37 @@
-"""Optimizer states in host RAM: gradients sent down from the backward hooks, summed on the host, and
-one optimizer step per optimizer step computed on the CPU.
+"""The offloaded optimizer (`optim.offload_optimizer`): optimizer states and the update in host RAM.
 
-With `optim.offload_optimizer`, a post-accumulate-grad hook on every parameter (the hooks of
-optimizer_in_backward.py) starts each gradient's trip to the host as soon as autograd has made it:
+`OffloadedOptimizer` extends the optimizer in backward (optimizer_in_backward.py): each parameter's hook
+sends its finished gradient to a host buffer in the weight dtype (first micro-batch: copied; later ones:
+added through the `STAGING_SLOTS` x `STAGING_CHUNK_BYTES` staging ring, one rounding per add, as autograd
+accumulates `.grad`). `end_step` takes torch clip_grad_norm_'s global norm (skipping the step if it is not
+finite), then clips, steps the inner optimizer on the host copy of each weight in forward order and uploads
+it, on the update thread (update_thread.py). The device holds the weights and at most `lag_bytes` of
+gradients in flight; the host holds weight copies, gradient buffers and states (host_ram.py counts them).
+Results equal the plain path's bit for bit. A tied embedding's head contribution gets its own leaf and host
+buffer (`split_tied_head`), so the device never holds two (V, H) gradients.
 
-    hook, first micro-batch   ->  the gradient is copied into the parameter's pinned host gradient buffer
-                                  (on the side stream; the device copy is freed once the copy is done)
-    hook, later micro-batches ->  the gradient is copied chunk by chunk into a small staging ring in
-                                  host RAM (`STAGING_SLOTS` x `STAGING_CHUNK_BYTES`) and added into the
-                                  buffer there
-    end_step (after the last  ->  every gradient of the optimizer step is on the host: the global norm
-    micro-batch's backward)       (TRL's, torch clip_grad_norm_'s) on the calling thread, returned; then
-                                  the clip, the inner optimizer's step of each host copy in forward order
-                                  and each new weight's upload run on the update thread (below), and
-                                  end_step returns at once
-    next forward              ->  each module waits for its own parameters' updates (and, on CUDA, the
-                                  compute stream for their uploads) before it runs
+The host RAM functions (host_ram.py) and the update thread's names (update_thread.py) are importable here too.
 
-So the device holds the weights and, briefly, the gradients in flight (at most `lag_bytes` of first
-copies, or the staging ring's chunks); the optimizer states, a copy of the weights and the gradient
-buffers live in host RAM. `gradient_accumulation_steps` > 1 costs only the staging ring
-(`staging_bytes()`, 64 MiB) in host RAM, and the number of optimizer steps -- the dominant cost, a full
-host pass over the states -- is one per `gradient_accumulation_steps` micro-batches, as in TRL. The
-buffers that cross PCIe are views of one block of exactly the planned size, page-locked on CUDA
-(host_arena.py: per-tensor `pin_memory` would round each up to a power of two; the staging ring is one
-power-of-two allocation already); the start-up check (`check_host_ram`) counts them and the states
-before any is allocated.
-
-Clipping is TRL's: the global norm over every gradient of the step, coef = max_grad_norm / (norm +
-1e-6) clamped to 1, every gradient multiplied by it (by host_adamw.py's kernel, as it reads the gradient:
-no pass of its own); a non-finite global norm skips the whole step
-(weights and states untouched), as the plain path does. (The on-device optimizer in backward has no
-whole gradient to take a norm of, so it keeps its per-tensor rule: optimizer_in_backward.py.) Per-tensor
-norms are computed on the host in fp32 chunks (`fp32_norm_tensor`) and rounded to the gradient dtype, the
-total is taken in that dtype, as torch's clip_grad_norm_ does, so the clip factor is the plain path's.
-
-The accumulation dtype. The gradient buffer is in the weight dtype, and a later micro-batch's gradient is
-added into it with one rounding per add: exactly what autograd does when it accumulates into `.grad` on
-the device in the plain path, so offloaded and plain runs get the same summed gradient bit for bit (the
-tests check it). Measured (benchmarks/offload_accumulation_dtype.py, RESULTS.md, "accumulation dtype"):
-against the exact sum, a bf16 buffer's error grows from 1.8e-3 (ga 2) to 5.0e-3 (ga 16) relative, 3x
-that of a single rounding of the exact sum to bf16 and ~300x below the gradient's own sampling noise;
-an fp32 buffer would be near-exact but cost 2 more bytes per parameter of (pinned) host RAM, 5.8 GiB
-for 3B. So the weight dtype: the plain path's arithmetic, at no host RAM beyond the staging ring.
-
-The inner optimizer is the one the recipe names, applied to the host copy. Two ways to make the
-updates land in bf16 device weights, with their host RAM per parameter (`host_bytes_per_param`):
-
-    optimizer      host copy             gradient buffer   states          host RAM   host step, 2-core CPU
-    adamw          fp32 master (4)       bf16 or fp32      fp32 (8)        14 / 16    host_adamw.py's one-pass
-                                                                                      fp32 kernel (HostAdamW):
-                                                                                      0.31 ns/parameter (bf16)
-    adamw_8bit     bf16 + stochastic     bf16 (2)          8-bit (~2)       6         host_adamw.py's fused
-                   rounding (2)                                                       kernel: 1.0-1.1 ns
-
-With `adamw` on bf16 weights the host keeps an fp32 master copy; the device gets it rounded to
-nearest (its bf16 gradient buffer doubles as the upload buffer), so no update is lost. With
-`adamw_8bit` on bf16 weights the stochastic-rounding optimizer (sr_adamw.py) updates the bf16 copy
-itself. fp32 weights: the copy is fp32 and the device weight is exactly it. The updates run in the
-order of `params` (the optimizer's groups: decay matrices, then norm gains and biases, each in the model's
-order), the order in which the plain path's optimizer steps them, so stochastic rounding draws the same
-numbers. The global norm sums in the model's order instead (`norm_order`), as the plain path clips. Measured
-costs: benchmarks/offload_host_update.py and RESULTS.md.
-
-Off the autograd thread. The host update (a full pass over the states: the dominant cost of a step) runs
-on one long-lived daemon thread, so the caller goes on at once: on a GPU machine the next generation or
-forward starts while the host still updates the last parameters. Each parameter handed over gets a
-readiness signal (a threading.Event, set once its update is done and its upload queued; on CUDA also an
-event on the side stream after its upload). `wait_in_forward(model, heads)` puts a forward pre-hook on
-every module that owns parameters directly, waiting for exactly those, and makes the fused loss head's
-weight read (policy/model.py `Head`; the tied head's leaf) wait for the head weight: the embedding's update
-is the first one done, the output head's the last, so the forward overlaps the rest. state_dict(),
-load_state_dict(), refresh_host_weights(), begin_step() and step_zero_gradients() wait for all; code that
-reads the weights otherwise (a checkpoint's save, save_pretrained) calls `synchronize()` first. Until
-`wait_in_forward` is called nothing would wait, so end_step updates inline (as with update_thread=False).
-The trainer calls it (training/step_modes.py, OffloadStep); the memory profiler turns the thread off
-while it profiles (memory/profile.py: its tracker sees one thread). In the trainer a rollout's first
-weight read comes before the updates are done and waits; tests/training/test_offload_training.py delays
-every update on the worker and gets the plain run bit for bit.
-An error on the worker is kept and raised on the caller's thread at its next wait (a forward, synchronize,
-begin_step), once; the worker goes on with the next step. The learning rates are read in end_step (the
-scheduler changes them right after). The stochastic-rounding draws (sr_adamw.py, host_adamw.py) come from a
-copy of torch's global CPU generator taken in end_step, not from the generator itself, so they never
-interleave with the caller's draws: the updates draw what they drew inline, and once all of them have been
-waited for the global generator moves to where the copy ended, where the inline update leaves it; a
-caller that draws from it in between (CPU sampling before the next forward) keeps its draws and is warned
-once that the run now differs from an inline one. Threads: the host kernel (host_adamw.py) releases the
-GIL and runs on its own pool of `torch.get_num_threads()` threads (host_pool.cpp), torch's own CPU ops on
-the worker on torch's intra-op threads; on a GPU machine the caller mostly waits on CUDA, so the two share the cores with little
-contention; on a CPU-only machine the forward and the update compete for the same cores (same results,
-less overlap).
-
-Per step, across PCIe: every gradient of every micro-batch down and every weight up once,
-(gradient_accumulation_steps + 1) x bytes(dtype) x parameters (1.5B bf16, ga 1: 6.2 GB); see
-`pcie_bytes_per_step`.
-
-The tied embedding (`split_tied_head`). A tied weight W (V x H) has two uses: the fused loss head at the
-end of the forward and the embedding lookup at its start. Autograd sums a leaf's contributions before
-its hook fires, so the head's (V, H) gradient would wait on the device through the whole backward and
-meet the lookup's (V, H) gradient at the end: two of them alive at once (Qwen2.5-3B bf16: 2 x 0.58
-GiB). Instead the head multiplies by a leaf of its own that shares W's storage: the optimizer sets the
-loss head's `weight_source` (policy/model.py, `Head`) to `head_leaf`, an explicit handle the offload mode
-owns. The leaf's hook sends the head's contribution to a host buffer (`head_host`) as soon as the head's
-backward is done, and the device copy is freed. When W's own hook fires (the lookup), its gradient
-goes down as any other and the two are added on the host (the same single rounding as autograd's sum on
-the device) before the micro-batch's sum joins the accumulated gradient (again one rounding, as on the
-device). The device never holds more than one (V, H) gradient; the host holds one more (V, H) buffer.
-(The on-device optimizer in backward has no such split: there the sum needs both contributions on the
-device at the lookup either way.)
+Design notes: docs/memory-modes.md
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import queue
 import threading
-import weakref
 from collections import deque
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from ..host_arena import HostArena, arena_bytes, buffer_bytes
 from ..phases import mark_gradient, scope
-from ..host_arena import PAGE, HostArena, arena_bytes, buffer_bytes
+from .host_ram import (MEMINFO, STATM, available_host_ram, check_host_ram, host_bytes_per_param,  # noqa: F401
+                       pcie_bytes_per_step, process_ram)
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
+from .update_thread import UPDATE_THREAD, UpdateThread
 
-logger = logging.getLogger(__name__)
-
-
-def host_bytes_per_param(weight_bytes: int, optimizer: str) -> float:
-    """Host RAM per parameter with the optimizer offloaded: weight copy (an fp32 master for torch AdamW),
-    gradient buffer (the weight dtype), states (8-bit: 2 bytes plus two fp32 absmax per 256-block)."""
-    if optimizer == "adamw":
-        return 4 + weight_bytes + 8.0
-    return 2 * weight_bytes + 2.0 + 8.0 / 256
-
-
-def pcie_bytes_per_step(num_params: int, weight_bytes: int, micro_batches: int = 1) -> int:
-    """Bytes crossing PCIe per optimizer step: each micro-batch's gradients to the host, each weight back."""
-    return (micro_batches + 1) * weight_bytes * num_params
-
-
-MEMINFO, STATM = "/proc/meminfo", "/proc/self/statm"  # Linux's view of the machine's and this process's RAM
-
-
-def available_host_ram() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
-    try:
-        with open(MEMINFO) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def process_ram() -> int | None:
-    """This process's resident memory (RSS, from /proc/self/statm), or None where it cannot be read."""
-    try:
-        with open(STATM) as f:
-            return int(f.read().split()[1]) * PAGE
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def check_host_ram(pinned: int, unpinned: int = 0) -> None:
-    """Refuse, with the numbers, before taking more host memory than the machine has available: `pinned`
-    bytes of page-locked buffers (they cannot be swapped, and running out of them ends in the kernel's
-    OOM killer, not in an exception) and `unpinned` bytes of optimizer states and fp32 masters. Both
-    come on top of what the process holds now, which MemAvailable already leaves out: the message
-    gives it, and the process's total, but it is not counted twice."""
-    free = available_host_ram()
-    needed = pinned + unpinned
-    if free is None or needed <= free:
-        return
-    rss = process_ram() or 0
-    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-    raise MemoryError(
-        f"optim.offload_optimizer needs {gib(pinned)} of pinned host memory (weight copy and gradient buffers, "
-        f"which cannot swap) + {gib(unpinned)} of optimizer states and fp32 masters = {gib(needed)} more host "
-        f"RAM, but {gib(free)} is available (MemAvailable; this process holds {gib(rss)} already, so it would "
-        f"reach {gib(rss + needed)} of the {gib(rss + free)} it can have): use a lower-memory setting "
-        "(optim.optimizer=adamw_8bit instead of adamw: 6 bytes per parameter instead of 14-16), a smaller "
-        "model, or close other programs; `lowmem-grpo plan` shows the breakdown")
-
-
-UPDATE_THREAD = True  # the default: the host update runs on a worker thread (module docstring)
 
 STAGING_SLOTS = 4  # chunks of a later micro-batch's gradient in flight to the host at once
 STAGING_CHUNK_BYTES = 16 << 20
@@ -200,9 +43,9 @@ def staging_bytes() -> int:
     return STAGING_SLOTS * STAGING_CHUNK_BYTES
 
 
-class OffloadedOptimizer(OptimizerInBackward):
+class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
     """The optimizer-in-backward hooks send each gradient to a host buffer; `end_step` clips by the global
-    norm and steps host copies of the weights (module docstring).
+    norm and steps host copies of the weights (docs/memory-modes.md).
 
     One optimizer step: `begin_step()`, then for each micro-batch its backward followed by
     `end_backward()`, then `end_step()` (which ends the last backward itself). The state_dict has the
@@ -210,7 +53,7 @@ class OffloadedOptimizer(OptimizerInBackward):
 
     `update_thread` (default UPDATE_THREAD, on): end_step hands the updates to a worker thread once
     `wait_in_forward(model, heads)` has made the forward wait for them; `synchronize()` before reading the
-    weights other than through a forward (module docstring, "Off the autograd thread")."""
+    weights other than through a forward (update_thread.py)."""
 
     def __init__(self, groups: list[dict], make_inner: Callable[[list[dict]], torch.optim.Optimizer],
                  max_grad_norm: float | None, defaults: dict | None = None, lag_bytes: int = LAG_BYTES,
@@ -241,21 +84,7 @@ class OffloadedOptimizer(OptimizerInBackward):
         self._host_grad_ptrs = {g.data_ptr() for g in self.host_grad.values()}
         self._host_norm_slots = self.arena.take((len(params),), torch.float32)
         self.side = torch.cuda.Stream(params[0].device) if self.on_cuda else None
-        # The update thread ("Off the autograd thread" in the module docstring). Used once the forward
-        # waits for it (`wait_in_forward`); until then end_step updates inline.
-        self.update_thread = update_thread
-        self._forward_waits = False
-        self._waiting_models: set[int] = set()  # ids of the models given to wait_in_forward
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker: Optional[threading.Thread] = None
-        self._ready: dict[int, threading.Event] = {}  # handed-over updates not yet waited for, by index
-        self._uploaded: dict[int, torch.cuda.Event] = {}  # CUDA: each one's upload, on the side stream
-        self._step_done = threading.Event()  # the worker finished the step handed to it
-        self._step_done.set()
-        self._handed = False  # an update was handed over since the last synchronize (CUDA: wait for its uploads)
-        self._error: Optional[BaseException] = None  # raised by the worker, re-raised at the next wait
-        self._step_generator = None  # (generator, global state it copied) of the step in flight
-        self._warned_rng = False
+        self._init_update_thread(update_thread)  # update_thread.py: used once the forward waits for it
         self.refresh_host_weights()
         super().__init__(groups, make_inner, None, defaults, lag_bytes)  # None: no per-tensor caps
         self.max_grad_norm = max_grad_norm
@@ -279,10 +108,10 @@ class OffloadedOptimizer(OptimizerInBackward):
         self._head_arrived = False  # in this backward (its copy may still be on the way: _head_ready)
         self._head_ready: Optional[torch.cuda.Event] = None
 
-    # ----- the tied embedding (module docstring) ---------------------------------------------------
+    # ----- the tied embedding (docs/memory-modes.md) -------------------------------------------------
     def split_tied_head(self, model: nn.Module, heads=()) -> bool:
         """If `model`'s output embedding is tied to its input embedding, make each of `heads` (policy/model.py
-        `Head`s: the loss's) multiply by a leaf of its own for the weight (module docstring, "The tied
+        `Head`s: the loss's) multiply by a leaf of its own for the weight (docs/memory-modes.md, "The tied
         embedding"); returns whether it did."""
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is None or inp is None or out.weight is not inp.weight or out.weight not in self._index_of:
@@ -522,36 +351,6 @@ class OffloadedOptimizer(OptimizerInBackward):
         else:
             self.host_grad[p].mul_(coef)
 
-    def _rounding_generator(self) -> torch.Generator:
-        """The step's stochastic-rounding draws: a copy of torch's global CPU generator as it stands, so the
-        updates draw the numbers they drew from the global generator before (the plain path's: the tests
-        compare bit for bit) on whichever thread they run, never racing the caller's own draws. The global
-        generator takes the copy's final state once every update is done and waited for (`_adopt_rng`):
-        where the plain path's step would have left it, so the caller's later sampling is the plain path's
-        too, and `torch.manual_seed` and a checkpoint's RNG state (saved after `synchronize()`) fix the run."""
-        start = torch.get_rng_state()
-        generator = torch.Generator()
-        generator.set_state(start)
-        self._step_generator = (generator, start)
-        return generator
-
-    def _adopt_rng(self) -> None:
-        """Move the global generator to where the step's updates left their copy (once they are done). If the
-        caller drew from it in the meantime (before a forward or synchronize() waited for the updates), it
-        is left where those draws took it: moving it back would hand out their numbers again."""
-        pending, self._step_generator = self._step_generator, None
-        if pending is None:
-            return
-        generator, start = pending
-        if torch.equal(torch.get_rng_state(), start):
-            torch.set_rng_state(generator.get_state())
-        elif not self._warned_rng:
-            self._warned_rng = True
-            logger.warning("torch's global CPU generator was drawn from while the offloaded optimizer's update "
-                           "was still running (after end_step, before a forward or synchronize()): this run's "
-                           "random numbers now differ from a run without the update thread; call "
-                           "optimizer.synchronize() before such draws to keep them the same")
-
     def _update_all(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
                     generator: torch.Generator, ready: dict[int, threading.Event]) -> None:
         """The step's updates in forward order; `ready[index]` is set once that update's upload is queued."""
@@ -590,106 +389,6 @@ class OffloadedOptimizer(OptimizerInBackward):
             with torch.no_grad():
                 p.copy_(upload)
 
-    # ----- the update thread (module docstring, "Off the autograd thread") ---------------------------
-    def wait_in_forward(self, model: nn.Module, heads=()) -> None:
-        """Make every use of the weights wait for their own updates: a forward pre-hook on each module of
-        `model` that owns parameters directly, and the fused loss heads' weight (`heads`: policy/model.py
-        `Head`, whose weight is read without its module's forward). Until this is called, end_step
-        updates inline. Idempotent per model.
-
-        A forward traced by torch.compile does not wait (the hook returns at once when compiling, so it adds
-        no graph break): the compiled decode step (policy/static_decode.py) runs only after its rollout's
-        prefill, an eager forward of the same modules, has waited for all of them, and neither the compiled
-        code nor a CUDA graph replay of it calls the hooks. It is the only forward this package compiles; code
-        that compiles another forward of the model calls `synchronize()` before it."""
-        if id(model) in self._waiting_models:
-            return
-
-        def waits_for(indices: list[int], wait=weakly(self._wait_for)):
-            def hook(_module, _args):
-                if torch.compiler.is_compiling():
-                    return
-                wait(indices)
-            return hook
-        for module in model.modules():
-            indices = [self._index_of[p] for p in module.parameters(recurse=False) if p in self._index_of]
-            if indices:
-                module.register_forward_pre_hook(waits_for(indices))
-        for head in heads:
-            if head.weight_source is None:  # (the tied head's leaf waits itself: head_leaf)
-                output = head.output
-                indices = [self._index_of[p] for p in output.parameters(recurse=False) if p in self._index_of]
-                head.weight_source = lambda output=output, wait=weakly(self._wait_for), indices=indices: (
-                    wait(indices), output.weight)[1]
-        self._waiting_models.add(id(model))
-        self._forward_waits = True
-
-    def _hand_over(self, order: list[int], coef: Optional[torch.Tensor], lrs: list[float],
-                   generator: torch.Generator) -> None:
-        """Queue the step's updates on the worker thread (started on first use) and return."""
-        if self._worker is None or not self._worker.is_alive():
-            # The thread holds the optimizer only through a weak reference, so an optimizer nobody uses any
-            # more (a notebook's finished trainer) is collected with its host RAM and pinned blocks; its
-            # finalizer then ends the thread. The finalizer also runs at interpreter exit (atexit), and it
-            # joins the thread there: a daemon thread still inside the C++ update when Python finalizes is
-            # torn down mid-call, which aborts the process ("terminate called without an active exception").
-            self._worker = threading.Thread(target=_work, args=(weakref.ref(self), self._jobs),
-                                            name="lowmem-grpo-host-update", daemon=True)
-            self._worker.start()
-            weakref.finalize(self, _stop_worker, self._jobs, self._worker)
-        ready = {index: threading.Event() for index in order}
-        self._ready.update(ready)
-        self._handed = True
-        self._step_done.clear()
-        self._jobs.put((order, coef, lrs, generator, ready))
-
-    def _run_job(self, job: tuple) -> None:
-        """One optimizer step's updates on the worker. An error is kept for the caller's next wait, and
-        every readiness signal of the job is set so that no wait hangs on an update that will not come."""
-        try:
-            self._update_all(*job)
-        except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
-            self._error = error
-        finally:
-            for event in job[-1].values():
-                event.set()
-            self._step_done.set()
-
-    def _wait_for(self, indices: list[int]) -> None:
-        """Wait until these parameters' updates are done and (CUDA) make the current stream wait for their
-        uploads; re-raise an error of the worker. Free when nothing is pending."""
-        if not self._ready:
-            self._raise_worker_error()
-            return
-        for index in indices:
-            ready = self._ready.pop(index, None)
-            if ready is None:
-                continue
-            ready.wait()
-            self._raise_worker_error()
-            uploaded = self._uploaded.pop(index, None)
-            if uploaded is not None:
-                torch.cuda.current_stream(self.params[index].device).wait_event(uploaded)
-        if not self._ready:  # every update waited for: the step's draws are all made
-            self._adopt_rng()
-
-    def synchronize(self) -> None:
-        """Wait for every handed-over update (and, on CUDA, make the current stream wait for the uploads);
-        re-raise an error of the worker. Call it before reading the weights other than through a forward
-        (a checkpoint's save, save_pretrained); the optimizer's own state_dict, load_state_dict,
-        begin_step and refresh_host_weights call it."""
-        self._step_done.wait()
-        self._ready, self._uploaded = {}, {}
-        self._adopt_rng()
-        if self._handed and self.on_cuda:
-            torch.cuda.current_stream(self.params[0].device).wait_stream(self.side)
-        self._handed = False
-        self._raise_worker_error()
-
-    def _raise_worker_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
 
     def step_zero_gradients(self) -> float:
         """One optimizer step in which every gradient is exactly zero, without a backward (every completion
@@ -750,21 +449,3 @@ class OffloadedOptimizer(OptimizerInBackward):
                 for p, m in zip(self.params, state["master"]):
                     self.host[p].copy_(m)
 
-
-def _stop_worker(jobs: queue.SimpleQueue, worker: threading.Thread) -> None:
-    """End the update thread after the job it is running (the optimizer's finalizer, at collection or exit)."""
-    jobs.put(None)
-    if worker is not threading.current_thread():  # (collected on the worker itself: it ends on its own)
-        worker.join()
-
-
-def _work(optimizer_ref: "weakref.ref[OffloadedOptimizer]", jobs: queue.SimpleQueue) -> None:
-    """The update thread's loop: one job per optimizer step, until None (release_host_memory, or the
-    optimizer's finalizer) or the optimizer is gone."""
-    while True:
-        job = jobs.get()
-        optimizer = optimizer_ref() if job is not None else None
-        if optimizer is None:
-            return
-        optimizer._run_job(job)
-        del optimizer  # no strong reference while waiting for the next job

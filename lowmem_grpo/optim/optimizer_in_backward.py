@@ -1,45 +1,14 @@
-"""The optimizer step inside backward: each parameter is updated as soon as its gradient is complete,
-then its gradient is freed, so no full-model gradient ever exists (1.5B bf16: saves 2.9 GiB).
+"""The optimizer step inside backward: each parameter is updated by its own inner optimizer as soon as its
+gradient is complete (a post-accumulate-grad hook), then the gradient is freed, so no full-model gradient
+ever exists.
 
-Mechanics: a post-accumulate-grad hook on every parameter (torch's `register_post_accumulate_grad_hook`)
-runs the parameter's own optimizer (one per parameter, so Adam's per-parameter update is exactly the
-same as in a normal step) and frees the gradient. Autograd sums every gradient contribution of a
-leaf before its hook fires, so a tied embedding (input embedding + lm head) gets one update with
-both contributions.
+One backward is one optimizer step (no gradient accumulation). Each tensor is clipped to its share of
+max_grad_norm, cap_p = max_grad_norm * sqrt(numel_p / numel_total); the reported grad_norm is the true
+global norm before clipping. A non-finite tensor is skipped and the step reported as skipped. On CUDA the
+norms reach the host through pinned memory and events: at most `lag_bytes` of finished gradients wait for
+them, and `host_waits` counts the times the host had to wait.
 
-Consequences, stated plainly:
-- One backward = one optimizer step: gradient accumulation is impossible (each micro-batch is an
-  optimizer step; GRPO then takes PPO-style mini-batch steps over the generation batch, with stored
-  old log-probs).
-- Clipping without a global norm: when a tensor's gradient is ready, the others are not, so the
-  global norm is unknown. We clip per tensor, each to its share of max_grad_norm:
-  cap_p = max_grad_norm * sqrt(numel_p / numel_total). If every tensor sits at its cap, the global
-  norm equals max_grad_norm; a tensor is never scaled because of another tensor's gradient. The
-  reported grad_norm is the true global norm before clipping (summed as the updates are applied).
-- A non-finite gradient tensor is not applied (its update is skipped); the step is reported as
-  skipped. Tensors updated earlier in the same backward keep their update (the trainer checks the
-  loss before backward, which catches the common case).
-
-Device syncs (CUDA). Skipping a non-finite tensor and clipping need the tensor's norm on the host
-before its update is queued. Reading it at once (`float(norm)`) drains the GPU's queue in every hook,
-and bitsandbytes' `step()` drains it again (`torch.cuda.synchronize()` after each parameter): two
-full syncs per tensor, ~580 per backward for Qwen2.5-0.5B's 290 tensors, each leaving the GPU idle
-while Python queues the next kernels. Instead, a hook queues the norm's copy to pinned host memory
-plus an event, and keeps the finished gradient pending; pending updates are applied, in hook order,
-once their events have completed (polled, never waited for) in later hooks. Only when the pending
-gradients exceed `lag_bytes` does the host wait, and then (unless one gradient is over half the lag)
-for an old event, so the backward kernels queued after it keep the GPU busy; `end_step` waits once
-for the last one. The per-tensor arithmetic
-(norm, clip factor, skip rule, the summed squared norm, the update order) is the same as with
-immediate reads. Memory cost: the pending gradients, at most `lag_bytes` (32 MiB by default) on top
-of the gradient whose hook is running. Non-paged bitsandbytes optimizers step without their sync
-(the 8-bit kernels run on the default stream, in order with ours); paged ones keep it (their states
-live in managed memory that the host may touch). `host_waits` counts the waits of the last step
-(not those inside a paged optimizer's step()). Counted on the CPU, with a stand-in for a GPU that
-never catches up by itself (the tests' LaggingDevice), per backward with bnb AdamW8bit: Qwen2.5-0.5B
-fp32 580 full syncs before, 24 waits after (23 of them on older events); bf16 580 -> 18; Qwen2.5-1.5B
-bf16 676 -> 42. Fewer where the GPU keeps up (then only end_step's).
-On the CPU a norm is on the host as soon as it is computed: nothing is held back.
+Design notes: docs/memory-modes.md ("The optimizer in backward")
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """bf16 weights whose optimizer updates land: bitsandbytes 8-bit AdamW with stochastic rounding.
 
-Why: at lr 1e-6 an Adam update (~1e-6 per step) is far below half an ulp of a bf16 weight (~6e-5
-for a weight of 0.02, ~4e-3 for a norm gain near 1.0), so a plain cast back to bf16 rounds almost
-every update away (measured: benchmarks/RESULTS.md, "bf16 weights with stochastic rounding"). bitsandbytes'
-8-bit kernels do exactly that cast.
-
-How: for a bf16 parameter, the update runs chunk by chunk (CHUNK elements, a multiple of the
-256-element quantisation block): the chunk is widened to fp32 (exact), bitsandbytes' own blockwise
-8-bit AdamW kernel updates it together with the matching slices of its 8-bit states and absmax
-vectors, and the fp32 result is stochastically rounded back into the bf16 parameter. Extra memory is
-one fp32 chunk (plus bitsandbytes' temporaries for a chunk), never an fp32 copy of a whole tensor;
-the states stay 8-bit and keep bitsandbytes' format (state_dict compatible). fp32 parameters take
+A bf16 parameter is updated chunk by chunk (`CHUNK` elements): widened to fp32, stepped by bitsandbytes'
+blockwise 8-bit kernel with the matching slices of its states, and rounded stochastically back to bf16
+(E[round(x)] = x). Extra memory: one fp32 chunk. States keep bitsandbytes' format; fp32 parameters take
 bitsandbytes' normal path.
 
-Stochastic rounding to bf16: add uniform random 16-bit noise to the low half of the fp32 bit
-pattern and truncate. A value x between bf16 neighbours a < x < b becomes b with probability
-(x - a) / (b - a), so E[round(x)] = x: small updates land on average, norm gains included.
+Design notes: docs/memory-modes.md ("bf16 weights with stochastic rounding")
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
-"""What loading, calling and the built-in reward functions share: the error type, the loaded
-function record, and reading a completion's text.
+"""What loading, calling and the built-in reward functions share: the error type, the loaded function
+record, and reading a completion's text.
 
-A reward function has TRL's GRPOTrainer signature::
-
-    f(prompts, completions, completion_ids=..., **columns) -> list[float | None]
-
-``prompts`` holds the dataset prompts (a string, a chat message list, or a list[int] for token-id
-tasks); ``completions`` the completions (a string, ``[{"role": "assistant", "content": text}]``
-when the prompt is conversational, or the list[int] of ids when the task has no tokenizer);
-``completion_ids`` the completion token ids (EOS excluded); every other dataset column arrives as a
-keyword argument holding one entry per completion (each row repeated G times). During training,
-as in TRL, ``trainer_state`` (transformers' ``TrainerState``: ``global_step``, ``epoch``,
-``max_steps``, ``num_input_tokens_seen``, ...), ``log_metric(name, value)`` and
-``log_extra(column, values)`` arrive too, so a function should take ``**kwargs``. ``None`` means
-"not applicable to this sample": it becomes NaN in the per-function table, is left out of that
-function's mean and adds 0 to the weighted total. A completion for which every function returns
-None is left out of its group's mean and std and of ``reward``, and gets advantage 0 (TRL >= 1.6).
-
-Specs accepted by :func:`load_reward_functions` (see :data:`lowmem_grpo.rewards.builtins.BUILTINS`):
-a built-in name, a dict ``{"name": ..., "label": ..., **kwargs}``, ``"package.module:function"``,
-``"path/to/file.py:function"``, or (from Python) a callable.
+A reward function has TRL's GRPOTrainer signature, ``f(prompts, completions, completion_ids=..., **columns)
+-> list[float | None]``: ``prompts`` are dataset prompts (a string, a chat message list, or list[int] for
+token-id tasks); ``completions`` strings, ``[{"role": "assistant", "content": text}]`` for conversational
+prompts, or list[int] ids without a tokenizer; ``completion_ids`` the token ids (EOS excluded); every other
+dataset column arrives as a keyword with one entry per completion. During training ``trainer_state``,
+``log_metric(name, value)`` and ``log_extra(column, values)`` arrive too, so take ``**kwargs``. ``None``
+means "not applicable": NaN in the per-function table, left out of that function's mean, 0 in the weighted
+total; a completion with None from every function is left out of its group's mean and std and of
+``reward``, and gets advantage 0 (TRL >= 1.6).
+Specs accepted by :func:`load_reward_functions` (:data:`lowmem_grpo.rewards.builtins.BUILTINS`): a built-in
+name, ``{"name": ..., "label": ..., **kwargs}``, ``"package.module:function"``, ``"path/to/file.py:function"``,
+or (from Python) a callable.
 """
 
 from __future__ import annotations

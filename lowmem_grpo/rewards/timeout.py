@@ -10,7 +10,7 @@ Why a thread: it works on every OS and from any thread, and passes the arguments
 but only in the main thread of a Unix process. The cost, stated plainly: Python cannot kill a thread,
 so the hung call keeps running in the background until the process exits (as a daemon it does not
 keep the process alive), and a call stuck inside C code that never releases the GIL blocks the
-waiting thread too. Without a limit (the default) functions are called directly, as before.
+waiting thread too. Without a limit (the default) functions are called directly.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def test_aot_list_holds_every_configuration_the_launcher_rule_produces():
                         key = (kernel, dtype, tuple(sorted(constexprs)), warps)
                         if key not in keys:
                             missing.add((n, v, h, chunk, key))
-    assert not missing, f"{len(missing)} launcher configurations are not compiled ahead of time, e.g. {sorted(missing)[:3]}"
+    assert not missing, (f"{len(missing)} launcher configurations are not compiled ahead of time, "
+                         f"e.g. {sorted(missing)[:3]}")
     # N=16384, V=151936: the fused head's last slice is 384 wide, a BLOCK_V the old two-size list lacked
     assert 384 in _row_widths(16384, 151936, None) and block_config(384) == (512, 4)
 

@@ -47,7 +47,8 @@ def test_token_logprobs_past_2_to_the_31_elements():
     for rows in _chunks(N_BIG)[:2] + _chunks(N_BIG)[-3:]:  # the first rows and those past 2^31
         ref32 = _reference_rows(base, ids, g_logp, g_ent, rows, torch.float32)
         ref16 = _reference_rows(base, ids, g_logp, g_ent, rows, torch.bfloat16)
-        for got, r32, r16, name in zip((logp[rows], ent[rows], grad[rows]), ref32, ref16, ("logp", "entropy", "dlogits")):
+        names = ("logp", "entropy", "dlogits")
+        for got, r32, r16, name in zip((logp[rows], ent[rows], grad[rows]), ref32, ref16, names):
             assert_as_close_as_reference(got, r32, r16, name=f"{name} rows {rows.start}:{rows.stop}")
 
 
@@ -104,7 +105,8 @@ def test_linear_grpo_loss_at_qwen_sizes_matches_the_cpu_spec(loss_type):
             loss = reference.linear_grpo_loss(*args, **kw, dtype=dtype)[0]
         gh, gw = torch.autograd.grad(loss, (h, w))
         results[(dev, dtype)] = [t.detach().cpu() for t in (loss, gh, gw)]
-    got, ref32, ref16 = results[("cuda", torch.bfloat16)], results[("cpu", torch.float32)], results[("cpu", torch.bfloat16)]
+    got = results[("cuda", torch.bfloat16)]
+    ref32, ref16 = results[("cpu", torch.float32)], results[("cpu", torch.bfloat16)]
     for g, r32, r16, name in zip(got, ref32, ref16, ("loss", "d hidden", "d weight")):
         assert_as_close_as_reference(g.float(), r32, r16.float(), factor=1.5, name=name)
 

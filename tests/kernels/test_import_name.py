@@ -21,7 +21,8 @@ sys.path.insert(0, {str(ROOT)!r})                # the bare tree, as gpu_session
 spec = importlib.util.find_spec("kernels")
 assert spec is None or not pathlib.Path(spec.origin or "").resolve().is_relative_to({str(ROOT)!r}), spec
 records = []
-logging.basicConfig(level=logging.DEBUG, handlers=[type("H", (logging.Handler,), {{"emit": lambda s, r: records.append(r.getMessage())}})()])
+handler = type("H", (logging.Handler,), {{"emit": lambda s, r: records.append(r.getMessage())}})()
+logging.basicConfig(level=logging.DEBUG, handlers=[handler])
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import bitsandbytes                          # probes for the Hub's kernels package at import

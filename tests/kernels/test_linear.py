@@ -40,7 +40,8 @@ def test_matches_reference(device, dtype, chunk_size, with_bias, return_entropy)
     refs = {}
     for dt in {torch.float32, dtype}:
         ref_params = [p.detach().float().requires_grad_() for p in params]
-        r = reference.linear_token_logprobs(ref_params[0], ref_params[1], ids, bias=ref_params[2] if with_bias else None,
+        r = reference.linear_token_logprobs(ref_params[0], ref_params[1], ids,
+                                            bias=ref_params[2] if with_bias else None,
                                             temperature=0.7, return_entropy=return_entropy, dtype=dt)
         r = r if return_entropy else (r,)
         refs[dt] = (r, torch.autograd.grad(r, ref_params, ups))
@@ -200,7 +201,8 @@ def test_qwen_sized_head_with_default_chunking():
         assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
 
 
-@pytest.mark.parametrize("banned", [(0, 256), (256, 512), (0, 700)], ids=["first_slice", "middle_slice", "slices_0_to_2"])
+@pytest.mark.parametrize("banned", [(0, 256), (256, 512), (0, 700)],
+                         ids=["first_slice", "middle_slice", "slices_0_to_2"])
 def test_banned_vocabulary_slices(device, banned):
     # A bias of -inf bans tokens; when it bans whole vocabulary slices, merging a slice without mass
     # into the running statistics must not form -inf - -inf or 0 * -inf (NaN).

@@ -132,7 +132,8 @@ def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
     assert {"peak_bytes", "phases", "categories"} <= data["plan"].keys()
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))  # profiling saves nothing
+    # profiling saves nothing
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))
 
 
 @pytest.mark.cuda

@@ -1,5 +1,5 @@
 """One block of host memory carved into views (host_arena.py), and the offloaded optimizer's
-start-up check of host RAM (optim/offload.py, check_host_ram) with /proc readings faked."""
+start-up check of host RAM (optim/host_ram.py, check_host_ram) with /proc readings faked."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lowmem_grpo.host_arena as host_arena
-import lowmem_grpo.optim.offload as offload
+import lowmem_grpo.optim.host_ram as host_ram
 from lowmem_grpo.host_arena import ALIGN, PAGE, HostArena, arena_bytes
 from lowmem_grpo.optim.offload import OffloadedOptimizer
 
@@ -217,8 +217,8 @@ def _fake_proc(monkeypatch, tmp_path, available_kib: int, rss_pages: int = 25600
     (tmp_path / "meminfo").write_text(f"MemTotal:       33554432 kB\nMemFree:         1000000 kB\n"
                                       f"MemAvailable:   {available_kib:>9} kB\n")
     (tmp_path / "statm").write_text(f"900000 {rss_pages} 1000 10 0 50000 0\n")
-    monkeypatch.setattr(offload, "MEMINFO", str(tmp_path / "meminfo"))
-    monkeypatch.setattr(offload, "STATM", str(tmp_path / "statm"))
+    monkeypatch.setattr(host_ram, "MEMINFO", str(tmp_path / "meminfo"))
+    monkeypatch.setattr(host_ram, "STATM", str(tmp_path / "statm"))
 
 
 def _tiny():

@@ -204,9 +204,9 @@ def test_host_ram_and_pcie_arithmetic():
 
 
 def test_refuses_when_the_host_has_too_little_ram(monkeypatch):
-    import lowmem_grpo.optim.offload as offload
+    import lowmem_grpo.optim.host_ram as host_ram
     model = _model()
-    monkeypatch.setattr(offload, "available_host_ram", lambda: 1024)
+    monkeypatch.setattr(host_ram, "available_host_ram", lambda: 1024)
     with pytest.raises(MemoryError, match="needs 0.0 GiB of host RAM.*1024|available"):
         OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), 1.0)
 
@@ -386,8 +386,9 @@ def test_tied_head_split_holds_one_vocabulary_gradient_at_a_time():
     peaks = {}
     for split in (False, True):
         torch.manual_seed(0)
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         tie_word_embeddings=True))
         opt = OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}],
                                            lambda groups: torch.optim.SGD(groups, lr=1e-2), 1.0)
         if split:

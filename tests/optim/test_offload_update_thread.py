@@ -1,6 +1,6 @@
-"""The offloaded optimizer's host update on its worker thread (optim/offload.py, "Off the autograd
-thread"): the same parameters, states and RNG stream as the inline update, a forward right after end_step
-that waits for exactly the weights it reads, and a worker's error raised on the caller's thread."""
+"""The offloaded optimizer's host update on its worker thread (optim/update_thread.py; docs/memory-modes.md,
+"The update thread"): the same parameters, states and RNG stream as the inline update, a forward right after
+end_step that waits for exactly the weights it reads, and a worker's error raised on the caller's thread."""
 
 import time
 
