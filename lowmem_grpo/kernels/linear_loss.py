@@ -114,8 +114,7 @@ def linear_grpo_loss(
         num_items_in_batch: dapo's denominator, a token count over more than this micro-batch, so that
             the losses of accumulated micro-batches sum to one token mean (default: this micro-batch's
             masked tokens). lowmem-grpo's trainer passes the masked tokens of the optimizer step's
-            micro-batches; TRL passes the generation batch's count scaled to one step (README, "Where
-            we differ from TRL, on purpose").
+            micro-batches; TRL passes the generation batch's count scaled to one step (docs/trl.md).
         chunk_size: vocabulary slice width of the fused head (see linear_token_logprobs).
         mask_count: the number of True entries of `mask`, if known on the host (the trainer counts them
             before the micro-batch goes to the GPU): the padding is then dropped without a device sync.
