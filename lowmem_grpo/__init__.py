@@ -1,6 +1,6 @@
 """lowmem-grpo: LoRA-free, low-memory GRPO for small LLMs on 8 GB GPUs.
 
-The package, bottom to top (each layer imports only the ones above it in this list):
+The package, lowest layer first (a layer imports only layers listed before it; tests/test_layout.py):
 
     ranges, phases, host_arena   setting ranges; the profiler's phase markers; pinned host memory
     kernels/       the fused loss head (imports nothing else of the package but ranges)
@@ -12,8 +12,8 @@ The package, bottom to top (each layer imports only the ones above it in this li
     memory/        memory tools: track(), the profiler, the planner and its layer probe, presets
     api, cli/      the Python API in TRL's shape (GRPOConfig, GRPOTrainer); `lowmem-grpo ...`
 
-`from lowmem_grpo import GRPOConfig, GRPOTrainer, TrainerCallback` loads the API (and torch) on first
-use only, so `import lowmem_grpo` and `lowmem_grpo.kernels` stay light. docs/ tells the design.
+`from lowmem_grpo import GRPOConfig, GRPOTrainer` loads the API (and torch) on first use only, so
+`import lowmem_grpo` and `lowmem_grpo.kernels` stay light. The design: docs/index.md.
 """
 
 import logging

@@ -261,7 +261,8 @@ def _use_tokenizer(cfg: Config, loaded, processing_class):
         return processing_class
     if loaded is not None and cfg.model.tokenizer is None and not cfg.model.name_or_path:
         raise ConfigError("the model object has no name_or_path to load its tokenizer from: pass "
-                          "processing_class=tokenizer (or GRPOConfig(tokenizer='chars'), or 'none' for prompt_ids data)")
+                          "processing_class=tokenizer (or GRPOConfig(tokenizer='chars'), "
+                          "or 'none' for prompt_ids data)")
     return None
 
 
