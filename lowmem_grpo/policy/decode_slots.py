@@ -25,11 +25,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 
 def new_cache(model):
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() builds it
+    """An empty DynamicCache for `model`, built as generate() builds it."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
 def cache_argument(model) -> str:

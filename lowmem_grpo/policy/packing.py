@@ -37,17 +37,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from .batch import Batch
 from .model import position_ids_for
-
-if TYPE_CHECKING:  # rollout imports this module; flex_attention is imported only when used
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from .rollout import Batch
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +86,7 @@ class Packed:
         see |= torch.eye(L, dtype=torch.bool, device=seg.device)  # padding attends to itself: no empty row
         return see[:, None]
 
-    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> Union[Tensor, "BlockMask"]:
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> Union[Tensor, BlockMask]:
         """The mask in the form `attn_implementation` takes it, built on the tensors' device."""
         if attn_implementation == "sdpa":
             return self.visible()  # (R, 1, L, L) bool
@@ -101,9 +98,8 @@ class Packed:
         raise PackingError(f"attention implementation {attn_implementation!r} cannot take the packed "
                            f"(block) attention mask; {_FIX}")
 
-    def block_mask(self) -> "BlockMask":
+    def block_mask(self) -> BlockMask:
         """The same mask as a flex_attention BlockMask (fully masked blocks are skipped)."""
-        from torch.nn.attention.flex_attention import create_block_mask
         seg = self.segment_ids
         R, L = seg.shape
 
@@ -128,7 +124,7 @@ def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
     return torch.cat([same.new_zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
 
 
-def pack(mb: "Batch") -> Packed:
+def pack(mb: Batch) -> Packed:
     """Pack a micro-batch (rows of one prompt consecutive); the layout is built on the CPU.
 
     Only completion tokens under completion_mask are packed, which must therefore be a prefix of each
@@ -179,7 +175,7 @@ def pack(mb: "Batch") -> Packed:
     return Packed(input_ids, position_ids, segment_ids, gather)
 
 
-def packed_completion_hidden(decoder: nn.Module, mb: "Batch", *, device: Optional[torch.device] = None,
+def packed_completion_hidden(decoder: nn.Module, mb: Batch, *, device: Optional[torch.device] = None,
                              embed_on_cpu: bool = False) -> Tensor:
     """Hidden states at the positions that predict the completion tokens, packed: (B, C, H).
 
@@ -238,7 +234,7 @@ class TokenCounts:
         return self.packed_rows * self.packed_length ** 2 * element_size
 
 
-def token_counts(mb: "Batch") -> TokenCounts:
+def token_counts(mb: Batch) -> TokenCounts:
     """What packing saves on this micro-batch (the layout only; nothing runs)."""
     R, L = pack(mb).shape
     B = mb.completion_ids.shape[0]
@@ -282,7 +278,7 @@ def _layer_shape(config) -> tuple[int, int]:
     return 2 * H * heads * head_dim + 2 * H * kv * head_dim + 3 * H * inter, heads * head_dim  # q, o, k, v, MLP
 
 
-def should_pack(pack: Union[bool, str], mb: "Batch", decoder: nn.Module) -> bool:
+def should_pack(pack: Union[bool, str], mb: Batch, decoder: nn.Module) -> bool:
     """`pack` as the trainer resolved it: True, False, or "auto" (train.pack_prompts unset: pack each
     micro-batch where packing_pays)."""
     if pack == "auto":
@@ -353,7 +349,6 @@ def probe_packing(decoder: nn.Module) -> str:
     twenty tokens, on the decoder's own device and dtype. Catches decoders that ignore position_ids
     or rebuild their own mask; the tolerance allows bf16 rounding, not a wrong mask.
     """
-    from .rollout import Batch  # rollout imports this module at load time
     param = next(decoder.parameters())
     vocab = decoder.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)

@@ -25,12 +25,12 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from ..host_arena import HostArena
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
+from .batch import Batch
 from .model import build_head, position_ids_for
 from .packing import packed_completion_hidden, should_pack
-from .rollout import Batch
-from ..host_arena import HostArena
 
 
 def pinned_copies(params: list[nn.Parameter]) -> HostArena:

@@ -44,13 +44,22 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+import torch._dynamo.exc
 from torch import Tensor, nn
+from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..config import GenerationConfig
+from .decode_graphs import GraphCaptureError
 from .decode_slots import Entry, Prefill, Slots, cache_argument, cache_layers_problem, new_cache, returned_cache
 from .model import position_ids_for
-from .rollout import left_pad, sampling_kwargs  # rollout.generate imports this module when called
+from .batch import left_pad
 from .static_decode import DECODE_MODES, StaticKV, StaticSlots, bucket_for, static_decode_problem
+
+try:
+    from torch._inductor.exc import InductorError
+except ImportError:  # older torch: Inductor's failures come wrapped in dynamo's BackendCompilerFailed
+    InductorError = None
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +132,17 @@ class SamplingStats:
         return self.decode_row_steps_queued / max(self.decode_steps_queued, 1)
 
 
+def sampling_kwargs(cfg: GenerationConfig, greedy: bool = False) -> dict:
+    """The sampling arguments of transformers' generate() for these settings (all of them explicit)."""
+    if greedy:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    # Every knob is set explicitly: generate() fills values left as None from the model's own
+    # generation_config.json (Qwen2.5-Instruct's sets top_k, top_p and a repetition penalty), which
+    # would silently change the sampling distribution from the one configured. 0 means "off".
+    return dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                min_p=0.0 if cfg.min_p is None else cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The effective generation settings, resolved as generate() resolves them."""
@@ -136,7 +156,7 @@ class _Settings:
 
 
 def _resolve(model: nn.Module, cfg: GenerationConfig, greedy: bool) -> tuple[_Settings, Optional[str]]:
-    """generate()'s precedence: explicit values (rollout.sampling_kwargs) > model.generation_config >
+    """generate()'s precedence: explicit values (sampling_kwargs) > model.generation_config >
     transformers' defaults (all "off" for processors). Returns (settings, why unsupported or None)."""
     explicit = sampling_kwargs(cfg, greedy)
     model_gc = getattr(model, "generation_config", None)
@@ -173,7 +193,6 @@ def repetition_penalty_problem() -> Optional[str]:
     """None where transformers' repetition penalty takes per-row prompt padding lengths (as its own
     generate() passes them); older releases (e.g. 5.17) take one int, and generate() there treats
     padding differently, so the fast path does not try to match it."""
-    from transformers.generation import RepetitionPenaltyLogitsProcessor
     try:
         RepetitionPenaltyLogitsProcessor(1.1, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
     except (TypeError, ValueError):
@@ -192,8 +211,6 @@ def fast_sampling_problem(model: nn.Module, cfg: GenerationConfig, greedy: bool 
 
 def _processors(s: _Settings, pad_lengths: Tensor):
     """generate()'s processor list for these settings (same classes, same order, same conditions)."""
-    from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     procs = LogitsProcessorList()
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         # generate() passes the prompt's left-padding lengths, so pad ids are not penalised
@@ -496,12 +513,7 @@ _compiled_rollouts = 0  # compiled rollouts that ran to the end in this process
 def compile_errors() -> tuple[type, ...]:
     """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own) and of a
     failed CUDA graph capture of the step (decode_graphs.py)."""
-    import torch._dynamo.exc
-
-    from .decode_graphs import GraphCaptureError
-    try:
-        from torch._inductor.exc import InductorError
-    except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
+    if InductorError is None:
         return (torch._dynamo.exc.TorchDynamoException, GraphCaptureError)
     return (torch._dynamo.exc.TorchDynamoException, InductorError, GraphCaptureError)
 

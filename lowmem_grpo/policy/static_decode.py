@@ -76,6 +76,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from transformers import AttentionInterface
 
 from .decode_graphs import StepGraphs, default_recorder
 from .decode_slots import Entry, Prefill, Slots, cache_argument
@@ -286,7 +287,6 @@ class StaticKV:
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
         if self.grouped:
-            from transformers import AttentionInterface
             AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
         self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 
