@@ -1,36 +1,13 @@
 """Shared-prompt packing: a micro-batch's completions of one prompt run as one sequence.
 
-Unpacked, a micro-batch of B completions runs B rows [prompt, completion], so a prompt of P tokens
-is computed once per completion. Packed, each run of consecutive rows with the same prompt becomes
-one row
-
-    [prompt (left padding removed) | c_1 (its masked tail removed) | c_2 | ... ]   right-padded to L
-
-with a block attention mask (a prompt token sees the prompt causally; a completion token sees the
-whole prompt and the earlier tokens of its own completion; a padding token sees only itself, so no
-query row is fully masked and nothing turns NaN) and position ids that restart after the prompt
-(prompt 0..p-1, every completion p..p+n-1). Each completion token then sees exactly the keys, at
-exactly the positions, that it sees unpacked: the per-token log-probs are the same, and the prompt's
-gradient is the sum over its completions as before. The decoder computes P + sum n_i tokens instead
-of G * (P + C).
-
-The mask goes to transformers as a ready 4D mask, which its masking utilities pass through unchanged
-(transformers >= 4.53): bool for sdpa (no dtype to match under autocast), additive (0 / finfo.min,
-in the embedding dtype, as transformers builds it) for eager, a BlockMask for flex_attention. Kernels
-that cannot take an arbitrary mask (flash_attention_2/3, paged or hub kernels) are refused, and so
-are decoders whose layers do not all attend through that mask (linear attention, state-space
-layers, chunked attention, a sliding window shorter than the sequences). `resolve_pack_prompts`
-also runs a tiny packed-vs-unpacked probe through the real decoder, which catches architectures
-that ignore position_ids or rebuild their own mask.
-
-Costs to know: the mask is (R, 1, L, L), R * L^2 bytes as bool (sdpa; CUDA's memory-efficient
-kernel turns it into an additive copy in the query dtype per call), R * L^2 * 2 or 4 bytes additive
-(eager, whose scores are (R, heads, L, L) fp32 besides). sdpa and eager compute the masked-out blocks
-of the L x L scores too, so attention work grows like L^2 = (P + sum n_i)^2 per packed row instead of
-sum (P + C)^2: packing saves the prompt's G - 1 copies in every linear layer but spends more in
-attention once completions are long (TokenCounts reports both; flex_attention skips empty blocks).
-In bf16 a prompt token's gradient is one rounded sum over its completions instead of G rounded
-copies: the same relative precision, up to sqrt(G) times the absolute error of the unpacked sum.
+Each run of consecutive rows with the same prompt becomes one row `[prompt | c_1 | c_2 | ...]`
+(padding removed, right-padded to L), with a block attention mask (completions see the prompt and
+their own earlier tokens) and position ids that restart after the prompt, so every completion token
+sees the keys and positions it sees unpacked: the same log-probs, and the prompt's gradient summed
+over its completions. `packed_completion_hidden` returns the same (B, C, H) as the unpacked pass.
+Only sdpa, eager and flex_attention take the mask; `packing_supported`, `probe_packing` and
+`resolve_pack_prompts` decide where packing runs, `packing_pays` whether it saves work.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
