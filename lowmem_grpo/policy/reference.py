@@ -1,19 +1,12 @@
-"""The reference model (beta > 0), kept off the GPU.
+"""The reference model (beta > 0), kept off the GPU, and its log-probs.
 
-Its weights live in CPU RAM (streamed on a GPU: in one pinned block of exactly their size,
-host_arena.py). Reference log-probs are computed once per generation batch in one of two ways
-(train.reference_compute):
-
-- "cpu": the whole forward runs on the CPU. Simple; fine for small models.
-- "stream": the forward runs on the training device while the weights stay in CPU RAM. Decoder
-  layers are copied to the device one ahead of use on a side stream (the next layer's copy overlaps
-  the current layer's compute) and dropped after use; the token embedding lookup runs on the CPU;
-  the output head is applied one vocabulary slice at a time, each slice copied to the device just
-  before its GEMM. Peak device cost: about two decoder layers + one [chunk, H] head slice + the
-  activations of one micro-batch. Only the final norm and the rotary tables (tiny) stay on the device.
-
-The stream path runs unchanged on a CPU-only machine (the copies are then no-ops), which is how
-it is tested here.
+`Reference` holds a frozen copy in CPU RAM and computes reference log-probs of a `Batch`, (N, C) fp32
+on the CPU, 0 on padding, in one of two modes (train.reference_compute): "cpu" runs the whole forward
+on the CPU; "stream" runs it on the training device, copying each decoder layer there just before it
+runs (one ahead, on a side stream) and the output head one vocabulary slice at a time, so the device
+holds about two layers and one head slice. On CUDA the streamed weights sit in one pinned block
+(`pinned_copies`, host_arena.py). The stream mode runs unchanged on a CPU-only machine.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
@@ -25,12 +18,12 @@ from typing import Union
 import torch
 from torch import Tensor, nn
 
+from ..host_arena import HostArena
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
+from .batch import Batch
 from .model import build_head, position_ids_for
 from .packing import packed_completion_hidden, should_pack
-from .rollout import Batch
-from ..host_arena import HostArena
 
 
 def pinned_copies(params: list[nn.Parameter]) -> HostArena:

@@ -1,38 +1,14 @@
 """Fast rollout sampling: one prefill per prompt, finished rows leave the batch, free slots are refilled.
 
-`generate()` as rollout.generate used it pays for things GRPO does not need:
-
-* each prompt is repeated G times, so its prefill (the longest forward of a rollout) runs G times;
-* a row that has produced EOS keeps decoding (its tokens are replaced by padding) until the last
-  row of its micro-batch finishes, so with spread-out lengths most late steps compute dead rows;
-* the next micro-batch waits for that last row, so the batch runs ever smaller at the end of each.
-
-`sample` keeps up to `micro_batch` rows decoding in slots (policy/decode_slots.py). Each distinct
-prompt's prefix (all but its last token) is prefilled once, and each of its samples starts in a slot
-with a copy of that prefix's K/V and the last prompt token as its first decode input. When a row
-finishes, its slot is refilled with the next waiting sample (continuous refill); once nothing waits,
-finished rows are dropped from the batch once a quarter of it is dead (see `_COMPACT_FRACTION`).
-The stop flags stay on the device; the host reads them every `_READ_EVERY` steps and refills or
-compacts only then, so there is no device -> host read per token where that would stall a GPU.
-
-`sample(decode="static" | "compiled")` keeps the same slots over a preallocated cache and a static-shape
-step at batch-size buckets instead of the growing DynamicCache (policy/static_decode.py;
-generation.compile_decode); everything else here is shared.
-
-The sampling distribution is generate()'s: the settings are resolved as generate() resolves them
-(rollout.sampling_kwargs, with values left None taken from the model's own generation_config), the
-logits go to fp32 and through transformers' own processors in generate()'s order (repetition penalty,
-then temperature, top-k, top-p, min-p), then a draw from the softmax (`draw`; argmax when greedy).
-Position ids skip left padding and the 2D attention mask grows by one per step, as in generate().
-Every row draws its own numbers each step (finished rows too, until the next read), so samples match
-generate() in distribution, greedy exactly (up to floating-point differences from batch shapes and
-padding).
-
-Not supported, checked up front by `fast_sampling_problem`: generation settings whose processors are
-not implemented here (n-gram bans, bad words, min length, typical-p, ...; a model's
-generation_config can set them), encoder-decoder models, and caches whose layers are not plain
-growing key/value layers (sliding-window, linear-attention / recurrent layers). rollout.generate then
-falls back to generate() and logs why.
+`sample` returns completions of the same distribution as transformers' generate() (greedy: the same
+tokens, up to floating-point differences): up to `micro_batch` rows decode in slots (decode_slots.py),
+each distinct prompt is prefilled once for all its samples, a finished row's slot goes to the next
+waiting sample, and finished rows are compacted away once nothing waits. The host reads the stop flags
+only every `_READ_EVERY` steps. The decode step is "dynamic" (a growing DynamicCache), "static" or
+"compiled" (static_decode.py). Settings are resolved and logits processed as generate() does;
+`fast_sampling_problem` says where that cannot be matched, and rollout.generate then uses generate().
+Also here: the switches that pick the decode step and fall back from a failed compiled step.
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
@@ -44,29 +20,32 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+import torch._dynamo.exc
 from torch import Tensor, nn
+from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..config import GenerationConfig
+from .decode_graphs import GraphCaptureError
 from .decode_slots import Entry, Prefill, Slots, cache_argument, cache_layers_problem, new_cache, returned_cache
 from .model import position_ids_for
-from .rollout import left_pad, sampling_kwargs  # rollout.generate imports this module when called
+from .batch import left_pad
 from .static_decode import DECODE_MODES, StaticKV, StaticSlots, bucket_for, static_decode_problem
+
+try:
+    from torch._inductor.exc import InductorError
+except ImportError:  # older torch: Inductor's failures come wrapped in dynamo's BackendCompilerFailed
+    InductorError = None
 
 log = logging.getLogger(__name__)
 
-# Compact when at least this fraction of the rows in the batch has finished. A compaction copies the
-# whole KV cache (live rows x length x layers), about what one decode step's attention reads, while a
-# dead row costs its share of every later step (all the linear layers, the attention, the logits).
-# Waiting for a quarter bounds the wasted compute at 25% of a step and the number of copies at
-# log_{4/3}(rows) (about 15 for 64 rows) however the lengths are spread.
+# Compact when at least this fraction of the rows in the batch has finished: at most 25% of a step
+# wasted on dead rows, at most log_{4/3}(rows) copies of the cache (docs/rollouts.md, "When to compact").
 _COMPACT_FRACTION = 0.25
 
-# Decode steps between two host reads of the stop flags (the only device -> host read of the loop; the
-# refill and compaction decisions happen there). On the CPU a read costs nothing (every op has already
-# run when Python moves on), so every step: a finished row's slot is refilled at once. On a GPU a read
-# blocks the host until the queued steps have run, so the device idles while the host launches the next
-# step; reading every 8 steps lets the host queue up to 8 steps ahead, and costs a finished row at most
-# 7 dead steps before its slot is refilled (3.5 on average, ~1.4% of a 256-token completion's steps).
+# Decode steps between two host reads of the stop flags (the loop's only device -> host read, where
+# refills and compactions are decided): every step on the CPU, where a read costs nothing; every 8
+# elsewhere, so the host queues steps ahead of the device (docs/rollouts.md, "When the host reads").
 _READ_EVERY = {"cpu": 1}
 _READ_EVERY_ELSEWHERE = 8
 
@@ -123,6 +102,17 @@ class SamplingStats:
         return self.decode_row_steps_queued / max(self.decode_steps_queued, 1)
 
 
+def sampling_kwargs(cfg: GenerationConfig, greedy: bool = False) -> dict:
+    """The sampling arguments of transformers' generate() for these settings (all of them explicit)."""
+    if greedy:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    # Every knob is set explicitly: generate() fills values left as None from the model's own
+    # generation_config.json (Qwen2.5-Instruct's sets top_k, top_p and a repetition penalty), which
+    # would silently change the sampling distribution from the one configured. 0 means "off".
+    return dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                min_p=0.0 if cfg.min_p is None else cfg.min_p, repetition_penalty=cfg.repetition_penalty)
+
+
 @dataclass(frozen=True)
 class _Settings:
     """The effective generation settings, resolved as generate() resolves them."""
@@ -136,7 +126,7 @@ class _Settings:
 
 
 def _resolve(model: nn.Module, cfg: GenerationConfig, greedy: bool) -> tuple[_Settings, Optional[str]]:
-    """generate()'s precedence: explicit values (rollout.sampling_kwargs) > model.generation_config >
+    """generate()'s precedence: explicit values (sampling_kwargs) > model.generation_config >
     transformers' defaults (all "off" for processors). Returns (settings, why unsupported or None)."""
     explicit = sampling_kwargs(cfg, greedy)
     model_gc = getattr(model, "generation_config", None)
@@ -173,7 +163,6 @@ def repetition_penalty_problem() -> Optional[str]:
     """None where transformers' repetition penalty takes per-row prompt padding lengths (as its own
     generate() passes them); older releases (e.g. 5.17) take one int, and generate() there treats
     padding differently, so the fast path does not try to match it."""
-    from transformers.generation import RepetitionPenaltyLogitsProcessor
     try:
         RepetitionPenaltyLogitsProcessor(1.1, prompt_ignore_length=torch.zeros(1, dtype=torch.long))
     except (TypeError, ValueError):
@@ -192,8 +181,6 @@ def fast_sampling_problem(model: nn.Module, cfg: GenerationConfig, greedy: bool 
 
 def _processors(s: _Settings, pad_lengths: Tensor):
     """generate()'s processor list for these settings (same classes, same order, same conditions)."""
-    from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
     procs = LogitsProcessorList()
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         # generate() passes the prompt's left-padding lengths, so pad ids are not penalised
@@ -214,11 +201,8 @@ def draw(scores: Tensor) -> Tensor:
     """One token per row from softmax(scores): (S, V) fp32 -> (S,) long.
 
     On a GPU: torch.multinomial, as generate() draws. On the CPU: the exponential race, argmax of
-    p_i / E_i with E_i ~ Exp(1) independent, which picks i with probability exactly p_i; torch's CPU
-    multinomial took 12 ms for a (16, 49152) draw on this project's 2-core machine and the race 3.6 ms
-    (a tenth of a SmolLM2-135M decode step). The E_i come from float64 uniforms (-log U), whose
-    granularity near 0 is 2^-53: no token of probability above ~1e-16 x the largest is ever left out
-    (from float32 uniforms that cut-off would be ~6e-8)."""
+    p_i / E_i with E_i ~ Exp(1) independent (from float64 uniforms, -log U), which picks i with
+    probability exactly p_i and runs faster than torch's CPU multinomial (docs/rollouts.md)."""
     probs = nn.functional.softmax(scores, dim=-1)  # (S, V)
     if probs.device.type != "cpu":
         return torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -426,7 +410,7 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     C is the longest row (<= max_new_tokens, default cfg.max_completion_length). At most `micro_batch`
     rows (default cfg.generation_micro_batch_size) decode at once, which bounds the KV cache. `refill`:
     a finished row's slot goes to the next waiting sample (False: a new batch starts only when every
-    row of the last one has finished, the loop before issue 27). `read_every`: decode steps between
+    row of the last one has finished). `read_every`: decode steps between
     host reads of the stop flags (default `_READ_EVERY`). `decode`: "dynamic" (a growing DynamicCache),
     "static" (policy/static_decode.py: a cache preallocated for micro_batch rows x (max(max_prompt_length,
     longest prompt) + max_new_tokens) columns, the step at batch-size buckets) or "compiled" (that step
@@ -496,12 +480,7 @@ _compiled_rollouts = 0  # compiled rollouts that ran to the end in this process
 def compile_errors() -> tuple[type, ...]:
     """The exceptions of a failed torch.compile (dynamo's, and Inductor's where it raises its own) and of a
     failed CUDA graph capture of the step (decode_graphs.py)."""
-    import torch._dynamo.exc
-
-    from .decode_graphs import GraphCaptureError
-    try:
-        from torch._inductor.exc import InductorError
-    except ImportError:  # older torch: Inductor's failures come wrapped in BackendCompilerFailed
+    if InductorError is None:
         return (torch._dynamo.exc.TorchDynamoException, GraphCaptureError)
     return (torch._dynamo.exc.TorchDynamoException, InductorError, GraphCaptureError)
 

@@ -1,71 +1,14 @@
-"""The static-shape decode step (issue 27): a preallocated KV cache, batch-size buckets, compilable and graphed.
+"""The static-shape decode step: a preallocated KV cache, batch and length buckets, compilable and graphed.
 
-policy/sampling.py decodes with a growing DynamicCache by default. With `decode="static"` (eager) or
-`"compiled"` (generation.compile_decode) its slots keep their K/V here instead:
-
-* **The cache** is one buffer per layer, (rows, kv_heads, length, head_dim), allocated once per rollout:
-  rows = the generation micro-batch, length = max_prompt_length + the completion limit (a longer prompt
-  widens it for that call). So its bytes are the planner's "KV cache" term (memory/plan.py: micro-batch
-  x (prompt + completion) x layers x bytes per token) from the first step, never grown, never copied to
-  grow. It is freed when the rollout ends: on an 8 GB card it must not outlive generation.
-* **Row layout**: row r holds its own tokens at columns 0 .. n_r - 1, without padding, so its position id
-  is its column and its next K/V go to column `pos[r]`. A row that refills a slot copies its prompt's
-  prefix K/V into columns 0 .. W-1 of that row; nothing else moves. transformers' StaticCache does not
-  serve here: it writes every row of the batch at one shared column (one cache position per call), so
-  rows that start at different steps (refill) would need left padding that grows with every refill.
-* **The step** (`decode_step`) is a function of preallocated tensors: input ids (B,), positions (B,),
-  the K/V buffers. It builds the (B, 1, 1, length) mask from the positions, writes each row's new K/V
-  at its position (an index_put: no data-dependent shape) and returns fp32 logits (B, V). The model
-  sees a ready 4D mask (bool for sdpa, additive for eager), which transformers passes through. It runs on
-  views of the buffers (below: buckets of rows and of columns), so `length` is the attended length.
-* **Buckets**: the step runs on the first B rows of the buffers, B one of `buckets(micro_batch)`: the
-  micro-batch and its halves down to an eighth (64 -> 64, 32, 16, 8). Each bucket is one compiled graph (on
-  a GPU one CUDA graph per batch x length bucket). A new batch takes the smallest bucket that holds its
-  rows; once nothing waits, finished rows are compacted into the front rows when the live ones fit a smaller
-  bucket (a copy of the live rows' K/V, as the dynamic path's compaction). Otherwise finished rows stay as
-  masked dead rows, and refills take their slots. Why halves and not every size: on a GPU a decode step of a
-  small model reads all weights whatever B is, so rows cost only their attention (their K/V reads); a bucket
-  at most twice the live rows bounds that waste at 2x, with four graphs (below an eighth of the micro-batch
-  the step is weight-bound anyway). Fewer graphs: less compile time and memory, and dynamo's recompile limit
-  (8 per function) is never reached by one model.
-* **Length buckets**: the step attends over the buffers' first columns only, as many as a length bucket that
-  holds the longest row (`length_buckets`: the cache's length and its halves down to an eighth, rounded up
-  to a multiple of 8), not over the whole preallocated length. A row's position is its width minus its left
-  padding in the host's bookkeeping, so the choice needs no device read. At the 8192-token recipe the whole
-  length is 16 rows x 8448 columns x 28 KB = 3.8 GB per step against 3.1 GB of weights, whatever the rows'
-  positions; a bucket reads at most twice the longest row's columns (the whole length only once a row needs
-  more than half of it). The attended length is a dynamic dimension of the compiled step (one graph per
-  batch bucket for every length; on CUDA one recorded graph per batch x length bucket), so compilations stay
-  one per batch bucket.
-* **Sampling stays outside the step**: the logits processors and the draw (sampling.draw, or argmax) run
-  eagerly on the step's logits, from the same global generator as the dynamic path. So the graphed
-  step contains no random op (nothing for a CUDA graph to replay with a stale seed), and eager and
-  compiled steps draw the same numbers from the same seed.
-
-Attention without copies of the K/V heads: on sdpa models the step runs `grouped_decode_attention`, which
-puts the query heads of one K/V head side by side as that head's queries ((B, heads, 1, D) -> (B, kv_heads,
-heads / kv_heads, D), a view) so sdpa reads each K/V head once. transformers' sdpa path does the same for
-one query token, but not under torch.compile, where it repeats every K/V head heads / kv_heads times into a
-copy of the whole cache (repeat_kv): for Qwen2.5-0.5B (14 / 2 heads) 7x the cache written and read again
-per step, ~7.5 GB at 32 rows x 1280 columns (its 8 GB recipe) against 1 GB of weights. The model runs
-it under a name of its own in transformers' attention registry for the step's duration
-(`_grouped_attention`); prefills keep the model's attention.
-
-Costs to know: a step attends over up to twice the columns in use (its length bucket, masked columns
-included) where the growing cache of the dynamic step reads only those. Each rollout's new buffers have new
-addresses, so a rollout captures a CUDA graph of every batch x length bucket it meets (up to 16, each its
-bucket's first step run as is, then a capture of it; not measured yet). The graphs, their private memory
-pool and their static buffers belong to the rollout (policy/decode_graphs.py) and go when it ends: the
-pool holds the largest bucket's step transients, mostly its (B, V) logits in the compute dtype, and the
-static output buffer its (rows, V) fp32 logits (~29 MB together for the 0.5B recipes' 32 rows, ~15 MB for
-the 1.5B recipes' 16; memory/plan.py counts them in the rollout).
-
-Compiled (`compiled_step`): torch.compile with dynamic=False (one graph per batch bucket; only the attended
-length, marked on the views, is dynamic), without Inductor's own CUDA graphs; on CUDA the rollout captures
-and replays the compiled step itself (decode_graphs.StepGraphs; why not mode="reduce-overhead": there).
-Parameters are read by address: weights changed in place (the optimizers here, between rollouts) are seen
-by the next rollout. Under bf16 autocast with fp32 weights the compiled step reads bf16 copies of the
-Linear weights made when its rollout starts (`bf16_weight_copies`) instead of casting them every step.
+`StaticKV` holds one rollout's K/V buffers, per layer (rows, kv_heads, length + SPARE_COLUMNS, head_dim),
+rows = the generation micro-batch; row r keeps its tokens at columns 0 .. n_r - 1 (position = column) and
+no padding. `decode_step` takes (B,) ids and (B,) positions, writes each row's new K/V at its position and
+returns (B, V) fp32 logits; it runs on the first B rows (B in `buckets`) and first L columns (L in
+`length_buckets`) of the buffers. `compiled_step` is that step under torch.compile; on CUDA, StaticKV
+captures it as CUDA graphs (decode_graphs.py). `StaticSlots` is decode_slots.Slots over these buffers.
+Sampling (processors, draw) stays outside the step. The buffers and graphs are freed when the rollout
+ends (`StaticKV.release`).
+Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
@@ -76,6 +19,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from transformers import AttentionInterface
 
 from .decode_graphs import StepGraphs, default_recorder
 from .decode_slots import Entry, Prefill, Slots, cache_argument
@@ -96,11 +40,8 @@ def bucket_for(rows: int, micro_batch: int) -> int:
     return next(b for b in buckets(micro_batch) if b >= rows)
 
 
-# Columns each K/V buffer holds past its length, which no view covers: every view (B, H, L, D) then has a head
-# stride other than L x D, so torch.compile never meets a view that is contiguous along its length. Without
-# them the largest length bucket's views are contiguous and the others are not, and the compiled step is
-# compiled twice per batch bucket (a guard on the head stride against the dynamic length), which reaches
-# dynamo's recompile limit (8) at four batch buckets.
+# Columns each K/V buffer holds past its length, which no view covers: no view is then contiguous along its
+# length, so torch.compile compiles the step once per batch bucket, not twice (docs/rollouts.md).
 SPARE_COLUMNS = 8
 
 
@@ -286,7 +227,6 @@ class StaticKV:
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
         if self.grouped:
-            from transformers import AttentionInterface
             AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
         self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 

@@ -23,11 +23,12 @@ from torch import nn
 
 from lowmem_grpo.kernels import linear_token_logprobs
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.policy.reference import Reference
+from lowmem_grpo.policy.batch import Batch
+from lowmem_grpo.policy.logprobs import completion_hidden, token_logprobs
 from lowmem_grpo.policy.model import build_head, enable_checkpointing
 from lowmem_grpo.policy.packing import (PackingError, pack, packed_completion_hidden, packing_supported,
                                         planned_token_counts, probe_packing, resolve_pack_prompts, token_counts)
-from lowmem_grpo.policy.rollout import Batch, completion_hidden, token_logprobs
+from lowmem_grpo.policy.reference import Reference
 from tests.kernels.helpers import assert_as_close_as_reference
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
+from lowmem_grpo.policy.batch import Batch, eos_mask, left_pad
+from lowmem_grpo.policy.logprobs import token_logprobs
 from lowmem_grpo.policy.model import build_head
 from lowmem_grpo.policy.reference import Reference
-from lowmem_grpo.policy.rollout import Batch, eos_mask, left_pad, token_logprobs
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""Continuous refill and the host's stop-flag reads (issue 27) in policy/sampling.py.
+"""Continuous refill and the host's stop-flag reads in policy/sampling.py.
 
 Same tiny random models as test_sampling.py; greedy results are compared token for token with
 transformers' generate() on the prompts repeated as the trainer repeats them.

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lowmem_grpo.config import GenerationConfig
-from lowmem_grpo.policy.rollout import Batch, eos_mask, generate, left_pad
+from lowmem_grpo.policy.batch import Batch, eos_mask, left_pad
+from lowmem_grpo.policy.rollout import generate
 from lowmem_grpo.policy.sampling import (SamplingStats, draw, fast_sampling_problem, group_runs,
                                          repetition_penalty_problem, sample)
 

@@ -1,4 +1,4 @@
-"""The static-shape decode step (policy/static_decode.py, issue 27): preallocated cache, buckets, compiled.
+"""The static-shape decode step (policy/static_decode.py): preallocated cache, buckets, compiled.
 
 Greedy tokens are compared with transformers' generate() (through rollout.generate with
 fast_rollout=false) on the tiny random models of test_sampling.py, with refill and compaction active;
@@ -129,7 +129,7 @@ def test_static_cache_bytes_are_the_planned_preallocation():
 
 
 def test_planner_counts_the_static_cache_of_the_bucket():
-    """Item 6: with the compiled static step (auto: on CUDA) the rollout holds the bucket's rows of cache,
+    """With the compiled static step (auto: on CUDA) the rollout holds the bucket's rows of cache,
     allocated whole: 40 rows decoding at micro-batch 64 hold 64 rows (buckets 8, 16, 32, 64); the dynamic
     step (the CPU, or compile_decode=false) 40. A micro-batch that is a bucket plans as before. On CUDA the
     rollout's graphs add their static logits buffer (rows x V fp32) and pool (rows x V in the compute dtype,
@@ -163,7 +163,7 @@ def test_planner_counts_the_static_cache_of_the_bucket():
 
 
 def test_profiler_counts_the_static_cache_as_the_rollouts_kv_cache(tmp_path, monkeypatch):
-    """Item 6: a trainer step with generation.compile_decode=true on the CPU: the preallocated buffers are
+    """A trainer step with generation.compile_decode=true on the CPU: the preallocated buffers are
     made in the rollout phase and counted there as "KV cache", whole (not grown)."""
     import json
     from lowmem_grpo.memory.profile import profile_trainer
@@ -182,7 +182,8 @@ def test_profiler_counts_the_static_cache_as_the_rollouts_kv_cache(tmp_path, mon
         "progress_bar=false", "device=cpu"])
     prof, _, _ = profile_trainer(Trainer(cfg), steps=1)
     assert len(made) == 1 and made[0].rows == 8
-    assert made[0].nbytes == 8 * (8 + 6 + SPARE_COLUMNS) * 2 * 2 * 2 * 16 * 4  # rows x columns x layers x K, V x heads x dim x fp32
+    # rows x columns x layers x (K, V) x heads x dim x fp32
+    assert made[0].nbytes == 8 * (8 + 6 + SPARE_COLUMNS) * 2 * 2 * 2 * 16 * 4
     kv = prof.result.devices["host"].summary()["phases"]["rollout"]["categories"]["KV cache"]
     assert kv >= made[0].nbytes
 
@@ -198,10 +199,11 @@ def count_graphs(fn):
 
 
 def test_compilations_bounded_by_buckets(monkeypatch):
-    """Item 5: prompts of other lengths, other numbers of samples (batch sizes), sampled and greedy, and
+    """Prompts of other lengths, other numbers of samples (batch sizes), sampled and greedy, and
     repeated rollouts compile the step at most once per batch bucket, with no graph break: its attended
     length is dynamic, so the length buckets share their batch bucket's graph."""
-    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")  # dynamo and AOT tracing (its guards), no Inductor
+    # dynamo and AOT tracing (its guards), no Inductor
+    monkeypatch.setattr(static_decode, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     model = tiny_model("llama", seed=11)
     cfg = GenerationConfig(max_completion_length=10, generation_micro_batch_size=8, **CFG)

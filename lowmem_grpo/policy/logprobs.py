@@ -1,0 +1,55 @@
+"""The policy's log-probs of a batch's completion tokens: what the loss and the old-policy pass compute.
+
+`completion_hidden` runs the decoder over `cat(prompt, completion)` (or the packed layout, packing.py)
+and returns the hidden states at the positions that predict the completion tokens, (B, C, H): the loss
+applies the fused head to them with gradients. `token_logprobs` is the no-grad pass over a whole
+batch, (N, C) fp32 on the CPU, 0 on padding. No (tokens, V) logits tensor exists in either.
+The reference model's pass (frozen weights off the GPU) is reference.py.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from ..kernels import linear_token_logprobs
+from .batch import Batch
+from .model import Head, hidden_states
+from .packing import packed_completion_hidden, should_pack
+
+
+def completion_hidden(head: Head, batch: Batch, pack: Union[bool, str] = False) -> Tensor:
+    """Hidden states at the positions that predict the completion tokens: (B, C, H).
+
+    `pack`: run each prompt once for its completions in this batch (policy/packing.py); same values.
+    "auto": where that does less work (packing.packing_pays).
+    """
+    if should_pack(pack, batch, head.decoder):
+        return packed_completion_hidden(head.decoder, batch)
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)  # (B, P + C)
+    attention = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
+    hidden = hidden_states(head, input_ids, attention)  # (B, P + C, H)
+    P, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    return hidden[:, P - 1:P + C - 1]
+
+
+@torch.no_grad()
+def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch: int, device: torch.device,
+                   autocast_bf16: bool = False, pack: Union[bool, str] = False) -> Tensor:
+    """log pi(completion token) for every completion of `batch`: (N, C) fp32 on the CPU, 0 on padding.
+
+    Runs in micro-batches through the fused head, so no (tokens, V) tensor exists here either;
+    `pack` runs each prompt once per micro-batch (see completion_hidden).
+    """
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
+    for start in range(0, len(batch), micro_batch):
+        mb = batch.rows(start, start + micro_batch).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
+            hidden = completion_hidden(head, mb, pack)  # (b, c, H)
+            ids = mb.completion_ids.masked_fill(~mb.completion_mask, 0)
+            logp = linear_token_logprobs(hidden, head.weight, ids, bias=head.bias, temperature=temperature)
+        c = mb.completion_ids.shape[1]
+        out[start:start + len(mb), :c] = (logp * mb.completion_mask).float().cpu()
+    return out
