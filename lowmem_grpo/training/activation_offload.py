@@ -1,33 +1,15 @@
 """Asynchronous CPU offload of the activations that gradient checkpointing keeps (the layer inputs), with
 prefetch in backward.
 
-With checkpointing, the only activations alive between forward and backward are each decoder layer's
-input (B, T, H) (checkpoint's own hooks drop everything inside a layer) plus a few tensors outside
-the layers. Inside `offload_activations()` every such saved tensor of 3+ dimensions and at least
-`min_bytes` is copied to pinned host memory on a side CUDA stream (one per device, made once), so the
-copy overlaps the next layer's compute, and the device copy is released once the transfer is done.
+Inside `offload_activations()` every saved tensor of 3+ dimensions and at least `min_bytes` is copied to
+pinned host memory on a side CUDA stream and released on the device once the copy is done; in backward
+the next layer input needed is prefetched while the current one is used. Parameters and 2-D tensors are
+never moved. The device holds at most one layer input more than without prefetch. On a CPU-only machine
+it does nothing unless `copy_on_cpu` (tests, CPU memory profiles). `prefetched` and `fetched_on_demand`
+count how each tensor came back. On CUDA the host copies go into one reused page-locked `HostBlock` per
+device.
 
-Backward needs them in the reverse order of the forward. When autograd unpacks one, the one packed just
-before it (the input of the layer whose backward comes next) starts its copy back on the side stream, so
-that copy overlaps this layer's recomputation and backward; autograd's compute stream waits only on its
-event. A tensor unpacked before its prefetch was issued (the first, or an order other than the reverse)
-is copied back then. So the device holds at most one layer input more than without prefetch (the
-planner counts it: memory/plan.py). Parameters and 2-D tensors (weights, their autocast copies) are never
-moved. On a CPU-only machine it does nothing unless `copy_on_cpu` (tests: same hooks, same order, real
-copies; a CPU memory profile, memory/profile.py, turns it on, so that what stays is what a GPU would
-hold). The host copies are made under `scope("activation offload")`, so a profile counts them as
-host RAM ("activations (offloaded)"); the copies back are the phase's own (activations, as on a GPU).
-`prefetched`, `fetched_on_demand` count how each came back (the tests read them).
-
-Host memory: on CUDA the copies go into a `HostBlock`, one page-locked block per device reused by every
-micro-batch (one micro-batch's saves at a time), not `torch.empty(pin_memory=True)` per tensor: torch's
-caching host allocator rounds each request up to a power of two (host_arena.py says where), so a 51 MiB
-layer input pins 64 MiB, and keeps it cached for the process. The block holds the largest micro-batch's
-saves so far, each at a 64-byte boundary, to the page: at most the planner's "activations (offloaded)"
-(memory/plan.py, its longest micro-batch) plus those alignments. A micro-batch whose saves do not fit (the
-first one, before any block exists, or one longer than any before) copies the rest to plain host memory
-(each such copy waits for the device: slower, not wrong), and the block grows to it before the next
-micro-batch. The block stays for the process, as the caching allocator's blocks would.
+Design notes: docs/training.md
 """
 
 from __future__ import annotations

@@ -6,17 +6,11 @@
         trainer_state.json  step, run config (for people)
         manifest.json       size and sha256 of every other file; written last
 
-Safe to load: trainer_state.pt holds only tensors and plain values (RNG states are stored as tensors),
-so it is read with `torch.load(weights_only=True)`, which refuses any pickled object that could run
-code. A checkpoint from elsewhere cannot execute anything when resumed from.
+trainer_state.pt holds only tensors and plain values and is read with `torch.load(weights_only=True)`.
+A save is atomic (written under `.tmp-checkpoint-*`, fsynced, renamed); a checkpoint whose files do not
+match its manifest is skipped by `resume_from=latest` with a warning.
 
-Durable and atomic: every file is written into `.tmp-checkpoint-*`, fsynced, listed in the manifest
-(fsynced), and the folder is fsynced and renamed to `checkpoint-<step>`; older checkpoints are removed
-only after that rename is on disk, and are first renamed back to a `.tmp-checkpoint-*` name so a
-half-deleted folder is never taken for a checkpoint. A crash at any moment leaves a loadable
-`latest`; leftover `.tmp-checkpoint-*` folders are removed by the next save or resume. A checkpoint
-whose files do not match its manifest (truncated, corrupted) is skipped by `resume_from=latest`,
-with a warning that names the file.
+Design notes: docs/training.md
 """
 
 from __future__ import annotations
@@ -261,9 +255,9 @@ def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, state: 
             previous = list_checkpoints(out)
             kept = f"; the previous checkpoint {previous[-1][1]} is intact" if previous else ""
             raise CheckpointError(
-                f"no space left on the disk holding {out.resolve()} while writing checkpoint-{step} ({free / 2**20:.0f} "
-                f"MiB free): free space there (or set output_dir on a bigger disk, or lower save_total_limit), "
-                f"then continue with resume_from=latest{kept}") from e
+                f"no space left on the disk holding {out.resolve()} while writing checkpoint-{step} "
+                f"({free / 2**20:.0f} MiB free): free space there (or set output_dir on a bigger disk, "
+                f"or lower save_total_limit), then continue with resume_from=latest{kept}") from e
         raise
     if final.exists():  # the same step saved again (e.g. interrupted right after a scheduled save)
         _discard(final, out, f"replaced-{step}")

@@ -1,25 +1,12 @@
 """Several processes under torchrun: data-parallel GRPO on torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-    torchrun --nproc-per-node N -m lowmem_grpo train RECIPE [key=value ...]
+`World` is who this process is (rank, world size, strategy) and the collectives the loop uses: `sum`,
+`any`, `gather_rows`, `rows_of_rank`, `gather_objects`, `barrier`. With one process every collective
+is the identity, so the trainer has one code path. `wrap` makes the loss module data-parallel (DDP or
+FSDP2), `full_weights` gathers FSDP2's shards for rollouts and evaluation, `share_on_node` keeps one
+reference copy per node.
 
-Each rank is one process with its own device (LOCAL_RANK), and the trainer runs the same loop on
-every rank. What differs from one process:
-
-    prompts       every rank draws the same global list of prompts (one sampler, one seed) and
-                  takes its own slice, so the G completions of a prompt stay on one rank and group
-                  advantages need no communication; the sampler's state is the same on every rank
-    sampling      each rank seeds its RNG with seed + rank after the model is built
-    rewards       gathered from every rank before the advantages (scale_rewards=batch uses the
-                  global std) and the reward metrics; logged completions are gathered to rank 0
-    loss          dapo's denominator is the completion-token count summed over ranks; gradients are
-                  averaged over ranks by DDP (strategy=ddp) or reduce-scattered by FSDP2
-                  (strategy=fsdp), so N ranks x B/N completions take the same step as 1 rank x B
-    metrics       summed (token-weighted) over ranks; only rank 0 writes files and the progress bar
-    stopping      a stop request (Ctrl-C, SIGTERM) on any rank is shared at the end of each step, so
-                  every rank stops after the same step and saves once
-
-`World` holds who this process is; with one process every collective below is the identity, so the
-trainer has one code path.
+Design notes: docs/distributed.md
 """
 
 from __future__ import annotations

@@ -169,13 +169,14 @@ def draw_run(run_dir: str | Path):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     functions = _function_names(train, "rewards/", "/mean")
     _draw(axes[0], "reward (sampled completions)",
-          [("reward", *_series(train, ("reward",)))] + [(n, *_series(train, (f"rewards/{n}/mean",))) for n in functions],
+          [("reward", *_series(train, ("reward",)))]
+          + [(n, *_series(train, (f"rewards/{n}/mean",))) for n in functions],
           "no reward logged yet")
     last_step = max((r["step"] for r in rows), default=0)
     _held_out(axes[1], run_dir, evals, last_step)
     xs, mean = _series(train, ("completions/mean_length",))
-    if _draw(axes[2], "completion length (tokens)", [("sampled mean", xs, mean),
-                                                      ("held-out greedy", *_series(evals, ("eval_completions/mean_length",)))],
+    held_out = _series(evals, ("eval_completions/mean_length",))
+    if _draw(axes[2], "completion length (tokens)", [("sampled mean", xs, mean), ("held-out greedy", *held_out)],
              "no completion lengths logged"):
         lo, hi = _series(train, ("completions/min_length",)), _series(train, ("completions/max_length",))
         if lo[1] and len(lo[1]) == len(hi[1]) and lo[0] == hi[0]:
@@ -185,7 +186,8 @@ def draw_run(run_dir: str | Path):
     _draw(axes[4], "clip ratio", [(label, *_series(train, names)) for label, names in _CLIP], "no clip ratio logged")
     _draw(axes[5], "step time", [(label, *_series(train, names)) for label, names in _TIME], "no step time logged",
           ylabel="seconds")
-    fig.suptitle(f"{run_dir.resolve().name}: {len(train)} logged steps" + (f", {len(evals)} evaluation(s)" if evals else ""))
+    fig.suptitle(f"{run_dir.resolve().name}: {len(train)} logged steps"
+                 + (f", {len(evals)} evaluation(s)" if evals else ""))
     return fig
 
 

@@ -8,19 +8,11 @@ the interface `Trainer.optimizer_step` drives the same way in every mode:
             mode.backward(loss, loss_is_finite)
     grad_norm, finite = mode.finish(loss_sum, num_items, backwards)
 
-    PlainStep      autograd sums .grad over the micro-batches (DDP all-reduces on the last only: no_sync
-                   before it); then torch's clip_grad_norm_ (the global norm), FSDP2's shard linking and
-                   one optimizer step, skipped when the loss or the norm is not finite
-    InBackwardStep train.optimizer_in_backward on the device: each micro-batch is a whole optimizer step
-                   (gradient_accumulation_steps == 1), updated inside its backward with the per-tensor
-                   clip (optim/optimizer_in_backward.py); the loss is checked before the backward,
-                   which changes the weights
-    OffloadStep    optim.offload_optimizer: the hooks send every micro-batch's gradients to the host,
-                   where they are summed; after the last, the global norm and one update on the CPU
-                   (optim/offload.py). It owns the loss head's handle on a tied weight.
+PlainStep (autograd accumulation, one optimizer step), InBackwardStep (train.optimizer_in_backward:
+updated inside each backward) and OffloadStep (optim.offload_optimizer: gradients summed on the host,
+one update on the CPU). A step where every completion was skipped still steps Adam on a zero gradient.
 
-A step in which every completion was skipped (zero advantages) still steps Adam on a zero gradient, in
-every mode, as TRL's optimizer does.
+Design notes: docs/training.md
 """
 
 from __future__ import annotations
@@ -87,7 +79,8 @@ class PlainStep(StepMode):
                     else:
                         p.grad.zero_()
             max_norm = self.max_grad_norm or float("inf")
-            grad_norm = distributed.as_float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) if num_items else 0.0
+            grad_norm = (distributed.as_float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                         if num_items else 0.0)
             finite = bool(np.isfinite(loss_sum) and np.isfinite(grad_norm))
             if finite and num_items:
                 if self.shards:  # FSDP2: the optimizer steps the local shards

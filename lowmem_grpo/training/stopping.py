@@ -99,10 +99,12 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
     logprob_micro = t.logprob_micro_batch_size or t.per_device_train_batch_size
     fixes = {
         "rollout": [(g.generation_micro_batch_size > 1,
-                     f"generation_micro_batch_size={_halve(g.generation_micro_batch_size)} (the KV cache scales with it)"),
+                     f"generation_micro_batch_size={_halve(g.generation_micro_batch_size)} "
+                     "(the KV cache scales with it)"),
                     (True, f"max_completion_length={max(1, int(g.max_completion_length * 0.75))}")],
         "old log-probs": [(logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
-        "reference log-probs": [(t.reference_compute == "stream" or (t.reference_compute == "auto" and t.device != "cpu"),
+        "reference log-probs": [(t.reference_compute == "stream"
+                                 or (t.reference_compute == "auto" and t.device != "cpu"),
                                  "reference_compute=cpu (the reference runs on the CPU)"),
                                 (logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
         "forward": [(not m.gradient_checkpointing, "gradient_checkpointing=true"),
@@ -113,8 +115,8 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                         f"at once: its KV cache scales with it)"),
                        (True, f"max_completion_length={max(1, int(g.max_completion_length * 0.75))}")],
         "optimizer": [(o.optimizer == "adamw", "optimizer=adamw_8bit (2 bytes of state per parameter instead of 8)"),
-                      (not (t.optimizer_in_backward or o.offload_optimizer), "optimizer_in_backward=true with gradient_accumulation_steps=1 "
-                                                    "(no full-model gradient)"),
+                      (not (t.optimizer_in_backward or o.offload_optimizer),
+                       "optimizer_in_backward=true with gradient_accumulation_steps=1 (no full-model gradient)"),
                       (m.precision != "bf16_sr", "precision=bf16_sr (bf16 weights and gradients)")],
     }
     fixes["backward"] = fixes["forward"]

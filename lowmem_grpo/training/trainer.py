@@ -1,20 +1,13 @@
-"""The GRPO training loop, top to bottom:
+"""The GRPO training loop: `Trainer` sets up the run, takes one optimizer step (`optimizer_step`) and
+runs the loop (`train`):
 
     sample prompts -> generate G completions each -> rewards -> advantages
     -> (old log-probs if the policy moves while the batch is in use; reference log-probs if beta > 0)
     -> loss on micro-batches through the fused head -> optimizer step -> log -> checkpoint
 
-Simplifications, stated plainly:
-- One device per process. Under torchrun every rank runs this same loop on its own slice of the
-  prompts (distributed.py says what is shared and how); with one process every collective is the
-  identity. The reference model (beta > 0) is a frozen copy in CPU RAM; it produces
-  reference log-probs once per generation batch, on the CPU or streamed to the GPU (policy/reference.py).
-- When a generation batch gets exactly one optimizer step, old log-probs are not computed: the loss
-  uses logp.detach() (ratio 1, gradient A * dlogp), as TRL does.
-- Micro-batches of a generation batch are visited in generation order on every iteration.
-- Global loss denominators (dapo) count the completion tokens of the micro-batches of one optimizer
-  step; grpo/bnpo/dr_grpo are per-micro-batch means divided by gradient_accumulation_steps.
-- Completions passed to reward functions exclude the EOS token; `completion_ids` likewise.
+One device per process; under torchrun every rank runs this loop on its own slice of the prompts.
+
+Design notes: docs/training.md, docs/distributed.md
 """
 
 from __future__ import annotations
@@ -232,7 +225,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.nonfinite_in_a_row = state["nonfinite_in_a_row"]
-        self.num_input_tokens_seen = int(state.get("num_input_tokens_seen", 0))  # absent before issue 13
+        self.num_input_tokens_seen = int(state.get("num_input_tokens_seen", 0))  # absent from older checkpoints
         self.generation = GenerationBatch.from_state(state["generation"]) if state["generation"] else None
         if state["rng"] is not None:
             ckpt.set_rng_state(state["rng"])
@@ -425,7 +418,8 @@ class Trainer:
         cfg, out = self.cfg, self.cfg.output
         eval_steps = cfg.eval.eval_steps
         if eval_steps and self.eval_set is None:
-            raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: set data.eval_file or data.eval_holdout")
+            raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: "
+                              "set data.eval_file or data.eval_holdout")
         main = self.world.is_main  # under torchrun only rank 0 writes files, logs and evaluates
         log = (RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
                       run_name=out.run_name, project=out.project, config=cfg.to_dict()) if main else NullLog())
