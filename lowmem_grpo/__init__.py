@@ -1,7 +1,6 @@
 """lowmem-grpo: LoRA-free, low-memory GRPO for small LLMs on 8 GB GPUs.
 
 The package, lowest layer first (a layer imports only layers listed before it; tests/test_layout.py):
-
     ranges, phases, host_arena   setting ranges; the profiler's phase markers; pinned host memory
     kernels/       the fused loss head (imports nothing else of the package but ranges)
     config/        the settings tree: schema, YAML recipes, `section.key=value` overrides, checks
