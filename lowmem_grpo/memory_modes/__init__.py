@@ -42,6 +42,8 @@ class _Moved(types.ModuleType):
         self._new = new
 
     def __getattr__(self, name):
+        if name.startswith("__"):  # tools that scan sys.modules (torch's import does) must not import anything
+            raise AttributeError(name)
         module = importlib.import_module(self._new)
         return getattr(module, RENAMED.get(name, name))
 

@@ -1,0 +1,39 @@
+"""Renamed public import paths keep working for a release, with a DeprecationWarning naming the new one."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str, *warning_flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *warning_flags, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("old, name, new", [
+    ("lowmem_grpo.memory_modes.offload", "OffloadedOptimizerInBackward", "lowmem_grpo.optim.offload.OffloadedOptimizer"),
+    ("lowmem_grpo.memory_modes.optimizers", "build_optimizer", "lowmem_grpo.optim.optimizers.build_optimizer"),
+    ("lowmem_grpo.memory_modes.reference", "Reference", "lowmem_grpo.policy.reference.Reference"),
+    ("lowmem_grpo.memory_modes.activation_offload", "offload_activations",
+     "lowmem_grpo.training.activation_offload.offload_activations"),
+    ("lowmem_grpo.memory_modes.host_arena", "HostArena", "lowmem_grpo.host_arena.HostArena"),
+])
+def test_old_path_gives_the_new_object(old, name, new):
+    module, attribute = new.rsplit(".", 1)
+    code = (f"import importlib; from {old} import {name} as old\n"
+            f"new = getattr(importlib.import_module({module!r}), {attribute!r})\n"
+            f"assert old is new, (old, new)")
+    done = _run(code)
+    assert done.returncode == 0, done.stderr
+
+
+def test_old_path_warns_with_the_new_one():
+    done = _run("import lowmem_grpo.memory_modes.offload", "-W", "error::DeprecationWarning")
+    assert done.returncode != 0
+    assert "DeprecationWarning" in done.stderr and "lowmem_grpo.optim" in done.stderr, done.stderr
+
+
+def test_new_paths_do_not_warn():
+    done = _run("import lowmem_grpo.optim.offload, lowmem_grpo.policy.reference, "
+                "lowmem_grpo.training.activation_offload", "-W", "error::DeprecationWarning")
+    assert done.returncode == 0, done.stderr
