@@ -26,10 +26,10 @@ from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, Repe
                                      TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from ..config import GenerationConfig
+from .batch import left_pad
 from .decode_graphs import GraphCaptureError
 from .decode_slots import Entry, Prefill, Slots, cache_argument, cache_layers_problem, new_cache, returned_cache
 from .model import position_ids_for
-from .batch import left_pad
 from .static_decode import DECODE_MODES, StaticKV, StaticSlots, bucket_for, static_decode_problem
 
 try:
