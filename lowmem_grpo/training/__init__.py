@@ -2,6 +2,7 @@
 
     trainer.py     Trainer: set-up, one optimizer step, and train() (the loop, top to bottom)
     loss.py        the loss of one micro-batch as an nn.Module (what DDP and FSDP2 wrap)
+    micro_batch.py a micro-batch's arithmetic: rows trained, loss scale and denominator, token counts
     generation.py  a generation batch: rollout -> rewards -> advantages -> old/reference log-probs
     step_modes.py  how a step's backwards become an update, per memory mode
     distributed.py torchrun: the ranks, the collectives the loop uses, DDP/FSDP2 wrapping

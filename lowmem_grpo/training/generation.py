@@ -14,12 +14,12 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..config import BatchPlan, Config, TrainConfig
+from ..config import BatchPlan, Config
 from ..phases import phase
-from ..policy.packing import prompt_groups, should_pack
 from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
 from .distributed import World
+from .micro_batch import trained_rows
 
 
 @dataclass
@@ -76,28 +76,6 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tu
     return adv.masked_fill(equal | ~scored, 0.0).view(-1), std_group
 
 
-def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
-    """(N,) bool: the completions whose gradient is not known in advance to be exactly zero.
-
-    With beta == 0 the per-token loss is -min(rho * A, clip(rho) * A): a completion with A == 0 has
-    loss 0 and gradient 0 for any rho, so train.skip_zero_advantage leaves it out of the forward and
-    backward (and of the old log-prob pass). With beta > 0 its KL term still has a gradient."""
-    if not train.skip_zero_advantage or train.beta != 0 or batch.advantages is None:
-        return torch.ones(len(batch), dtype=torch.bool)
-    return batch.advantages != 0
-
-
-def skipped_rows_scale(mb: Batch, keep: torch.Tensor, loss_type: str) -> float:
-    """Factor that gives the loss of the kept rows of micro-batch `mb` the denominator of the whole
-    micro-batch. grpo and dr_grpo divide by the number of sequences, bnpo by the masked tokens; dapo's
-    denominator (num_items_in_batch) is counted over every row already."""
-    if keep.all() or loss_type == "dapo":
-        return 1.0
-    if loss_type == "bnpo":
-        return int(mb.completion_mask[keep].sum()) / int(mb.completion_mask.sum())
-    return int(keep.sum()) / len(keep)
-
-
 def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch: float, num_input_tokens_seen: int):
     """transformers' TrainerState, filled as TRL's GRPOTrainer fills it, for the reward functions'
     `trainer_state` argument: TRL reward functions read `global_step` (optimizer steps done),
@@ -108,18 +86,6 @@ def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch:
                         logging_steps=cfg.output.logging_steps, save_steps=cfg.output.save_steps,
                         train_batch_size=cfg.train.per_device_train_batch_size,
                         num_input_tokens_seen=int(num_input_tokens_seen))
-
-
-def computed_tokens(mb: Batch, pack: Union[bool, str], decoder) -> int:
-    """Decoder positions a loss micro-batch actually computes (padding excluded): each row's prompt and
-    completion tokens, or, when the micro-batch runs packed (policy/packing.py), each prompt once."""
-    prompt = mb.prompt_mask.sum(1)
-    if pack and should_pack(pack, mb, decoder):
-        groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
-        first = torch.ones_like(groups, dtype=torch.bool)
-        first[1:] = groups[1:] != groups[:-1]
-        prompt = prompt[first]
-    return int(prompt.sum()) + int(mb.completion_mask.sum())
 
 
 def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head, reference, tokenizer,

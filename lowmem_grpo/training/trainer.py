@@ -42,9 +42,9 @@ from . import distributed
 from .callbacks import as_callback, notify
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
-from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
-                         skipped_rows_scale, trained_rows)
+from .generation import GenerationBatch, make_generation_batch, make_trainer_state
 from .loss import PolicyLoss
+from .micro_batch import computed_tokens, plan_micro_batch, step_completion_tokens
 from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory
 from .plot import save_run_plot
 from .step_modes import make_step_mode
@@ -333,37 +333,28 @@ class Trainer:
     def optimizer_step(self) -> dict:
         t, gb, world = self.cfg.train, self.generation, self.world
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
-        num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
+        num_items = int(world.sum([step_completion_tokens(rows)])[0])  # every rank's tokens
         self.policy.train()
         mode = self.step_mode
         mode.begin()
         step_sums = StepSums()  # loss and metrics stay on the device until the step is over: no sync per micro-batch
         tokens, computed, backwards = 0, 0, 0
         for i, mb in enumerate(rows):
-            keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
-            empty = int(mb.completion_mask.sum()) == 0  # all masked (mask_truncated_completions): nothing to learn
-            only_collectives = empty or not keep.any()
-            if only_collectives:
-                if not world.distributed:
-                    if not empty:
-                        mode.skipped_micro_batch()
-                    continue
-                # Under torchrun every rank runs the same forwards and backwards (their collectives must
-                # match): one row, with its loss weighted 0.
-                keep, scale = torch.arange(len(keep)) == 0, 0.0
-            else:
-                scale = skipped_rows_scale(mb, keep, t.loss_type)
-            part = mb if keep.all() else mb.select(keep)
-            n = int(part.completion_mask.sum())  # counted on the host, before the micro-batch moves
+            work = plan_micro_batch(mb, t, world.distributed)
+            if work.rows is None:
+                if work.skipped:
+                    mode.skipped_micro_batch()
+                continue
+            part, n = work.rows, work.tokens
             with mode.micro_batch(last=i == len(rows) - 1):
                 with phase("forward"):
-                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale, tokens=n)
+                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=work.scale, tokens=n)
                     step_sums.add_loss(loss)
-                    if not only_collectives:
+                    if work.learns:
                         step_sums.add_metrics(metrics, n)
                 with phase("backward"):
                     mode.backward(loss, lambda: bool(np.isfinite(step_sums.read()[0])))
-            if only_collectives:
+            if not work.learns:
                 continue
             backwards += 1
             tokens += computed_tokens(part, self.pack, self.head.decoder)
