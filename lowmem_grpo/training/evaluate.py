@@ -19,6 +19,7 @@ import torch
 from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
+from .metrics import eval_metrics  # noqa: F401  (re-exported: its old home)
 
 logger = logging.getLogger(__name__)
 
@@ -119,17 +120,6 @@ def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, befor
     Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
     logger.info("%s", format_comparison(before, after))
     return after
-
-
-# evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
-# metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
-_EVAL_NAMES = {"seconds": "eval_runtime", "mean_length": "eval_completions/mean_length"}
-
-
-def eval_metrics(result: dict) -> dict:
-    """An evaluate() result as a metrics.jsonl row: eval_reward, eval_pass_rate/<name>,
-    eval_rewards/<name>/mean, eval_completions/mean_length, eval_samples, eval_runtime."""
-    return {_EVAL_NAMES.get(k, f"eval_{k}"): v for k, v in result.items()}
 
 
 def is_eval_row(row: dict) -> bool:
