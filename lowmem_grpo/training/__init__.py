@@ -6,6 +6,7 @@
     generation.py  a generation batch: rollout -> rewards -> advantages -> old/reference log-probs
     step_modes.py  how a step's backwards become an update, per memory mode
     distributed.py torchrun: the ranks, the collectives the loop uses, DDP/FSDP2 wrapping
+    context.py     RolloutContext: what rollouts and evaluations need, built once by the Trainer
     data.py, checkpoint.py, stopping.py, evaluate.py, metrics.py, trackers.py, plot.py, callbacks.py
 
 May import the settings, the phase markers, the kernels, the policy, the rewards and the memory

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -18,7 +18,7 @@ from ..config import BatchPlan, Config
 from ..phases import phase
 from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
-from .distributed import World
+from .context import RolloutContext
 from .micro_batch import trained_rows
 
 
@@ -88,31 +88,30 @@ def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch:
                         num_input_tokens_seen=int(num_input_tokens_seen))
 
 
-def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head, reference, tokenizer,
-                          reward_funcs, eos_ids: list[int], pad_id: int, device: torch.device, autocast: bool,
-                          epoch: int, pack: Union[bool, str] = False,
-                          trainer_state: Optional[Any] = None, world: Optional[World] = None) -> GenerationBatch:
-    """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection). `pack`:
-    shared-prompt packing in the log-prob passes (policy/packing.py). `trainer_state`
-    (make_trainer_state) reaches the reward functions; its num_input_tokens_seen grows by this batch's
-    prompt + completion tokens (TRL's `num_tokens`), over every rank.
+def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutContext, *, epoch: int,
+                          trainer_state: Optional[Any] = None) -> GenerationBatch:
+    """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection) with the
+    policy, head, reference and reward functions of `ctx`. `trainer_state` (make_trainer_state) reaches
+    the reward functions; its num_input_tokens_seen grows by this batch's prompt + completion tokens
+    (TRL's `num_tokens`), over every rank.
 
-    Under torchrun (`world`), `prompts` are this rank's; rewards, lengths and logged completions are
+    Under torchrun (`ctx.world`), `prompts` are this rank's; rewards, lengths and logged completions are
     gathered from every rank, so advantages (scale_rewards=batch: the global std) and metrics are
     those of the whole generation batch, and this rank keeps its own rows."""
-    world = world or World()
+    policy, head, reference, reward_funcs = ctx.policy, ctx.head, ctx.reference, ctx.reward_funcs
+    eos_ids, device, autocast, pack, world = ctx.eos_ids, ctx.device, ctx.autocast, ctx.pack, ctx.world
     G, t0 = cfg.generation.num_generations, time.perf_counter()
     logs = RewardLogs()
     with phase("rollout"):
         batch = generate(policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
-                         eos_ids=eos_ids, pad_id=pad_id, device=device, autocast_bf16=autocast)
+                         eos_ids=eos_ids, pad_id=ctx.pad_id, device=device, autocast_bf16=autocast)
         # TRL's lengths count the EOS token; taken before mask_truncated_completions edits the mask
         lengths = batch.completion_mask.sum(1).float()
         tokens = int(world.sum([int(batch.prompt_mask.sum()) + int(lengths.sum())])[0])
         if trainer_state is not None:
             trainer_state.num_input_tokens_seen += tokens
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
-        decoded = decode_completions(batch, prompt_list, eos_ids, tokenizer)
+        decoded = decode_completions(batch, prompt_list, eos_ids, ctx.tokenizer)
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
                                           trainer_state=trainer_state, logs=logs)

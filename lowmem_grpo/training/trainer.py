@@ -41,6 +41,7 @@ from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from . import distributed
 from .callbacks import as_callback, notify
+from .context import RolloutContext
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
 from .generation import GenerationBatch, make_generation_batch, make_trainer_state
@@ -130,6 +131,7 @@ class Trainer:
         self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         if not training:
             self.policy.to(self.device)
+            self.rollout = self._rollout_context()
             return
         # The reference is the model as loaded, before any resumed weights: a frozen copy in CPU RAM
         # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
@@ -176,6 +178,12 @@ class Trainer:
         if resume is not None:
             self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
+        self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack)
+
+    def _rollout_context(self, **training_parts) -> RolloutContext:
+        """What rollouts and evaluations use (context.py); the training-only parts: head, reference, pack."""
+        return RolloutContext(self.policy, self.tokenizer, self.reward_funcs, self.eos_ids, self.pad_id, self.device,
+                              self.autocast, world=self.world, **training_parts)
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:
@@ -328,11 +336,8 @@ class Trainer:
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
-            gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
-                                       reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
-                                       eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
-                                       autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
-                                       trainer_state=state, world=self.world)
+            gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
+                                       trainer_state=state)
         self.num_input_tokens_seen = state.num_input_tokens_seen
         return gb
 
@@ -540,9 +545,8 @@ class Trainer:
             raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
         e = self.cfg.eval
         with phase("evaluation"):
-            return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
-                            eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
-                            max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
+            return evaluate(self.rollout, self.eval_set, self.cfg.generation, batch_size=e.eval_batch_size,
+                            max_samples=e.eval_max_samples,
                             output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
                             trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
                                                              epoch=self.sampler.epoch,
