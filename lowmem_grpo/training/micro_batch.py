@@ -7,11 +7,11 @@ divided by, and the token counts the step reports. Pure functions of the micro-b
     loss_factor(scale, train, ws)   what the fused head's loss is multiplied by before backward
     computed_tokens(mb, pack, dec)  decoder positions the micro-batch computes (tokens_per_second)
 
-Per loss_type the fused head divides by: grpo and dr_grpo, the micro-batch's sequences; bnpo, its
-masked tokens; dapo, `loss_denominator` (global). The factor then restores the denominator of skipped
+The fused head's loss per loss_type: grpo, the mean over sequences of each one's token mean; dr_grpo,
+the token sum / (sequences x max_completion_length); bnpo, the token sum / masked tokens; dapo, the
+token sum / `loss_denominator` (global). The factor then restores the denominator of skipped
 rows (`skipped_rows_scale`) and makes the step a mean over the accumulated micro-batches (divide by
 gradient_accumulation_steps), or, for dapo, a sum over ranks (multiply by the world size).
-
 Design notes: docs/training.md (loss scaling)
 """
 
