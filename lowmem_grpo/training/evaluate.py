@@ -19,22 +19,22 @@ import torch
 from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
+from .context import RolloutContext
+from .metrics import eval_metrics  # also importable from here, its old home
 
 logger = logging.getLogger(__name__)
 
 
-def evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg: GenerationConfig, *, eos_ids: list[int],
-             pad_id: int, device: torch.device, batch_size: int = 64, max_samples: Optional[int] = None,
-             autocast_bf16: bool = False, output_file: Optional[Path] = None, trainer_state=None) -> dict:
-    """One greedy completion per held-out prompt, scored by the run's reward functions.
+def evaluate(ctx: RolloutContext, prompt_set, gen_cfg: GenerationConfig, *, batch_size: int = 64,
+             max_samples: Optional[int] = None, output_file: Optional[Path] = None, trainer_state=None) -> dict:
+    """One greedy completion per held-out prompt, by `ctx.policy`, scored by `ctx.reward_funcs`.
 
     Returns {"samples", "reward" (mean weighted total), "rewards/<name>/mean", "pass_rate/<name>"
     (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards), "mean_length",
     "seconds"}. If output_file is given, every completion is written there with its rewards.
     """
-    with training_rng_untouched(device):
-        return _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, eos_ids=eos_ids, pad_id=pad_id,
-                         device=device, batch_size=batch_size, max_samples=max_samples, autocast_bf16=autocast_bf16,
+    with training_rng_untouched(ctx.device):
+        return _evaluate(ctx, prompt_set, gen_cfg, batch_size=batch_size, max_samples=max_samples,
                          output_file=output_file, trainer_state=trainer_state)
 
 
@@ -53,13 +53,13 @@ def training_rng_untouched(device: torch.device):
             np.random.set_state(np_state)
 
 
-def _evaluate(model, tokenizer, prompt_set, reward_funcs, gen_cfg, *, eos_ids, pad_id, device, batch_size,
-              max_samples, autocast_bf16, output_file, trainer_state) -> dict:
+def _evaluate(ctx: RolloutContext, prompt_set, gen_cfg, *, batch_size, max_samples, output_file, trainer_state) -> dict:
+    model, tokenizer, reward_funcs, eos_ids = ctx.policy, ctx.tokenizer, ctx.reward_funcs, ctx.eos_ids
     n = len(prompt_set) if max_samples is None else min(max_samples, len(prompt_set))
     subset = prompt_set.select(list(range(n)))
     t0 = time.perf_counter()
-    batch = generate(model, subset.prompt_ids, gen_cfg, eos_ids=eos_ids, pad_id=pad_id, device=device,
-                     greedy=True, micro_batch=batch_size, autocast_bf16=autocast_bf16)
+    batch = generate(model, subset.prompt_ids, gen_cfg, eos_ids=eos_ids, pad_id=ctx.pad_id, device=ctx.device,
+                     greedy=True, micro_batch=batch_size, autocast_bf16=ctx.autocast)
     decoded = decode_completions(batch, subset.prompts, eos_ids, tokenizer)
     keep, completion_ids, texts, completions = decoded.keep, decoded.ids, decoded.texts, decoded.completions
     # trainer_state as in training (TRL passes it in evaluation too): reward functions may read it
@@ -119,17 +119,6 @@ def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, befor
     Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
     logger.info("%s", format_comparison(before, after))
     return after
-
-
-# evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
-# metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
-_EVAL_NAMES = {"seconds": "eval_runtime", "mean_length": "eval_completions/mean_length"}
-
-
-def eval_metrics(result: dict) -> dict:
-    """An evaluate() result as a metrics.jsonl row: eval_reward, eval_pass_rate/<name>,
-    eval_rewards/<name>/mean, eval_completions/mean_length, eval_samples, eval_runtime."""
-    return {_EVAL_NAMES.get(k, f"eval_{k}"): v for k, v in result.items()}
 
 
 def is_eval_row(row: dict) -> bool:

@@ -10,16 +10,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
-from ..config import BatchPlan, Config, TrainConfig
+from ..config import BatchPlan, Config
 from ..phases import phase
-from ..policy.packing import prompt_groups, should_pack
 from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
-from .distributed import World
+from .context import RolloutContext
+from .micro_batch import trained_rows
 
 
 @dataclass
@@ -76,28 +76,6 @@ def compute_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> tu
     return adv.masked_fill(equal | ~scored, 0.0).view(-1), std_group
 
 
-def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
-    """(N,) bool: the completions whose gradient is not known in advance to be exactly zero.
-
-    With beta == 0 the per-token loss is -min(rho * A, clip(rho) * A): a completion with A == 0 has
-    loss 0 and gradient 0 for any rho, so train.skip_zero_advantage leaves it out of the forward and
-    backward (and of the old log-prob pass). With beta > 0 its KL term still has a gradient."""
-    if not train.skip_zero_advantage or train.beta != 0 or batch.advantages is None:
-        return torch.ones(len(batch), dtype=torch.bool)
-    return batch.advantages != 0
-
-
-def skipped_rows_scale(mb: Batch, keep: torch.Tensor, loss_type: str) -> float:
-    """Factor that gives the loss of the kept rows of micro-batch `mb` the denominator of the whole
-    micro-batch. grpo and dr_grpo divide by the number of sequences, bnpo by the masked tokens; dapo's
-    denominator (num_items_in_batch) is counted over every row already."""
-    if keep.all() or loss_type == "dapo":
-        return 1.0
-    if loss_type == "bnpo":
-        return int(mb.completion_mask[keep].sum()) / int(mb.completion_mask.sum())
-    return int(keep.sum()) / len(keep)
-
-
 def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch: float, num_input_tokens_seen: int):
     """transformers' TrainerState, filled as TRL's GRPOTrainer fills it, for the reward functions'
     `trainer_state` argument: TRL reward functions read `global_step` (optimizer steps done),
@@ -110,43 +88,30 @@ def make_trainer_state(cfg: Config, plan: BatchPlan, *, global_step: int, epoch:
                         num_input_tokens_seen=int(num_input_tokens_seen))
 
 
-def computed_tokens(mb: Batch, pack: Union[bool, str], decoder) -> int:
-    """Decoder positions a loss micro-batch actually computes (padding excluded): each row's prompt and
-    completion tokens, or, when the micro-batch runs packed (policy/packing.py), each prompt once."""
-    prompt = mb.prompt_mask.sum(1)
-    if pack and should_pack(pack, mb, decoder):
-        groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
-        first = torch.ones_like(groups, dtype=torch.bool)
-        first[1:] = groups[1:] != groups[:-1]
-        prompt = prompt[first]
-    return int(prompt.sum()) + int(mb.completion_mask.sum())
+def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutContext, *, epoch: int,
+                          trainer_state: Optional[Any] = None) -> GenerationBatch:
+    """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection) with the
+    policy, head, reference and reward functions of `ctx`. `trainer_state` (make_trainer_state) reaches
+    the reward functions; its num_input_tokens_seen grows by this batch's prompt + completion tokens
+    (TRL's `num_tokens`), over every rank.
 
-
-def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, *, policy, head, reference, tokenizer,
-                          reward_funcs, eos_ids: list[int], pad_id: int, device: torch.device, autocast: bool,
-                          epoch: int, pack: Union[bool, str] = False,
-                          trainer_state: Optional[Any] = None, world: Optional[World] = None) -> GenerationBatch:
-    """Generate, score and prepare one generation batch for `prompts` (a PromptSet selection). `pack`:
-    shared-prompt packing in the log-prob passes (policy/packing.py). `trainer_state`
-    (make_trainer_state) reaches the reward functions; its num_input_tokens_seen grows by this batch's
-    prompt + completion tokens (TRL's `num_tokens`), over every rank.
-
-    Under torchrun (`world`), `prompts` are this rank's; rewards, lengths and logged completions are
+    Under torchrun (`ctx.world`), `prompts` are this rank's; rewards, lengths and logged completions are
     gathered from every rank, so advantages (scale_rewards=batch: the global std) and metrics are
     those of the whole generation batch, and this rank keeps its own rows."""
-    world = world or World()
+    policy, head, reference, reward_funcs = ctx.policy, ctx.head, ctx.reference, ctx.reward_funcs
+    eos_ids, device, autocast, pack, world = ctx.eos_ids, ctx.device, ctx.autocast, ctx.pack, ctx.world
     G, t0 = cfg.generation.num_generations, time.perf_counter()
     logs = RewardLogs()
     with phase("rollout"):
         batch = generate(policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
-                         eos_ids=eos_ids, pad_id=pad_id, device=device, autocast_bf16=autocast)
+                         eos_ids=eos_ids, pad_id=ctx.pad_id, device=device, autocast_bf16=autocast)
         # TRL's lengths count the EOS token; taken before mask_truncated_completions edits the mask
         lengths = batch.completion_mask.sum(1).float()
         tokens = int(world.sum([int(batch.prompt_mask.sum()) + int(lengths.sum())])[0])
         if trainer_state is not None:
             trainer_state.num_input_tokens_seen += tokens
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
-        decoded = decode_completions(batch, prompt_list, eos_ids, tokenizer)
+        decoded = decode_completions(batch, prompt_list, eos_ids, ctx.tokenizer)
         columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
                                           trainer_state=trainer_state, logs=logs)

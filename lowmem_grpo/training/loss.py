@@ -4,6 +4,9 @@ A module because data parallelism wraps forwards: DDP all-reduces the gradients 
 used, and FSDP2 gathers a layer's (or the root's) parameters for the duration of a forward. The
 fused head reads the output embedding inside this forward, never outside it, so under FSDP2 it sees
 the gathered weight (the root's parameters: embeddings, final norm, head), not the local shard.
+What the loss is divided and multiplied by, per loss_type: micro_batch.py.
+
+Design notes: docs/training.md, docs/distributed.md
 """
 
 from __future__ import annotations
@@ -17,10 +20,9 @@ from torch import nn
 from ..config import Config
 from ..kernels import linear_grpo_loss
 from .activation_offload import offload_activations
+from .micro_batch import loss_denominator, loss_factor
 from ..policy.model import Head
 from ..policy.rollout import Batch, completion_hidden
-
-
 
 
 class PolicyLoss(nn.Module):
@@ -55,11 +57,6 @@ class PolicyLoss(nn.Module):
                 epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
                 loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
                 max_completion_length=g.max_completion_length,
-                num_items_in_batch=num_items if t.loss_type == "dapo" else None, mask_count=tokens)
-        if t.loss_type == "dapo":
-            # Each rank's sum over its tokens / the global count; data parallelism averages the ranks'
-            # gradients, so multiply by the number of ranks to get the sum (TRL does the same).
-            scale = scale * self.world_size
-        else:  # per-micro-batch means: averaged over the accumulation (and over ranks, by the averaging)
-            scale = scale / t.gradient_accumulation_steps
-        return (loss if scale == 1.0 else loss * scale), metrics
+                num_items_in_batch=loss_denominator(t.loss_type, num_items), mask_count=tokens)
+        factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
+        return (loss if factor == 1.0 else loss * factor), metrics

@@ -1,6 +1,7 @@
 """Run logs: output_dir/metrics.jsonl (one object per logged step), completions.jsonl (sampled
 completions with their rewards, to catch reward hacking by reading), and the trackers of
-output.report_to (trackers.py)."""
+output.report_to (trackers.py). Also the step's metric arithmetic (`StepSums`, `step_means`) and the
+renaming of internal metric names to the reported, TRL-style ones (`trl_names`, `eval_metrics`)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,41 @@ class StepSums:
             loss = host.pop() if self.loss is not None else 0.0
             self._host = (loss, dict(zip(names, host)))
         return self._host[0], dict(self._host[1])
+
+
+# The loss's metric names -> TRL's log names
+TRL_STEP_NAMES = {"clip_ratio": "clip_ratio/region_mean", "clip_ratio_low": "clip_ratio/low_mean",
+                  "clip_ratio_high": "clip_ratio/high_mean"}
+
+# evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
+# metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
+EVAL_NAMES = {"seconds": "eval_runtime", "mean_length": "eval_completions/mean_length"}
+
+
+def step_means(sums: dict[str, float], *, num_items: int, computed: int, backwards: int) -> dict[str, float]:
+    """A step's token-weighted metric sums -> means under the loss's names. Skipped completions have no
+    clipped tokens (A == 0), so clip ratios are over every token of the step (`num_items`); entropy is
+    known only for the tokens computed. With no backward, no token was clipped and (beta == 0) the KL
+    is 0; entropy is unknown."""
+    out = {k: v / max(computed if k == "entropy" else num_items, 1) for k, v in sums.items()}
+    if not backwards:
+        out.update(kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0)
+    return out
+
+
+def trl_names(metrics: dict) -> dict:
+    """`metrics` with the loss's names replaced by TRL's (TRL_STEP_NAMES), in place; renamed keys move
+    to the end."""
+    for ours, trl in TRL_STEP_NAMES.items():
+        if ours in metrics:
+            metrics[trl] = metrics.pop(ours)
+    return metrics
+
+
+def eval_metrics(result: dict) -> dict:
+    """An evaluate() result as a metrics.jsonl row: eval_reward, eval_pass_rate/<name>,
+    eval_rewards/<name>/mean, eval_completions/mean_length, eval_samples, eval_runtime."""
+    return {EVAL_NAMES.get(k, f"eval_{k}"): v for k, v in result.items()}
 
 
 def _clean(value):

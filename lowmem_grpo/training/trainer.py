@@ -20,6 +20,7 @@ import re
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -40,17 +41,31 @@ from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from . import distributed
 from .callbacks import as_callback, notify
+from .context import RolloutContext
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
-from .generation import (GenerationBatch, computed_tokens, make_generation_batch, make_trainer_state,
-                         skipped_rows_scale, trained_rows)
+from .generation import GenerationBatch, make_generation_batch, make_trainer_state
 from .loss import PolicyLoss
-from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory
+from .micro_batch import computed_tokens, plan_micro_batch, step_completion_tokens
+from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory, step_means, trl_names
 from .plot import save_run_plot
 from .step_modes import make_step_mode
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTotals:
+    """One optimizer step's sums, on the host: loss (sum of the micro-batches' losses), sums (token-weighted
+    metric sums), tokens (decoder positions computed), computed (completion tokens that learned) and
+    backwards (micro-batches that learned)."""
+
+    loss: float
+    sums: dict[str, float]
+    tokens: int
+    computed: int
+    backwards: int
 
 
 class TrainingStopped(RuntimeError):
@@ -116,6 +131,7 @@ class Trainer:
         self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         if not training:
             self.policy.to(self.device)
+            self.rollout = self._rollout_context()
             return
         # The reference is the model as loaded, before any resumed weights: a frozen copy in CPU RAM
         # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
@@ -162,6 +178,12 @@ class Trainer:
         if resume is not None:
             self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
+        self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack)
+
+    def _rollout_context(self, **training_parts) -> RolloutContext:
+        """What rollouts and evaluations use (context.py); the training-only parts: head, reference, pack."""
+        return RolloutContext(self.policy, self.tokenizer, self.reward_funcs, self.eos_ids, self.pad_id, self.device,
+                              self.autocast, world=self.world, **training_parts)
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:
@@ -314,11 +336,8 @@ class Trainer:
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
-            gb = make_generation_batch(self.cfg, self.plan, prompts, policy=self.policy, head=self.head,
-                                       reference=self.ref, tokenizer=self.tokenizer, reward_funcs=self.reward_funcs,
-                                       eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device,
-                                       autocast=self.autocast, epoch=self.sampler.epoch, pack=self.pack,
-                                       trainer_state=state, world=self.world)
+            gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
+                                       trainer_state=state)
         self.num_input_tokens_seen = state.num_input_tokens_seen
         return gb
 
@@ -331,50 +350,65 @@ class Trainer:
         return self.loss_module(mb, num_items, scale, tokens=tokens)
 
     def optimizer_step(self) -> dict:
+        """One optimizer step on the next micro-batches of the current generation batch; its metrics
+        (reported names: metrics.py)."""
         t, gb, world = self.cfg.train, self.generation, self.world
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
-        num_items = int(world.sum([sum(int(r.completion_mask.sum()) for r in rows)])[0])  # every rank's tokens
+        num_items = int(world.sum([step_completion_tokens(rows)])[0])  # every rank's completion tokens
         self.policy.train()
-        mode = self.step_mode
-        mode.begin()
-        step_sums = StepSums()  # loss and metrics stay on the device until the step is over: no sync per micro-batch
-        tokens, computed, backwards = 0, 0, 0
+        self.step_mode.begin()
+        totals = self._summed_over_ranks(*self._run_micro_batches(rows, num_items))
+        grad_norm, finite = self.step_mode.finish(totals.loss, num_items, totals.backwards)
+        lr = self._after_update(finite)
+        gb.steps_done += 1
+        out = trl_names(step_means(totals.sums, num_items=num_items, computed=totals.computed,
+                                   backwards=totals.backwards))
+        out.update(loss=totals.loss, grad_norm=grad_norm, learning_rate=lr,
+                   skipped=int(not finite or not num_items), train_tokens=totals.tokens)
+        return out
+
+    def _run_micro_batches(self, rows: list[Batch], num_items: int) -> tuple["StepTotals", list[str]]:
+        """Forward and backward of each micro-batch (micro_batch.py decides which rows and their scale).
+        Returns this rank's totals and the metric names of the last micro-batch run."""
+        mode, step_sums = self.step_mode, StepSums()  # sums stay on the device: one host read per step
+        tokens = computed = backwards = 0
+        names: list[str] = []
         for i, mb in enumerate(rows):
-            keep = trained_rows(mb, t)  # (b,) completions whose gradient is not known to be zero
-            empty = int(mb.completion_mask.sum()) == 0  # all masked (mask_truncated_completions): nothing to learn
-            only_collectives = empty or not keep.any()
-            if only_collectives:
-                if not world.distributed:
-                    if not empty:
-                        mode.skipped_micro_batch()
-                    continue
-                # Under torchrun every rank runs the same forwards and backwards (their collectives must
-                # match): one row, with its loss weighted 0.
-                keep, scale = torch.arange(len(keep)) == 0, 0.0
-            else:
-                scale = skipped_rows_scale(mb, keep, t.loss_type)
-            part = mb if keep.all() else mb.select(keep)
-            n = int(part.completion_mask.sum())  # counted on the host, before the micro-batch moves
+            work = plan_micro_batch(mb, self.cfg.train, self.world.distributed)
+            if work.rows is None:
+                if work.skipped:
+                    mode.skipped_micro_batch()
+                continue
             with mode.micro_batch(last=i == len(rows) - 1):
                 with phase("forward"):
-                    loss, metrics = self.micro_batch_loss(part.to(self.device), num_items, scale=scale, tokens=n)
+                    loss, metrics = self.micro_batch_loss(work.rows.to(self.device), num_items, scale=work.scale,
+                                                          tokens=work.tokens)
                     step_sums.add_loss(loss)
-                    if not only_collectives:
-                        step_sums.add_metrics(metrics, n)
+                    if work.learns:
+                        step_sums.add_metrics(metrics, work.tokens)
                 with phase("backward"):
                     mode.backward(loss, lambda: bool(np.isfinite(step_sums.read()[0])))
-            if only_collectives:
-                continue
-            backwards += 1
-            tokens += computed_tokens(part, self.pack, self.head.decoder)
-            computed += n
+            names = sorted(metrics)
+            if work.learns:
+                backwards += 1
+                tokens += computed_tokens(work.rows, self.pack, self.head.decoder)
+                computed += work.tokens
         loss_sum, sums = step_sums.read()  # the metrics' one host read of this step
-        if world.distributed:  # token-weighted sums over ranks; the loss is the ranks' mean (see loss.py)
-            keys = sorted(metrics)  # every rank ran every micro-batch, so every rank has the same metric names
-            total = world.sum([loss_sum, tokens, computed, backwards] + [sums.get(k, 0.0) for k in keys])
-            loss_sum, tokens, computed, backwards = total[0] / world.size, int(total[1]), int(total[2]), int(total[3])
-            sums = {k: v for k, v in zip(keys, total[4:])}
-        grad_norm, finite = mode.finish(loss_sum, num_items, backwards)
+        return StepTotals(loss_sum, sums, tokens, computed, backwards), names
+
+    def _summed_over_ranks(self, totals: "StepTotals", names: list[str]) -> "StepTotals":
+        """Token-weighted sums and counts over ranks; the loss is the ranks' mean (loss.py). Every rank
+        ran every micro-batch, so every rank has the same metric names."""
+        world = self.world
+        if not world.distributed:
+            return totals
+        total = world.sum([totals.loss, totals.tokens, totals.computed, totals.backwards]
+                          + [totals.sums.get(k, 0.0) for k in names])
+        return StepTotals(total[0] / world.size, dict(zip(names, total[4:])), int(total[1]), int(total[2]),
+                          int(total[3]))
+
+    def _after_update(self, finite: bool) -> float:
+        """Clear the gradients, advance the schedule and count non-finite steps; the step's learning rate."""
         self.optimizer.zero_grad(set_to_none=True)
         if self.shards:
             self.policy.zero_grad(set_to_none=True)
@@ -383,19 +417,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
         self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
-        gb.steps_done += 1
-        # Token-weighted means. Skipped completions have no clipped tokens (A == 0), so clip ratios are
-        # over every token; entropy is known only for the tokens computed.
-        out = {k: v / max(computed if k == "entropy" else num_items, 1) for k, v in sums.items()}
-        if not backwards:  # nothing computed: no token was clipped and (beta == 0) the KL is 0; entropy unknown
-            out.update(kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0)
-        for ours, trl in (("clip_ratio", "clip_ratio/region_mean"), ("clip_ratio_low", "clip_ratio/low_mean"),
-                          ("clip_ratio_high", "clip_ratio/high_mean")):  # the loss's names -> TRL's log names
-            if ours in out:
-                out[trl] = out.pop(ours)
-        out.update(loss=loss_sum, grad_norm=grad_norm, learning_rate=lr, skipped=int(not finite or not num_items),
-                   train_tokens=tokens)
-        return out
+        return lr
 
     def run_step(self) -> tuple[GenerationBatch, dict, float]:
         """One optimizer step, generating a new batch first when the current one is used up.
@@ -523,9 +545,8 @@ class Trainer:
             raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
         e = self.cfg.eval
         with phase("evaluation"):
-            return evaluate(self.policy, self.tokenizer, self.eval_set, self.reward_funcs, self.cfg.generation,
-                            eos_ids=self.eos_ids, pad_id=self.pad_id, device=self.device, batch_size=e.eval_batch_size,
-                            max_samples=e.eval_max_samples, autocast_bf16=self.autocast,
+            return evaluate(self.rollout, self.eval_set, self.cfg.generation, batch_size=e.eval_batch_size,
+                            max_samples=e.eval_max_samples,
                             output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
                             trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
                                                              epoch=self.sampler.epoch,

@@ -38,11 +38,11 @@ def test_each_memory_mode_has_its_step_mode(toy_config, overrides, mode):
 
 def test_a_step_mode_finishes_a_skipped_step_like_the_plain_path(toy_config, monkeypatch):
     # Every completion skipped (zero advantages): each mode steps Adam on a zero gradient, norm 0.
-    import lowmem_grpo.training.trainer as trainer_module
+    import lowmem_grpo.training.micro_batch as micro_batch_module
     for overrides in ([], ["offload_optimizer=true", "gradient_accumulation_steps=2", "steps_per_generation=2"]):
         trainer = Trainer(toy_config(*overrides))
         trainer.generation = trainer.new_generation_batch()
-        monkeypatch.setattr(trainer_module, "trained_rows", lambda mb, t: torch.zeros(len(mb.completion_mask),
+        monkeypatch.setattr(micro_batch_module, "trained_rows", lambda mb, t: torch.zeros(len(mb.completion_mask),
                                                                                      dtype=torch.bool))
         before = {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
         metrics = trainer.optimizer_step()

@@ -12,7 +12,8 @@ from lowmem_grpo.config import LR_SCHEDULES, ConfigError, OptimConfig
 from lowmem_grpo.optim.optimizers import build_scheduler
 from lowmem_grpo.policy.rollout import Batch
 from lowmem_grpo.rewards import RewardFunction, compute_rewards, reward_metrics, scorable_totals
-from lowmem_grpo.training.generation import compute_advantages, computed_tokens
+from lowmem_grpo.training.generation import compute_advantages
+from lowmem_grpo.training.micro_batch import computed_tokens
 from lowmem_grpo.training.metrics import read_metrics
 from lowmem_grpo.training.trainer import Trainer
 from tests.training.conftest import TINY_LLAMA

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lowmem_grpo.policy.rollout import Batch
-from lowmem_grpo.training.generation import compute_advantages, skipped_rows_scale, trained_rows
+from lowmem_grpo.training.generation import compute_advantages
+from lowmem_grpo.training.micro_batch import skipped_rows_scale, trained_rows
 from lowmem_grpo.training.metrics import read_metrics
 from lowmem_grpo.training.trainer import Trainer
 from tests.optional import needs_bitsandbytes
