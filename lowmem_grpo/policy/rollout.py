@@ -21,12 +21,8 @@ from ..config import GenerationConfig
 from .batch import Batch, eos_mask, left_pad
 from .sampling import (compile_failed, decode_mode, falls_back, group_runs, sample, sampling_kwargs,
                        use_fast_sampling)
-# Importers that predate the split of this module import these names from here (no import cycle):
-# Batch, eos_mask, left_pad (batch.py), completion_hidden, token_logprobs (logprobs.py), sampling_kwargs.
-from .logprobs import completion_hidden, token_logprobs  # noqa: F401
 
-__all__ = ["Batch", "Decoded", "completion_hidden", "decode_completions", "eos_mask", "generate", "left_pad",
-           "sampling_kwargs", "token_logprobs"]
+__all__ = ["Decoded", "decode_completions", "generate"]
 
 
 @torch.no_grad()

@@ -16,7 +16,9 @@ import torch
 
 from ..config import BatchPlan, Config
 from ..phases import phase
-from ..policy.rollout import Batch, decode_completions, generate, token_logprobs
+from ..policy.batch import Batch
+from ..policy.logprobs import token_logprobs
+from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
 from .context import RolloutContext
 from .micro_batch import trained_rows

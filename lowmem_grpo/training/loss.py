@@ -19,10 +19,11 @@ from torch import nn
 
 from ..config import Config
 from ..kernels import linear_grpo_loss
+from ..policy.batch import Batch
+from ..policy.logprobs import completion_hidden
+from ..policy.model import Head
 from .activation_offload import offload_activations
 from .micro_batch import loss_denominator, loss_factor
-from ..policy.model import Head
-from ..policy.rollout import Batch, completion_hidden
 
 
 class PolicyLoss(nn.Module):

@@ -24,7 +24,7 @@ import torch
 
 from ..config import TrainConfig
 from ..policy.packing import prompt_groups, should_pack
-from ..policy.rollout import Batch
+from ..policy.batch import Batch
 
 
 def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:

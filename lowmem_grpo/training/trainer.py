@@ -35,7 +35,7 @@ from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
                             load_model, load_tokenizer)
 from ..policy.packing import resolve_pack_prompts
-from ..policy.rollout import Batch
+from ..policy.batch import Batch
 from ..rewards import load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt

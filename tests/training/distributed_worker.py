@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lowmem_grpo.config import load_config  # noqa: E402
-from lowmem_grpo.policy.rollout import Batch  # noqa: E402
+from lowmem_grpo.policy.batch import Batch  # noqa: E402
 from lowmem_grpo.training import distributed  # noqa: E402
 from lowmem_grpo.training.generation import GenerationBatch  # noqa: E402
 from lowmem_grpo.training.trainer import Trainer  # noqa: E402

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lowmem_grpo.training.checkpoint import list_checkpoints
 from lowmem_grpo.training.metrics import read_metrics
 from lowmem_grpo.policy.model import position_ids_for
-from lowmem_grpo.policy.rollout import Batch
+from lowmem_grpo.policy.batch import Batch
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.trainer import Trainer, TrainingStopped
 from tests.optional import needs_bitsandbytes

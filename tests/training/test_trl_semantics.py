@@ -10,7 +10,7 @@ import torch
 
 from lowmem_grpo.config import LR_SCHEDULES, ConfigError, OptimConfig
 from lowmem_grpo.optim.optimizers import build_scheduler
-from lowmem_grpo.policy.rollout import Batch
+from lowmem_grpo.policy.batch import Batch
 from lowmem_grpo.rewards import RewardFunction, compute_rewards, reward_metrics, scorable_totals
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.micro_batch import computed_tokens

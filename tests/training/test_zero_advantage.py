@@ -4,7 +4,7 @@ their gradient is exactly zero, the loss denominators still count them and the o
 import pytest
 import torch
 
-from lowmem_grpo.policy.rollout import Batch
+from lowmem_grpo.policy.batch import Batch
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.micro_batch import skipped_rows_scale, trained_rows
 from lowmem_grpo.training.metrics import read_metrics
