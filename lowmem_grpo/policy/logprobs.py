@@ -9,22 +9,20 @@ The reference model's pass (frozen weights off the GPU) is reference.py.
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 from torch import Tensor
 
 from ..kernels import linear_token_logprobs
 from .batch import Batch
 from .model import Head, hidden_states
-from .packing import packed_completion_hidden, should_pack
+from .packing import Packing, packed_completion_hidden, should_pack
 
 
-def completion_hidden(head: Head, batch: Batch, pack: Union[bool, str] = False) -> Tensor:
+def completion_hidden(head: Head, batch: Batch, pack: Packing = Packing.OFF) -> Tensor:
     """Hidden states at the positions that predict the completion tokens: (B, C, H).
 
-    `pack`: run each prompt once for its completions in this batch (policy/packing.py); same values.
-    "auto": where that does less work (packing.packing_pays).
+    `pack`: whether to run each prompt once for its completions in this batch (Packing, packing.py);
+    the values are the same either way.
     """
     if should_pack(pack, batch, head.decoder):
         return packed_completion_hidden(head.decoder, batch)
@@ -37,7 +35,7 @@ def completion_hidden(head: Head, batch: Batch, pack: Union[bool, str] = False) 
 
 @torch.no_grad()
 def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch: int, device: torch.device,
-                   autocast_bf16: bool = False, pack: Union[bool, str] = False) -> Tensor:
+                   autocast_bf16: bool = False, pack: Packing = Packing.OFF) -> Tensor:
     """log pi(completion token) for every completion of `batch`: (N, C) fp32 on the CPU, 0 on padding.
 
     Runs in micro-batches through the fused head, so no (tokens, V) tensor exists here either;

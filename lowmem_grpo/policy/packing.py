@@ -12,6 +12,7 @@ Design notes: docs/rollouts.md
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -255,13 +256,28 @@ def _layer_shape(config) -> tuple[int, int]:
     return 2 * H * heads * head_dim + 2 * H * kv * head_dim + 3 * H * inter, heads * head_dim  # q, o, k, v, MLP
 
 
-def should_pack(pack: Union[bool, str], mb: Batch, decoder: nn.Module) -> bool:
-    """`pack` as the trainer resolved it: True, False, or "auto" (train.pack_prompts unset: pack each
-    micro-batch where packing_pays)."""
-    if pack == "auto":
+class Packing(enum.Enum):
+    """Where the log-prob passes run each prompt once for its completions (train.pack_prompts, resolved)."""
+    OFF = "off"  # never: pack_prompts=false, or the model cannot take it
+    ALWAYS = "always"  # every micro-batch: pack_prompts=true
+    AUTO = "auto"  # each micro-batch where it does less work (packing_pays): pack_prompts unset
+
+    @classmethod
+    def resolve(cls, setting: Optional[bool], model: nn.Module, max_length: Optional[int] = None) -> "Packing":
+        """train.pack_prompts on `model` -> the mode (resolve_pack_prompts says which models can pack)."""
+        if not resolve_pack_prompts(setting, model, max_length=max_length):
+            return cls.OFF
+        return cls.ALWAYS if setting else cls.AUTO
+
+
+def should_pack(packing: Packing, mb: Batch, decoder: nn.Module) -> bool:
+    """Whether to pack this micro-batch."""
+    if not isinstance(packing, Packing):
+        raise TypeError(f"packing must be a Packing (OFF, ALWAYS or AUTO), not {packing!r}")
+    if packing is Packing.AUTO:
         impl = _text_config(decoder.config)._attn_implementation or "eager"
         return packing_pays(token_counts(mb), *_layer_shape(decoder.config), impl)
-    return bool(pack)
+    return packing is Packing.ALWAYS
 
 
 # ----- which models can take it --------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Union
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +22,7 @@ from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from .batch import Batch
 from .model import build_head, position_ids_for
-from .packing import packed_completion_hidden, should_pack
+from .packing import Packing, packed_completion_hidden, should_pack
 
 
 def pinned_copies(params: list[nn.Parameter]) -> HostArena:
@@ -107,7 +106,7 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, *, temperature: float, micro_batch: int, autocast_bf16: bool = False,
-                 pack: Union[bool, str] = False) -> Tensor:
+                 pack: Packing = Packing.OFF) -> Tensor:
         """log pi_ref(completion token): (N, C) fp32 on the CPU, 0 on padding. `pack`: each prompt runs
         once per micro-batch (policy/packing.py)."""
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
@@ -121,7 +120,7 @@ class Reference:
             out[start:start + len(mb), :c] = logp.view(len(mb), c).float().cpu() * mb.completion_mask
         return out
 
-    def _completion_hidden(self, mb: Batch, pack: Union[bool, str] = False) -> Tensor:
+    def _completion_hidden(self, mb: Batch, pack: Packing = Packing.OFF) -> Tensor:
         if should_pack(pack, mb, self.head.decoder):  # embeddings looked up on the CPU, like below
             return packed_completion_hidden(self.head.decoder, mb, device=self.device, embed_on_cpu=True)
         input_ids = torch.cat([mb.prompt_ids, mb.completion_ids], 1)  # (b, P + C), on the CPU

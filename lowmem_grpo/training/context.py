@@ -8,10 +8,11 @@ weight source of its own (step_modes.py); the context sees both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
+from ..policy.packing import Packing
 from .distributed import World
 
 
@@ -26,5 +27,5 @@ class RolloutContext:
     autocast: bool  # bf16 autocast around the policy's forwards
     head: Any = None  # policy.model.Head for the old log-prob pass (training only)
     reference: Optional[Any] = None  # policy.reference.Reference when beta > 0
-    pack: Union[bool, str] = False  # shared-prompt packing in the log-prob passes (policy/packing.py)
+    pack: Packing = Packing.OFF  # shared-prompt packing in the log-prob passes (policy/packing.py)
     world: World = field(default_factory=World)  # this process among the torchrun ranks

@@ -12,7 +12,7 @@ Design notes: docs/training.md, docs/distributed.md
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
@@ -22,12 +22,13 @@ from ..kernels import linear_grpo_loss
 from ..policy.batch import Batch
 from ..policy.logprobs import completion_hidden
 from ..policy.model import Head
+from ..policy.packing import Packing
 from .activation_offload import offload_activations
 from .micro_batch import loss_denominator, loss_factor
 
 
 class PolicyLoss(nn.Module):
-    def __init__(self, policy: nn.Module, cfg: Config, *, autocast: bool, pack: Union[bool, str],
+    def __init__(self, policy: nn.Module, cfg: Config, *, autocast: bool, pack: Packing,
                  world_size: int = 1):
         super().__init__()
         self.policy = policy

@@ -18,13 +18,13 @@ Design notes: docs/training.md (loss scaling)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ..config import TrainConfig
-from ..policy.packing import prompt_groups, should_pack
 from ..policy.batch import Batch
+from ..policy.packing import Packing, prompt_groups, should_pack
 
 
 def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
@@ -106,11 +106,11 @@ def loss_factor(scale: float, train: TrainConfig, world_size: int) -> float:
     return scale / train.gradient_accumulation_steps
 
 
-def computed_tokens(mb: Batch, pack: Union[bool, str], decoder) -> int:
+def computed_tokens(mb: Batch, pack: Packing, decoder) -> int:
     """Decoder positions a loss micro-batch actually computes (padding excluded): each row's prompt and
     completion tokens, or, when the micro-batch runs packed (policy/packing.py), each prompt once."""
     prompt = mb.prompt_mask.sum(1)
-    if pack and should_pack(pack, mb, decoder):
+    if should_pack(pack, mb, decoder):
         groups = prompt_groups(mb.prompt_ids, mb.prompt_mask)
         first = torch.ones_like(groups, dtype=torch.bool)
         first[1:] = groups[1:] != groups[:-1]

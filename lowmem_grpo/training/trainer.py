@@ -34,7 +34,7 @@ from ..policy.reference import Reference
 from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
                             load_model, load_tokenizer)
-from ..policy.packing import resolve_pack_prompts
+from ..policy.packing import Packing
 from ..policy.batch import Batch
 from ..rewards import load_reward_functions
 from ..rewards.timeout import with_timeout
@@ -148,9 +148,8 @@ class Trainer:
         self.policy.config.use_cache = False  # training forwards never need the KV cache
         self.head = build_head(self.policy)
         g = cfg.generation
-        packing = resolve_pack_prompts(t.pack_prompts, self.policy,
-                                       max_length=g.max_prompt_length + g.max_completion_length)
-        self.pack = (t.pack_prompts or "auto") if packing else False  # "auto": per micro-batch, where it pays
+        self.pack = Packing.resolve(t.pack_prompts, self.policy,
+                                    max_length=g.max_prompt_length + g.max_completion_length)
         resume = ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir) if cfg.output.resume_from else None
         if resume is not None:  # whole weights, before FSDP2 shards them (the rest of the state: _resume)
             ckpt.load_weights(self.policy, resume)

@@ -1,6 +1,6 @@
 """Shared-prompt packing gives the unpacked per-token log-probs and parameter gradients.
 
-Every comparison runs the same weights through `completion_hidden(..., pack=False)` and `pack=True`
+Every comparison runs the same weights through `completion_hidden` with `Packing.OFF` and `Packing.ALWAYS`
 and then through the fused head, as the loss and the log-prob passes do. fp32 must agree to rounding;
 in bf16 (bf16 weights, or fp32 weights under bf16 autocast) packed must be as close to an fp32
 unpacked run as the bf16 unpacked run is (the project's tolerance rule), within a factor. The
@@ -26,8 +26,9 @@ from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.policy.batch import Batch
 from lowmem_grpo.policy.logprobs import completion_hidden, token_logprobs
 from lowmem_grpo.policy.model import build_head, enable_checkpointing
-from lowmem_grpo.policy.packing import (PackingError, pack, packed_completion_hidden, packing_supported,
-                                        planned_token_counts, probe_packing, resolve_pack_prompts, token_counts)
+from lowmem_grpo.policy.packing import (Packing, PackingError, pack, packed_completion_hidden, packing_supported,
+                                        planned_token_counts, probe_packing, resolve_pack_prompts, should_pack,
+                                        token_counts)
 from lowmem_grpo.policy.reference import Reference
 from tests.kernels.helpers import assert_as_close_as_reference
 
@@ -73,7 +74,7 @@ def make_batch(vocab: int, seed: int = 0) -> Batch:
     return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(9, dtype=torch.bool))
 
 
-def logp_and_grads(model, mb: Batch, pack: bool, autocast: bool = False):
+def logp_and_grads(model, mb: Batch, pack: Packing, autocast: bool = False):
     """(log-probs (B, C) fp32, {name: grad fp32}) of sum(logp * w * mask) with fixed random weights w."""
     head = build_head(model)
     model.zero_grad(set_to_none=True)
@@ -99,8 +100,8 @@ def test_packed_matches_unpacked_fp32(name, attn, checkpointing):
         enable_checkpointing(model)
     for start, stop in WINDOWS:
         mb = make_batch(model.config.vocab_size).rows(start, stop)
-        logp, grads = logp_and_grads(model, mb, pack=False)
-        logp_p, grads_p = logp_and_grads(model, mb, pack=True)
+        logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
+        logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
         assert_as_close_as_reference(logp_p, logp, floor=1e-5, name="logp")
         assert grads.keys() == grads_p.keys()
         for n in grads:
@@ -118,9 +119,9 @@ def test_packed_bf16_as_close_as_unpacked(name, attn, checkpointing, precision):
     if checkpointing:
         enable_checkpointing(low)
     mb = make_batch(low.config.vocab_size).rows(*WINDOWS[1])
-    logp32, grads32 = logp_and_grads(ref, mb, pack=False)
-    logp, grads = logp_and_grads(low, mb, pack=False, autocast=not bf16_weights)
-    logp_p, grads_p = logp_and_grads(low, mb, pack=True, autocast=not bf16_weights)
+    logp32, grads32 = logp_and_grads(ref, mb, pack=Packing.OFF)
+    logp, grads = logp_and_grads(low, mb, pack=Packing.OFF, autocast=not bf16_weights)
+    logp_p, grads_p = logp_and_grads(low, mb, pack=Packing.ALWAYS, autocast=not bf16_weights)
     assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
         assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
@@ -181,7 +182,7 @@ def test_token_logprobs_packed_in_micro_batches():
     head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=4, device=torch.device("cpu"))
     plain = token_logprobs(head, batch, **kw)
-    packed = token_logprobs(head, batch, **kw, pack=True)
+    packed = token_logprobs(head, batch, **kw, pack=Packing.ALWAYS)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     assert (packed[4] == 0).all() and (packed[2, 1:] == 0).all()
 
@@ -192,7 +193,7 @@ def test_reference_packed(mode):
     ref = Reference(copy.deepcopy(model), torch.device("cpu"), mode)
     batch = make_batch(model.config.vocab_size)
     plain = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4)
-    packed = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4, pack=True)
+    packed = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4, pack=Packing.ALWAYS)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     expected = token_logprobs(build_head(model), batch, temperature=TEMPERATURE, micro_batch=4,
                               device=torch.device("cpu"))
@@ -212,13 +213,31 @@ def test_attention_without_masks_is_refused_naming_the_fix(impl):
     with pytest.raises(PackingError, match="train.pack_prompts=false"):
         resolve_pack_prompts(True, model)
     with pytest.raises(PackingError, match=impl.replace("|", r"\|")):
-        completion_hidden(build_head(model), make_batch(97), pack=True)
+        completion_hidden(build_head(model), make_batch(97), pack=Packing.ALWAYS)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_supported_models_resolve_on(attn):
     assert resolve_pack_prompts(None, make_model("qwen2", attn=attn)) is True
     assert resolve_pack_prompts(True, make_model("llama", attn=attn)) is True
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packing_mode_follows_the_setting(attn):
+    model = make_model("qwen2", attn=attn)
+    assert Packing.resolve(None, model) is Packing.AUTO  # unset: each micro-batch where it pays
+    assert Packing.resolve(True, model) is Packing.ALWAYS
+    assert Packing.resolve(False, model) is Packing.OFF
+    unsupported = make_model("llama")
+    unsupported.config._attn_implementation = "flash_attention_2"
+    assert Packing.resolve(None, unsupported) is Packing.OFF
+
+
+def test_should_pack_takes_a_mode_not_a_flag():
+    mb = make_batch(97)
+    assert should_pack(Packing.ALWAYS, mb, None) and not should_pack(Packing.OFF, mb, None)
+    with pytest.raises(TypeError, match="Packing"):
+        should_pack(True, mb, None)
 
 
 def test_sliding_window_is_refused_unless_sequences_stay_inside_it():
@@ -231,7 +250,7 @@ def test_sliding_window_is_refused_unless_sequences_stay_inside_it():
     assert packing_supported(model, max_length=8)[0]
     assert not packing_supported(model, max_length=9)[0]
     with pytest.raises(PackingError, match="sliding window"):  # 7 + 6 tokens reach the window at run time
-        completion_hidden(build_head(model), make_batch(97), pack=True)
+        completion_hidden(build_head(model), make_batch(97), pack=Packing.ALWAYS)
 
 
 @pytest.mark.parametrize("layer_type", ["linear_attention", "mamba"])
@@ -299,7 +318,7 @@ def test_packed_matches_unpacked_flex_attention_forward():
     model = make_model("llama", attn="flex_attention").eval()
     head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=5, device=torch.device("cpu"))
-    torch.testing.assert_close(token_logprobs(head, batch, **kw, pack=True), token_logprobs(head, batch, **kw),
+    torch.testing.assert_close(token_logprobs(head, batch, **kw, pack=Packing.ALWAYS), token_logprobs(head, batch, **kw),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -309,9 +328,9 @@ def test_packed_matches_unpacked_on_cuda(attn):
     model = make_model("qwen2", dtype=torch.bfloat16, attn=attn).cuda().train()
     ref = copy.deepcopy(model).float()
     mb = make_batch(model.config.vocab_size).rows(*WINDOWS[1]).to(torch.device("cuda"))
-    logp32, grads32 = logp_and_grads(ref, mb, pack=False)
-    logp, grads = logp_and_grads(model, mb, pack=False)
-    logp_p, grads_p = logp_and_grads(model, mb, pack=True)
+    logp32, grads32 = logp_and_grads(ref, mb, pack=Packing.OFF)
+    logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
+    logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
     assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
         assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,

@@ -11,6 +11,7 @@ import torch
 from lowmem_grpo.config import LR_SCHEDULES, ConfigError, OptimConfig
 from lowmem_grpo.optim.optimizers import build_scheduler
 from lowmem_grpo.policy.batch import Batch
+from lowmem_grpo.policy.packing import Packing
 from lowmem_grpo.rewards import RewardFunction, compute_rewards, reward_metrics, scorable_totals
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.micro_batch import computed_tokens
@@ -168,8 +169,8 @@ def test_computed_tokens_count_a_packed_prompt_once():
     pid = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [0, 0, 8, 9], [0, 0, 8, 9]])
     cm = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     mb = Batch(pid, pm, torch.ones(4, 3, dtype=torch.long), cm, torch.zeros(4, dtype=torch.bool))
-    assert computed_tokens(mb, False, None) == 3 + 3 + 2 + 2 + 8
-    assert computed_tokens(mb, True, None) == 3 + 2 + 8
+    assert computed_tokens(mb, Packing.OFF, None) == 3 + 3 + 2 + 2 + 8
+    assert computed_tokens(mb, Packing.ALWAYS, None) == 3 + 2 + 8
 
 
 # ----------------------------------------------------------------- dropout
