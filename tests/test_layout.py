@@ -78,3 +78,12 @@ def test_every_package_is_placed():
     placed = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     placed |= {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
     assert placed <= set(BELOW), f"not placed in a layer: {sorted(placed - set(BELOW))}"
+
+
+def test_every_subpackage_is_installed():
+    """pyproject.toml lists the packages a `pip install .` (not editable) copies: every subpackage."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"lowmem_grpo." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE else "lowmem_grpo"
+             for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"subpackages missing from pyproject.toml's packages: {sorted(found - listed)}"
