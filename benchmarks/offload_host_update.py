@@ -28,7 +28,7 @@ column is the step's time over its quiet time in this run (memory-bound times us
 
 The copies across PCIe are not timed here (they run on the GPU's copy engines, beside the host update);
 their bytes are computed: every gradient down and every weight up per step. Host RAM needed for the run:
-weight copy + gradient buffer + states (offload.host_bytes_per_param).
+weight copy + gradient buffer + states (host_ram.host_bytes_per_param).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import torch
 
 from lowmem_grpo.memory.plan import Arch
 from lowmem_grpo.memory.presets import preset
-from lowmem_grpo.optim.offload import host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.optim.host_ram import host_bytes_per_param, pcie_bytes_per_step
 from lowmem_grpo.optim.optimizer_in_backward import fp32_norm_tensor
 
 # Bytes one host step must read and write per parameter (the memory-bound floor):

@@ -37,7 +37,7 @@ from bench_utils import machine_info, write_json  # noqa: E402
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
 from lowmem_grpo.memory.presets import preset  # noqa: E402
-from lowmem_grpo.optim.offload import process_ram  # noqa: E402
+from lowmem_grpo.optim.host_ram import process_ram  # noqa: E402
 from lowmem_grpo.optim.optimizers import _optimizer_class, build_optimizer  # noqa: E402
 from lowmem_grpo.policy.reference import pinned_copies  # noqa: E402
 

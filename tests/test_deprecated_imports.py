@@ -12,6 +12,7 @@ def _run(code: str, *warning_flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("old, name, new", [
     ("lowmem_grpo.memory_modes.offload", "OffloadedOptimizerInBackward", "lowmem_grpo.optim.offload.OffloadedOptimizer"),
+    ("lowmem_grpo.memory_modes.offload", "host_bytes_per_param", "lowmem_grpo.optim.host_ram.host_bytes_per_param"),
     ("lowmem_grpo.memory_modes.optimizers", "build_optimizer", "lowmem_grpo.optim.optimizers.build_optimizer"),
     ("lowmem_grpo.memory_modes.reference", "Reference", "lowmem_grpo.policy.reference.Reference"),
     ("lowmem_grpo.memory_modes.activation_offload", "offload_activations",

@@ -9,7 +9,7 @@ the new path. Old module -> new module:
     memory_modes.host_arena          -> host_arena
 
 Renamed classes stay reachable under their old names here: `OffloadedOptimizerInBackward` is
-`optim.offload.OffloadedOptimizer`.
+`optim.offload.OffloadedOptimizer`; the host RAM arithmetic once in offload is `optim.host_ram`.
 """
 
 import importlib
@@ -18,14 +18,14 @@ import types
 import warnings
 
 MOVED = {
-    "offload": "lowmem_grpo.optim.offload",
-    "optimizer_in_backward": "lowmem_grpo.optim.optimizer_in_backward",
-    "optimizers": "lowmem_grpo.optim.optimizers",
-    "sr_adamw": "lowmem_grpo.optim.sr_adamw",
-    "host_adamw": "lowmem_grpo.optim.host_adamw",
-    "reference": "lowmem_grpo.policy.reference",
-    "activation_offload": "lowmem_grpo.training.activation_offload",
-    "host_arena": "lowmem_grpo.host_arena",
+    "offload": ("lowmem_grpo.optim.offload", "lowmem_grpo.optim.host_ram"),
+    "optimizer_in_backward": ("lowmem_grpo.optim.optimizer_in_backward",),
+    "optimizers": ("lowmem_grpo.optim.optimizers",),
+    "sr_adamw": ("lowmem_grpo.optim.sr_adamw",),
+    "host_adamw": ("lowmem_grpo.optim.host_adamw",),
+    "reference": ("lowmem_grpo.policy.reference",),
+    "activation_offload": ("lowmem_grpo.training.activation_offload",),
+    "host_arena": ("lowmem_grpo.host_arena",),
 }
 RENAMED = {"OffloadedOptimizerInBackward": "OffloadedOptimizer"}
 
@@ -35,20 +35,24 @@ warnings.warn("lowmem_grpo.memory_modes is deprecated: import lowmem_grpo.optim 
 
 
 class _Moved(types.ModuleType):
-    """The old module: every attribute read from the new one (old class names through RENAMED)."""
+    """The old module: each attribute read from the first new module that has it (old class names
+    through RENAMED)."""
 
-    def __init__(self, old: str, new: str):
-        super().__init__(old, f"Deprecated alias of {new}.")
+    def __init__(self, old: str, new: tuple[str, ...]):
+        super().__init__(old, f"Deprecated alias of {', '.join(new)}.")
         self._new = new
 
     def __getattr__(self, name):
         if name.startswith("__"):  # tools that scan sys.modules (torch's import does) must not import anything
             raise AttributeError(name)
-        module = importlib.import_module(self._new)
-        return getattr(module, RENAMED.get(name, name))
+        name = RENAMED.get(name, name)
+        for module in map(importlib.import_module, self._new):
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
     def __dir__(self):
-        return sorted(set(dir(importlib.import_module(self._new))) | set(RENAMED))
+        return sorted(set().union(*(dir(importlib.import_module(m)) for m in self._new)) | set(RENAMED))
 
 
 for _old, _new in MOVED.items():

@@ -27,8 +27,7 @@ from torch import nn
 
 from ..host_arena import HostArena, arena_bytes, buffer_bytes
 from ..phases import mark_gradient, scope
-from .host_ram import (MEMINFO, STATM, available_host_ram, check_host_ram, host_bytes_per_param,  # noqa: F401
-                       pcie_bytes_per_step, process_ram)
+from .host_ram import check_host_ram
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
 from .update_thread import UPDATE_THREAD, UpdateThread
 

@@ -20,7 +20,7 @@ from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
 from .context import RolloutContext
-from .metrics import eval_metrics  # also importable from here, its old home
+from .metrics import eval_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.optim.offload import OffloadedOptimizer, host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.optim.host_ram import host_bytes_per_param, pcie_bytes_per_step
+from lowmem_grpo.optim.offload import OffloadedOptimizer
 
 
 def _model(dtype=torch.float32, device="cpu"):
