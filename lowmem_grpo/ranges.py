@@ -70,4 +70,6 @@ PROBABILITY = Interval(0, 1)
 EPSILON_LOW = Interval(0, 1, high_open=True)
 EPSILON_HIGH = Interval(0, finite=False)
 BETA = NON_NEGATIVE
+DELTA = POSITIVE  # the two-sided clip's upper bound on the ratio (INTELLECT-2)
+SAPO_TEMPERATURE = POSITIVE
 TEMPERATURE = POSITIVE

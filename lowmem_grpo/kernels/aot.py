@@ -85,21 +85,25 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
                 ("ent_ptr", "*fp32"), ("grad_ent_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
                 ("col_offset", "i32"), ("inv_temp", "fp32"),
             ], [("HAS_ENT_GRAD", ent), ("BLOCK_V", block)], warps))
-        for has_mask, has_old, has_ref in itertools.product(FLAGS, FLAGS, FLAGS):
+        for has_mask, has_old, has_ref, has_weight in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS):
             specs.append(_spec(gl, "grpo_row_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("adv_ptr", "*fp32"), ("mask_ptr", "*u8"),
-                ("old_ptr", "*fp32"), ("ref_ptr", "*fp32"), ("loss_ptr", "*fp32"), ("logp_ptr", "*fp32"),
-                ("kl_ptr", "*fp32"), ("code_ptr", "*i8"), ("dloss_ptr", "*fp32"), ("dkl_ptr", "*fp32"),
-                ("lse_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"), ("inv_temp", "fp32"),
-                ("eps_low", "fp32"), ("eps_high", "fp32"), ("beta", "fp32"),
-            ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("BLOCK_V", block)], warps))
-    for has_mask, has_old, has_ref in itertools.product(FLAGS, FLAGS, FLAGS):
+                ("old_ptr", "*fp32"), ("ref_ptr", "*fp32"), ("weight_ptr", "*fp32"), ("loss_ptr", "*fp32"),
+                ("logp_ptr", "*fp32"), ("kl_ptr", "*fp32"), ("code_ptr", "*i8"), ("dloss_ptr", "*fp32"),
+                ("dkl_ptr", "*fp32"), ("lse_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
+                ("inv_temp", "fp32"), ("variant", "i32"), ("eps_low", "fp32"), ("eps_high", "fp32"),
+                ("delta", "fp32"), ("beta", "fp32"), ("bias_kl", "i32"), ("sapo_pos", "fp32"), ("sapo_neg", "fp32"),
+            ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("HAS_WEIGHT", has_weight),
+                ("BLOCK_V", block)], warps))
+    for has_mask, has_old, has_ref, has_weight, has_coef in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS, FLAGS):
         specs.append(_spec(gl, "grpo_token_kernel", [
             ("logp_ptr", "*fp32"), ("adv_ptr", "*fp32"), ("mask_ptr", "*u8"), ("old_ptr", "*fp32"),
-            ("ref_ptr", "*fp32"), ("loss_ptr", "*fp32"), ("kl_ptr", "*fp32"), ("code_ptr", "*i8"),
-            ("dloss_ptr", "*fp32"), ("dkl_ptr", "*fp32"), ("n_tokens", "i32"), ("eps_low", "fp32"),
-            ("eps_high", "fp32"), ("beta", "fp32"),
-        ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("BLOCK", TOKEN_BLOCK)], TOKEN_WARPS))
+            ("ref_ptr", "*fp32"), ("weight_ptr", "*fp32"), ("coef_ptr", "*fp32"), ("loss_ptr", "*fp32"),
+            ("kl_ptr", "*fp32"), ("code_ptr", "*i8"), ("dloss_ptr", "*fp32"), ("dkl_ptr", "*fp32"),
+            ("n_tokens", "i32"), ("variant", "i32"), ("eps_low", "fp32"), ("eps_high", "fp32"), ("delta", "fp32"),
+            ("beta", "fp32"), ("bias_kl", "i32"), ("sapo_pos", "fp32"), ("sapo_neg", "fp32"),
+        ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("HAS_WEIGHT", has_weight),
+            ("HAS_COEF", has_coef), ("BLOCK", TOKEN_BLOCK)], TOKEN_WARPS))
     return specs
 
 

@@ -1,7 +1,7 @@
 """Ops 2 and 3: the per-token GRPO loss, on log-probs or fused with the log-softmax over logits.
 
     grpo_token_loss(logits (B, T, V), ids (B, T), advantages (B,) | (B, T), ...) -> GRPOTokenLoss
-        loss = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A) + beta * k3   per token
+        loss = policy term of the loss_type (PPO-clip, cispo, sapo; policy_terms) + beta * k3   per token
 
 `grpo_token_terms` (op 2) is the same arithmetic on per-token vectors, for callers that already hold
 logp (the fused lm-head loss uses it). Both compute the derivatives in closed form in the forward;
@@ -12,13 +12,15 @@ Design notes: docs/kernels.md
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..ranges import BETA, EPSILON_HIGH, EPSILON_LOW
+from ..ranges import BETA, DELTA, EPSILON_HIGH, EPSILON_LOW, SAPO_TEMPERATURE
 from ._backend import use_triton
 from ._checks import check_float, check_ids, check_mask, check_shape, check_temperature
 from .logprobs import _token_logprobs_backward_op, finalize_stats, logits_stats, may_overwrite, new_stats
@@ -36,6 +38,39 @@ class GRPOTokenLoss:
     is_high_clipped: Tensor  # bool: rho > 1 + epsilon_high and A > 0
 
 
+class Variant(IntEnum):
+    """Which per-token policy-gradient term the ops compute (the loss types sharing a term share a code)."""
+
+    PPO_CLIP = 0  # grpo, bnpo, dapo, dr_grpo, luspo
+    CISPO = 1
+    SAPO = 2
+    VESPO = 3
+
+
+VARIANT_OF_LOSS_TYPE = {"grpo": Variant.PPO_CLIP, "bnpo": Variant.PPO_CLIP, "dapo": Variant.PPO_CLIP,
+                        "dr_grpo": Variant.PPO_CLIP, "luspo": Variant.PPO_CLIP, "cispo": Variant.CISPO,
+                        "sapo": Variant.SAPO, "vespo": Variant.VESPO}
+
+
+@dataclass(frozen=True)
+class TermParams:
+    """The scalar settings of the per-token terms, checked (`term_params`); `delta` inf means no upper clamp."""
+
+    variant: int = Variant.PPO_CLIP
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float = math.inf
+    beta: float = 0.0
+    bias_kl: bool = False
+    sapo_pos: float = 1.0
+    sapo_neg: float = 1.05
+
+    def op_args(self) -> tuple:
+        """In the custom ops' argument order."""
+        return (int(self.variant), self.eps_low, self.eps_high, self.delta, self.beta, self.bias_kl,
+                self.sapo_pos, self.sapo_neg)
+
+
 def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float,
                        ref_logp) -> tuple[float, float, float]:
     """The clip ranges and KL coefficient as floats, checked against the ranges the config also checks
@@ -49,38 +84,78 @@ def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: 
     return epsilon_low, epsilon_high, beta
 
 
-def ppo_clip_k3(log_ratio: Tensor, adv: Tensor, logp: Tensor, ref: Optional[Tensor], *, eps_low: float,
-                eps_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The PPO-clip + k3 per-token math, the one torch copy of it (the Triton copy is
+def term_params(loss_type: str, epsilon_low: float, epsilon_high: Optional[float], beta: float, ref_logp, *,
+                delta: Optional[float] = None, use_bias_correction_kl: bool = False,
+                sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> TermParams:
+    """Every scalar setting checked (the ranges in lowmem_grpo/ranges.py) into one TermParams."""
+    if loss_type not in VARIANT_OF_LOSS_TYPE:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(map(repr, VARIANT_OF_LOSS_TYPE))}")
+    epsilon_low, epsilon_high, beta = check_grpo_hparams(epsilon_low, epsilon_high, beta, ref_logp)
+    return TermParams(
+        variant=VARIANT_OF_LOSS_TYPE[loss_type], eps_low=epsilon_low, eps_high=epsilon_high,
+        delta=math.inf if delta is None else DELTA.check(delta, "delta"), beta=beta,
+        bias_kl=bool(use_bias_correction_kl),
+        sapo_pos=SAPO_TEMPERATURE.check(sapo_temperature_pos, "sapo_temperature_pos"),
+        sapo_neg=SAPO_TEMPERATURE.check(sapo_temperature_neg, "sapo_temperature_neg"))
+
+
+def policy_terms(log_ratio: Tensor, adv: Tensor, logp: Tensor, ref: Optional[Tensor], weight: Optional[Tensor],
+                 coef: Optional[Tensor], p: TermParams) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The per-token loss of every variant, the one torch copy of it (the Triton copy is
     grpo_loss_triton.grpo_token_terms; both are tested against reference.grpo_token_terms).
 
-        rho  = exp(log_ratio)                     log_ratio = logp - old (token) or a sequence mean (GSPO)
-        loss = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta k3,  k3 = exp(ref - logp) - (ref - logp) - 1
+        rho = exp(log_ratio)      log_ratio = logp - old (token) or a sequence mean broadcast (GSPO)
+        PPO_CLIP  pg = -min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A)
+        CISPO     pg = -sg[min(rho, eps_high)] A logp        SAPO  pg = -sigmoid(tau (rho - 1)) 4 / tau A
+        VESPO     pg = -sg[coef] A logp                      (coef: the sequence's phi, vespo_phi)
+        pg *= weight (importance-sampling ratio x entropy mask);  kl = k3(ref, logp) (x rho if bias_kl)
+        loss = pg + beta kl
 
-    Returns (loss, kl, low, high, dloss, dkl): `low`/`high` flag the active clipped branch (bool),
-    `dloss` = d clip-term / d log_ratio + beta dk3/dlogp and `dkl` = dk3/dlogp in closed form, which is
-    dloss/dlogp where log_ratio = logp - old (the token level). Plain differentiable torch ops, so a
-    caller whose log_ratio is not per token (GSPO) lets autograd differentiate `loss` instead."""
+    Returns (loss, kl, low, high, dloss, dkl): `low`/`high` flag the clipped regions as TRL counts them
+    (cispo: rho > eps_high with A > 0 is `high`), `dloss` = dloss/dlogp and `dkl` = dkl/dlogp in closed form
+    where log_ratio = logp - old (the token level). Plain differentiable torch ops, so a caller whose
+    log_ratio is not per token (GSPO) lets autograd differentiate `loss` instead."""
     rho = log_ratio.exp()
-    low = (rho < 1.0 - eps_low) & (adv < 0)
-    high = (rho > 1.0 + eps_high) & (adv > 0)
-    loss = -torch.minimum(rho * adv, rho.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    dloss = torch.where(low | high, 0.0, -rho * adv)
+    no = torch.zeros_like(rho, dtype=torch.bool)
+    low, high = no, no
+    if p.variant == Variant.CISPO:
+        w = rho.clamp(max=p.eps_high)
+        pg, dpg = -w.detach() * adv * logp, -w * adv
+        high = (rho > p.eps_high) & (adv > 0)
+    elif p.variant == Variant.SAPO:
+        tau = torch.where(adv > 0, p.sapo_pos, p.sapo_neg)
+        s = torch.sigmoid(tau * (rho - 1.0))
+        pg, dpg = -(s * 4.0 / tau) * adv, -4.0 * adv * s * (1.0 - s) * rho
+    elif p.variant == Variant.VESPO:
+        pg, dpg = -coef * adv * logp, -coef * adv
+    else:
+        clipped = rho.clamp(1.0 - p.eps_low, 1.0 + p.eps_high)
+        unclipped = rho.clamp(max=p.delta) if math.isfinite(p.delta) else rho
+        low, high = (rho < 1.0 - p.eps_low) & (adv < 0), (rho > 1.0 + p.eps_high) & (adv > 0)
+        first = unclipped * adv <= clipped * adv  # the branch the min takes
+        pg = -torch.minimum(unclipped * adv, clipped * adv)
+        slope = torch.where(first, torch.where(rho <= p.delta, rho, 0.0),
+                            torch.where((rho >= 1.0 - p.eps_low) & (rho <= 1.0 + p.eps_high), rho, 0.0))
+        dpg = -slope * adv
+    if weight is not None:
+        pg, dpg = pg * weight, dpg * weight
     if ref is not None:
         d = ref - logp
         e = d.exp()
         kl, dkl = e - d - 1.0, 1.0 - e
-        loss, dloss = loss + beta * kl, dloss + beta * dkl
+        if p.bias_kl:  # d(k3 rho)/dlogp = (dk3 + k3) rho at the token level
+            kl, dkl = kl * rho, (dkl + kl) * rho
+        loss, dloss = pg + p.beta * kl, dpg + p.beta * dkl
     else:
+        loss, dloss = pg, dpg
         kl, dkl = torch.zeros_like(loss), torch.zeros_like(loss)
     return loss, kl, low, high, dloss, dkl
 
 
-def _torch_token_terms(logp, adv, mask, old, ref, *, eps_low, eps_high, beta):
+def _torch_token_terms(logp, adv, mask, old, ref, weight, coef, p: TermParams):
     """Op 2's torch path, token-level ratio: (loss, kl, code, dloss, dkl), zero where the mask is 0."""
     log_ratio = logp - (logp if old is None else old)
-    loss, kl, low, high, dloss, dkl = ppo_clip_k3(log_ratio, adv, logp, ref, eps_low=eps_low, eps_high=eps_high,
-                                                  beta=beta)
+    loss, kl, low, high, dloss, dkl = policy_terms(log_ratio, adv, logp, ref, weight, coef, p)
     code = low.to(torch.int8) + 2 * high.to(torch.int8)
     if mask is not None:
         keep = mask.bool()
@@ -90,14 +165,14 @@ def _torch_token_terms(logp, adv, mask, old, ref, *, eps_low, eps_high, beta):
 
 
 def sequence_level_terms(logp: Tensor, adv: Tensor, maskf: Tensor, old: Optional[Tensor], ref: Optional[Tensor],
-                         eps_low: float, eps_high: float, beta: float) -> tuple[Tensor, Tensor, Tensor]:
+                         weight: Optional[Tensor], coef: Optional[Tensor], p: TermParams
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     """GSPO: one ratio per sequence from the mean token log-ratio; (loss, kl, clip code), each (B, T).
     Differentiable w.r.t. logp by autograd (the closed-form derivatives are per token only)."""
     log_ratio = logp - (logp.detach() if old is None else old)
     seq_log_ratio = (log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0)  # (B,)
-    loss, kl, low, high, _, _ = ppo_clip_k3(seq_log_ratio[:, None], adv, logp, ref,  # ratio broadcast over tokens
-                                            eps_low=eps_low, eps_high=eps_high, beta=beta)
-    code = (low.to(torch.int8) + 2 * high.to(torch.int8)) * maskf.to(torch.int8)
+    loss, kl, low, high, _, _ = policy_terms(seq_log_ratio[:, None], adv, logp, ref, weight, coef, p)
+    code = (low.to(torch.int8) + 2 * high.to(torch.int8)).expand_as(maskf) * maskf.to(torch.int8)
     return loss * maskf, kl * maskf, code
 
 
@@ -106,23 +181,24 @@ def sequence_level_terms(logp: Tensor, adv: Tensor, maskf: Tensor, old: Optional
 
 @torch.library.custom_op("lowmem_grpo::grpo_token_terms", mutates_args=())
 def _grpo_token_terms_op(logp: Tensor, adv: Tensor, mask: Optional[Tensor], old: Optional[Tensor],
-                         ref: Optional[Tensor], eps_low: float, eps_high: float, beta: float
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         ref: Optional[Tensor], weight: Optional[Tensor], coef: Optional[Tensor], variant: int,
+                         eps_low: float, eps_high: float, delta: float, beta: float, bias_kl: bool, sapo_pos: float,
+                         sapo_neg: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """All inputs [N] (mask uint8) -> (loss, kl, code int8, dloss/dlogp, dkl/dlogp)."""
+    p = TermParams(variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg)
     if use_triton(logp):
         from . import grpo_loss_triton
 
         out = (torch.empty_like(logp), torch.empty_like(logp), torch.empty_like(logp, dtype=torch.int8),
                torch.empty_like(logp), torch.empty_like(logp))
         if logp.numel():
-            grpo_loss_triton.grpo_token_terms_launch(logp, adv, mask, old, ref, out,
-                                                     eps_low=eps_low, eps_high=eps_high, beta=beta)
+            grpo_loss_triton.grpo_token_terms_launch(logp, adv, mask, old, ref, weight, coef, out, p)
         return out
-    return _torch_token_terms(logp, adv, mask, old, ref, eps_low=eps_low, eps_high=eps_high, beta=beta)
+    return _torch_token_terms(logp, adv, mask, old, ref, weight, coef, p)
 
 
 @_grpo_token_terms_op.register_fake
-def _(logp, adv, mask, old, ref, eps_low, eps_high, beta):
+def _(logp, adv, mask, old, ref, weight, coef, *scalars):
     e = torch.empty_like
     return e(logp), e(logp), e(logp, dtype=torch.int8), e(logp), e(logp)
 
@@ -140,32 +216,93 @@ def _terms_backward(ctx, g_loss, g_kl, g_code, g_dloss, g_dkl):
         grad = grad + g_loss * dloss
     if g_kl is not None:
         grad = grad + g_kl * dkl
-    return grad, None, None, None, None, None, None, None
+    return (grad,) + (None,) * 14
 
 
 _grpo_token_terms_op.register_autograd(_terms_backward, setup_context=_terms_setup_context)
 
 
+def per_token_weights(shape: tuple[int, int], device, importance_sampling_ratio: Optional[Tensor],
+                      entropy_mask: Optional[Tensor], variant: int) -> Optional[Tensor]:
+    """The multiplier of each token's policy-gradient term: the importance-sampling ratio ((B,), (B, 1) or
+    (B, T); vespo folds it into phi instead) times the entropy mask; None when neither applies."""
+    B, T = shape
+    weight = None
+    if importance_sampling_ratio is not None and variant != Variant.VESPO:
+        ratio = importance_sampling_ratio
+        if ratio.dim() == 1:
+            ratio = ratio[:, None]
+        if ratio.dim() != 2 or ratio.shape[0] != B or ratio.shape[1] not in (1, T):
+            raise ValueError(f"importance_sampling_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), "
+                             f"got {tuple(importance_sampling_ratio.shape)}")
+        if ratio.device != device:
+            raise ValueError(f"importance_sampling_ratio is on {ratio.device}, the log-probs on {device}")
+        weight = ratio.to(torch.float32).expand(B, T)
+    if entropy_mask is not None:
+        weight = entropy_mask.to(torch.float32) if weight is None else weight * entropy_mask
+    return None if weight is None else weight.contiguous()
+
+
+def vespo_coef(log_ratio: Tensor, adv: Tensor, maskf: Tensor, importance_sampling_ratio: Optional[Tensor], *,
+               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> Tensor:
+    """VESPO's phi of each sequence, broadcast to (B, T), no gradient (reference.vespo_phi is the spec).
+    `log_ratio` (B, T) = logp - old; `adv` (B, T)."""
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        log_w = (log_ratio.clamp(-20.0, 20.0) * maskf).sum(-1, keepdim=True)  # (B, 1)
+        if importance_sampling_ratio is not None:
+            ratio = importance_sampling_ratio if importance_sampling_ratio.dim() == 2 else importance_sampling_ratio[:, None]
+            log_w = log_w + ratio.float().log().clamp(floor, 20.0).sum(-1, keepdim=True)
+        log_w = log_w.clamp(floor, 20.0)
+        k = torch.where(adv >= 0, k_pos, k_neg)
+        lam = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).expand_as(adv).contiguous()
+
+
 def grpo_token_terms(logp: Tensor, advantages: Tensor, *, mask: Optional[Tensor] = None,
                      old_logp: Optional[Tensor] = None, ref_logp: Optional[Tensor] = None,
-                     epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token GRPO loss from log-probs: all arguments share logp's shape (fp32).
+                     epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
+                     loss_type: str = "grpo", delta: Optional[float] = None, use_bias_correction_kl: bool = False,
+                     importance_sampling_ratio: Optional[Tensor] = None, entropy_mask: Optional[Tensor] = None,
+                     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
+                     vespo_lambda_neg: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token GRPO loss of any loss_type from log-probs (token-level ratio): all tensors shaped like logp (fp32).
 
+    `loss_type` picks the per-token term (grpo / bnpo / dapo / dr_grpo / luspo share PPO-clip; cispo, sapo,
+    vespo; see policy_terms); `delta` caps the unclipped ratio (two-sided clip); `use_bias_correction_kl`
+    multiplies k3 by the ratio; `importance_sampling_ratio` ((B,), (B, 1) or like logp) and `entropy_mask`
+    multiply the policy term. vespo needs logp (B, T) (phi is per sequence).
     Returns (loss, kl, clip_code) with clip_code int8: 0 none, 1 low-clipped, 2 high-clipped.
     Differentiable w.r.t. `logp` (old/ref/advantages are constants)."""
-    epsilon_low, epsilon_high, beta = check_grpo_hparams(epsilon_low, epsilon_high, beta, ref_logp)
+    p = term_params(loss_type, epsilon_low, epsilon_high, beta, ref_logp, delta=delta,
+                    use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+                    sapo_temperature_neg=sapo_temperature_neg)
     shape, dev = logp.shape, logp.device
-    for name, t in (("advantages", advantages), ("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, t in (("advantages", advantages), ("old_logp", old_logp), ("ref_logp", ref_logp),
+                    ("entropy_mask", entropy_mask)):
         check_shape(t, shape, name, dev)
     mask = check_mask(mask, shape, dev)
+    weight = coef = None
+    if importance_sampling_ratio is not None or entropy_mask is not None or p.variant == Variant.VESPO:
+        if logp.dim() != 2:
+            raise ValueError(f"importance_sampling_ratio, entropy_mask and loss_type='vespo' need logp shaped "
+                             f"(B, T), got {tuple(shape)}")
+        weight = per_token_weights(shape, dev, importance_sampling_ratio, entropy_mask, p.variant)
+        if p.variant == Variant.VESPO:
+            maskf = torch.ones(shape, device=dev) if mask is None else mask.float()
+            old = logp.detach() if old_logp is None else old_logp.float()
+            coef = vespo_coef(logp.detach() - old, advantages.float(), maskf, importance_sampling_ratio,
+                              k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos, k_neg=vespo_k_neg,
+                              lambda_neg=vespo_lambda_neg)
 
     def flat(t):
         return None if t is None else t.reshape(-1).to(torch.float32).contiguous()
 
     loss, kl, code, _, _ = _grpo_token_terms_op(
         flat(logp), flat(advantages), None if mask is None else mask.reshape(-1).to(torch.uint8).contiguous(),
-        flat(old_logp), flat(ref_logp), epsilon_low, epsilon_high, beta)
+        flat(old_logp), flat(ref_logp), flat(weight), flat(coef), *p.op_args())
     return loss.view(shape), kl.view(shape), code.view(shape)
 
 
@@ -174,10 +311,12 @@ def grpo_token_terms(logp: Tensor, advantages: Tensor, *, mask: Optional[Tensor]
 
 @torch.library.custom_op("lowmem_grpo::grpo_token_loss", mutates_args=())
 def _grpo_token_loss_op(logits: Tensor, ids: Tensor, adv: Tensor, mask: Optional[Tensor], old: Optional[Tensor],
-                        ref: Optional[Tensor], temperature: float, eps_low: float, eps_high: float, beta: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                        ref: Optional[Tensor], weight: Optional[Tensor], temperature: float, variant: int,
+                        eps_low: float, eps_high: float, delta: float, beta: float, bias_kl: bool, sapo_pos: float,
+                        sapo_neg: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """logits [N, V], the rest [N] -> (loss, logp, kl, code, dloss, dkl, lse), all [N]."""
     n = logits.shape[0]
+    p = TermParams(variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg)
     if use_triton(logits):
         from . import grpo_loss_triton
 
@@ -185,15 +324,14 @@ def _grpo_token_loss_op(logits: Tensor, ids: Tensor, adv: Tensor, mask: Optional
         outputs = (f, torch.empty_like(f), torch.empty_like(f), torch.empty(n, dtype=torch.int8, device=f.device),
                    torch.empty_like(f), torch.empty_like(f), torch.empty_like(f))
         if n:
-            grpo_loss_triton.grpo_row_launch(logits, ids, adv, mask, old, ref, outputs, inv_temp=1.0 / temperature,
-                                             eps_low=eps_low, eps_high=eps_high, beta=beta)
+            grpo_loss_triton.grpo_row_launch(logits, ids, adv, mask, old, ref, weight, outputs,
+                                             inv_temp=1.0 / temperature, p=p)
         loss, logp, kl, code, dloss, dkl, lse = outputs
         return loss, logp, kl, code, dloss, dkl, lse
     stats = new_stats(n, logits.device)
     logits_stats(logits, ids, stats, inv_temp=1.0 / temperature)
     lse, logp, _ = finalize_stats(stats)
-    loss, kl, code, dloss, dkl = _torch_token_terms(logp, adv, mask, old, ref,
-                                                    eps_low=eps_low, eps_high=eps_high, beta=beta)
+    loss, kl, code, dloss, dkl = _torch_token_terms(logp, adv, mask, old, ref, weight, None, p)
     if mask is not None:
         keep = mask.bool()
         logp, lse = torch.where(keep, logp, 0.0), torch.where(keep, lse, 0.0)
@@ -201,7 +339,7 @@ def _grpo_token_loss_op(logits: Tensor, ids: Tensor, adv: Tensor, mask: Optional
 
 
 @_grpo_token_loss_op.register_fake
-def _(logits, ids, adv, mask, old, ref, temperature, eps_low, eps_high, beta):
+def _(logits, ids, adv, mask, old, ref, weight, *scalars):
     n = logits.shape[0]
     f = [logits.new_empty(n, dtype=torch.float32) for _ in range(7)]
     f[3] = logits.new_empty(n, dtype=torch.int8)
@@ -209,7 +347,7 @@ def _(logits, ids, adv, mask, old, ref, temperature, eps_low, eps_high, beta):
 
 
 def _loss_setup_context(ctx, inputs, output):
-    logits, ids, _, mask, _, _, temperature, _, _, _ = inputs
+    logits, ids, _, mask, _, _, _, temperature = inputs[:8]
     _, _, _, _, dloss, dkl, lse = output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(logits, ids, mask, dloss, dkl, lse)
@@ -228,7 +366,7 @@ def _loss_backward(ctx, g_loss, g_logp, g_kl, *unused):
         grad = grad + (g_logp if mask is None else torch.where(mask.bool(), g_logp, 0.0))
     buf = logits if ctx.in_place else logits.clone()
     _token_logprobs_backward_op(buf, ids, lse, grad.contiguous(), None, None, ctx.temperature)
-    return (buf,) + (None,) * 9
+    return (buf,) + (None,) * 15
 
 
 _grpo_token_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_context)
@@ -237,8 +375,11 @@ _grpo_token_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_
 def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Optional[Tensor] = None,
                     old_logp: Optional[Tensor] = None, ref_logp: Optional[Tensor] = None,
                     epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-                    temperature: float = 1.0) -> GRPOTokenLoss:
-    """Per-token GRPO (PPO-clip + k3 KL) loss straight from logits, in one pass over each row.
+                    temperature: float = 1.0, loss_type: str = "grpo", delta: Optional[float] = None,
+                    use_bias_correction_kl: bool = False, importance_sampling_ratio: Optional[Tensor] = None,
+                    entropy_mask: Optional[Tensor] = None, sapo_temperature_pos: float = 1.0,
+                    sapo_temperature_neg: float = 1.05) -> GRPOTokenLoss:
+    """Per-token GRPO loss (policy term + k3 KL) straight from logits, in one pass over each row.
 
     Args:
         logits: (B, T, V) float32/bfloat16/float16. Never copied to fp32; dlogits are written into it
@@ -251,6 +392,8 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
         epsilon_low / epsilon_high: clip range [1 - eps_low, 1 + eps_high]; eps_high None = eps_low.
         beta: weight of the k3 KL penalty.
         temperature: logits are divided by it before the softmax.
+        loss_type, delta, use_bias_correction_kl, importance_sampling_ratio, entropy_mask, sapo_*: as in
+            grpo_token_terms; loss_type 'vespo' (a per-sequence weight) is not computed here.
 
     Returns:
         GRPOTokenLoss with (B, T) fields loss, logp, kl (fp32, differentiable w.r.t. logits) and
@@ -260,14 +403,20 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
     temperature = check_temperature(temperature)
-    epsilon_low, epsilon_high, beta = check_grpo_hparams(epsilon_low, epsilon_high, beta, ref_logp)
+    p = term_params(loss_type, epsilon_low, epsilon_high, beta, ref_logp, delta=delta,
+                    use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+                    sapo_temperature_neg=sapo_temperature_neg)
+    if p.variant == Variant.VESPO:
+        raise ValueError("loss_type='vespo' weighs each sequence by phi of its whole log-ratio, which this "
+                         "per-row op does not see: use grpo_token_terms on the log-probs, or linear_grpo_loss")
     B, T, V = logits.shape
     dev = logits.device
     mask = check_mask(mask, (B, T), dev)
     flat_ids = check_ids(ids, (B, T), V, dev, mask=mask)
     adv = _expand_advantages(advantages, B, T, dev)
-    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("entropy_mask", entropy_mask)):
         check_shape(t, (B, T), name, dev)
+    weight = per_token_weights((B, T), dev, importance_sampling_ratio, entropy_mask, p.variant)
 
     def flat(t):
         return None if t is None else t.reshape(-1).to(torch.float32).contiguous()
@@ -277,7 +426,7 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
         rows = rows.contiguous()
     loss, logp, kl, code, _, _, _ = _grpo_token_loss_op(
         rows, flat_ids, adv.reshape(-1), None if mask is None else mask.reshape(-1).to(torch.uint8).contiguous(),
-        flat(old_logp), flat(ref_logp), temperature, epsilon_low, epsilon_high, beta)
+        flat(old_logp), flat(ref_logp), flat(weight), temperature, *p.op_args())
     code = code.view(B, T)
     return GRPOTokenLoss(loss=loss.view(B, T), logp=logp.view(B, T), kl=kl.view(B, T),
                          is_clipped=code != 0, is_low_clipped=code == 1, is_high_clipped=code == 2)

@@ -60,7 +60,7 @@ def test_aot_list_holds_every_configuration_the_launcher_rule_produces():
                 for kernel, flags in (
                     ("logits_stats_kernel", ("ACCUMULATE", "HAS_ENTROPY")),
                     ("logits_grad_kernel", ("HAS_ENT_GRAD",)),
-                    ("grpo_row_kernel", ("HAS_MASK", "HAS_OLD", "HAS_REF")),
+                    ("grpo_row_kernel", ("HAS_MASK", "HAS_OLD", "HAS_REF", "HAS_WEIGHT")),
                 ):
                     for values in range(1 << len(flags)):
                         constexprs = [(f, bool(values >> i & 1)) for i, f in enumerate(flags)] + [("BLOCK_V", block)]

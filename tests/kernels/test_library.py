@@ -18,9 +18,15 @@ def _op_samples():
     ops = torch.ops.lowmem_grpo
     return [
         (ops.token_logprobs.default, (logits, ids, 0.7, True)),
-        (ops.grpo_token_terms.default, (f(N).requires_grad_(), f(N), mask, f(N), f(N), 0.2, 0.28, 0.04)),
-        (ops.grpo_token_loss.default, (logits, ids, f(N), mask, f(N), f(N), 0.9, 0.2, 0.28, 0.04)),
-        (ops.grpo_token_loss.default, (logits, ids, f(N), None, None, None, 1.0, 0.2, 0.2, 0.0)),
+        # variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg
+        (ops.grpo_token_terms.default, (f(N).requires_grad_(), f(N), mask, f(N), f(N), None, None,
+                                        0, 0.2, 0.28, float("inf"), 0.04, False, 1.0, 1.05)),
+        (ops.grpo_token_terms.default, (f(N).requires_grad_(), f(N), mask, f(N), f(N), f(N).abs(), f(N).abs(),
+                                        3, 0.2, 0.28, 2.0, 0.04, True, 1.0, 1.05)),
+        (ops.grpo_token_loss.default, (logits, ids, f(N), mask, f(N), f(N), f(N).abs(), 0.9,
+                                       2, 0.2, 0.28, 2.0, 0.04, True, 1.0, 1.05)),
+        (ops.grpo_token_loss.default, (logits, ids, f(N), None, None, None, None, 1.0,
+                                       0, 0.2, 0.2, float("inf"), 0.0, False, 1.0, 1.05)),
         (ops.linear_token_logprobs.default, (hidden, weight, bias, ids, 0.8, True, 16)),
         (ops.linear_token_logprobs.default, (hidden, weight, None, ids, 1.0, False, 64)),
         (ops.token_logprobs_backward_.default, (logits.detach().clone(), ids, f(N), f(N), f(N), f(N), 0.7)),
@@ -29,7 +35,7 @@ def _op_samples():
     ]
 
 
-@pytest.mark.parametrize("index", range(8))
+@pytest.mark.parametrize("index", range(9))
 def test_opcheck(index):
     op, args = _op_samples()[index]
     torch.library.opcheck(op, args)
