@@ -187,6 +187,11 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, ids: Tensor, advantages: Te
         "clip_ratio": masked_mean(terms["is_clipped"]), "clip_ratio_low": masked_mean(terms["is_low_clipped"]),
         "clip_ratio_high": masked_mean(terms["is_high_clipped"]),
     }
+    if loss_type == "vespo":
+        old = logp.detach() if old_logp is None else old_logp
+        phi = vespo_phi(logp.detach() - old, advantages, m, _sequence_shaped(variant.get("importance_sampling_ratio")),
+                        **{k[len("vespo_"):]: v for k, v in variant.items() if k.startswith("vespo_")})
+        metrics["vespo_phi_mean"] = phi[:, 0].mean()
     if entropy_mask is not None:
         metrics["entropy_mask_ratio"] = masked_mean(entropy_mask)
     return loss, metrics

@@ -17,6 +17,14 @@ CASES = [
     ("old+kl+token-adv", 0.1, 0.3, 0.04, True, True, "tokens"),
     ("old+kl+whole-seq-masked", 0.2, 0.2, 0.04, True, False, "sequence"),
 ]
+# The other per-token variants and options on op 3 (vespo's per-sequence weight is not a per-row op):
+# (name, extra keyword arguments, importance-sampling ratio shape or None, with an entropy mask)
+VARIANT_CASES = [
+    ("cispo", dict(loss_type="cispo", epsilon_high=1.1), None, False),
+    ("sapo", dict(loss_type="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.2), "token", False),
+    ("delta+bias_kl", dict(loss_type="grpo", delta=1.2, epsilon_high=0.05, use_bias_correction_kl=True), None, False),
+    ("is_sequence+entropy_mask", dict(loss_type="dapo"), "sequence", True),
+]
 
 
 def _inputs(B, T, V, dtype, device, with_old, per_token, mask_kind, beta, temperature=1.0):
@@ -75,6 +83,40 @@ def test_matches_reference(device, dtype, temperature, case):
         assert (out.loss[padding] == 0).all() and (out.logp[padding] == 0).all() and (out.kl[padding] == 0).all()
     if with_old:
         assert out.is_low_clipped.any() or out.is_high_clipped.any(), "case should exercise clipping"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_variants_match_reference(device, dtype, case):
+    _, extra, is_shape, entropy_mask = case
+    B, T, V = 3, 7, 1001
+    base, ids, adv, old, ref, mask = _inputs(B, T, V, dtype, device, True, False, "tokens", 0.04, 0.9)
+    kwargs = dict(extra, mask=mask, old_logp=old, ref_logp=ref, beta=0.04, temperature=0.9)
+    if is_shape:
+        kwargs["importance_sampling_ratio"] = torch.rand((B, T) if is_shape == "token" else (B, 1), device=device) + 0.5
+    if entropy_mask:
+        kwargs["entropy_mask"] = torch.rand(B, T, device=device) > 0.5
+    ups = [torch.randn(B, T, device=device) for _ in range(2)]
+    out = grpo_token_loss(base * 1, ids, adv, **kwargs)
+    (grad,) = torch.autograd.grad([out.loss, out.kl], base, ups)
+    refs = {}
+    for dt in {torch.float32, dtype}:
+        ref_base = base.detach().float().requires_grad_()
+        r = reference.grpo_token_loss(ref_base, ids.clamp(min=0), adv, dtype=dt, **kwargs)
+        refs[dt] = (r, torch.autograd.grad([r["loss"], r["kl"]], ref_base, ups)[0])
+    (r32, g32), (r_low, g_low) = refs[torch.float32], refs[dtype]
+    low = dtype != torch.float32
+    for name in ("loss", "logp", "kl"):
+        assert_as_close_as_reference(getattr(out, name), r32[name], r_low[name] if low else None, name=name)
+    assert_as_close_as_reference(grad, g32, g_low if low else None, name="dlogits")
+    if not low:
+        for name in ("is_low_clipped", "is_high_clipped"):
+            assert torch.equal(getattr(out, name), r32[name]), name
+
+
+def test_vespo_is_refused_by_the_row_op():
+    with pytest.raises(ValueError, match="loss_type='vespo' weighs each sequence"):
+        grpo_token_loss(torch.randn(1, 2, 5), torch.zeros(1, 2, dtype=torch.long), torch.ones(1), loss_type="vespo")
 
 
 @pytest.mark.parametrize("vocab", [151936, 49152])
