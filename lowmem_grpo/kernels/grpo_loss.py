@@ -251,7 +251,8 @@ def vespo_coef(log_ratio: Tensor, adv: Tensor, maskf: Tensor, importance_samplin
         floor = math.log(1e-8)
         log_w = (log_ratio.clamp(-20.0, 20.0) * maskf).sum(-1, keepdim=True)  # (B, 1)
         if importance_sampling_ratio is not None:
-            ratio = importance_sampling_ratio if importance_sampling_ratio.dim() == 2 else importance_sampling_ratio[:, None]
+            ratio = importance_sampling_ratio
+            ratio = ratio if ratio.dim() == 2 else ratio[:, None]
             log_w = log_w + ratio.float().log().clamp(floor, 20.0).sum(-1, keepdim=True)
         log_w = log_w.clamp(floor, 20.0)
         k = torch.where(adv >= 0, k_pos, k_neg)
