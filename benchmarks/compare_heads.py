@@ -117,17 +117,23 @@ def reference_logp(hidden: Tensor, weight: Tensor, ids: Tensor, dtype: torch.dty
     return out.view(B, T)
 
 
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+PPO_CLIP = ("dapo", "grpo", "bnpo", "dr_grpo")  # the per-token loss transcribed from TRL below
+
+
 def reduce_like_trl(per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int) -> Tensor:
     """GRPOTrainer._compute_loss's reductions (one micro-batch, no accumulation, one process)."""
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-    raise ValueError(f"unknown loss_type {loss_type!r}; this benchmark runs grpo, bnpo, dr_grpo, dapo")
+    if loss_type == "luspo":
+        return (per_token * mask).sum(-1).mean()
+    raise ValueError(f"unknown loss_type {loss_type!r}; this benchmark runs {', '.join(LOSS_TYPES)}")
 
 
 def reference_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Setting):
@@ -138,7 +144,7 @@ def reference_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Sett
     x = logp64.clone().requires_grad_()
     mask = torch.ones(B, T, dtype=torch.float64, device=x.device)
     terms = spec.grpo_token_terms(x, adv.double(), old_logp=old.double(), ref_logp=ref.double() if s.beta else None,
-                                  epsilon_low=EPSILON, beta=s.beta)
+                                  epsilon_low=EPSILON, beta=s.beta, loss_type=s.loss_type)
     loss = reduce_like_trl(terms["loss"], mask, s.loss_type, T)
     (g_logp,) = torch.autograd.grad(loss, x)
     h, w, flat, g = hidden.reshape(-1, H).double(), weight.double(), ids.reshape(-1), g_logp.reshape(-1)
@@ -156,7 +162,12 @@ def reference_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Sett
 
 
 def trl_per_token_loss(logp, old, ref, adv, mask, s: Setting) -> Tensor:
-    """GRPOTrainer._compute_loss (TRL 1.16), token-level ratio, no delta / off-policy mask / vLLM correction."""
+    """GRPOTrainer._compute_loss (TRL 1.16), token-level ratio, no delta / off-policy mask / vLLM correction;
+    the other loss types' per-token terms from the spec (reference.grpo_token_terms, TRL's formulas)."""
+    if s.loss_type not in PPO_CLIP:
+        terms = spec.grpo_token_terms(logp, adv, old_logp=old, ref_logp=ref if s.beta else None, epsilon_low=EPSILON,
+                                      beta=s.beta, loss_type=s.loss_type)
+        return reduce_like_trl(terms["loss"], mask, s.loss_type, logp.shape[1])
     advantages = adv.unsqueeze(1)
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - EPSILON, 1 + EPSILON)
@@ -388,7 +399,7 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--hidden", type=int, nargs="+", default=[896, 1536])
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--loss-types", nargs="+", default=["dapo", "grpo"], choices=["dapo", "grpo", "bnpo", "dr_grpo"])
+    parser.add_argument("--loss-types", nargs="+", default=["dapo", "grpo"], choices=LOSS_TYPES)
     parser.add_argument("--betas", type=float, nargs="+", default=[0.0, 0.04])
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--repeats", type=int, default=3,
