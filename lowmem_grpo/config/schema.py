@@ -16,7 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ..ranges import BETA, EPSILON_HIGH, EPSILON_LOW, NON_NEGATIVE, POSITIVE, PROBABILITY, TEMPERATURE, Interval
+from ..ranges import (BETA, DELTA, EPSILON_HIGH, EPSILON_LOW, NON_NEGATIVE, POSITIVE, PROBABILITY, SAPO_TEMPERATURE,
+                      TEMPERATURE, Interval)
 
 
 def setting(default, help: str, check: Union[Interval, tuple, None] = None, why: str = ""):
@@ -145,6 +146,11 @@ class RewardsConfig:
                                                     check=POSITIVE)
 
 
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+# normalised by the optimizer step's completion tokens (num_items_in_batch), as dapo
+TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = setting(100, "Optimizer steps to run.", check=POSITIVE)
@@ -173,10 +179,26 @@ class TrainConfig:
                              check=EPSILON_LOW, why="the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
     epsilon_high: Optional[float] = setting(None, "Upper clip range (default: epsilon). DAPO uses 0.28.",
                                                   check=EPSILON_HIGH)
-    loss_type: str = setting("dapo", "grpo | bnpo | dapo | dr_grpo (TRL's; dapo divides by the completion tokens of "
-                                     "the optimizer step's micro-batches: docs/trl.md).",
-                                     check=("grpo", "bnpo", "dapo", "dr_grpo"))
+    loss_type: str = setting("dapo", "grpo | bnpo | dapo | dr_grpo | cispo | sapo | luspo | vespo (TRL's; dapo, "
+                                     "cispo and vespo divide by the completion tokens of the optimizer step's "
+                                     "micro-batches: docs/trl.md; formulas: docs/training.md, Loss types).",
+                                     check=LOSS_TYPES)
     importance_sampling_level: str = setting("token", "token | sequence (GSPO).", check=("token", "sequence"))
+    delta: Optional[float] = setting(None, "Two-sided clip (INTELLECT-2): the unclipped ratio is capped at delta in "
+                                           "the PPO-clip loss types; TRL recommends > 1 + epsilon_high. None: off.",
+                                           check=DELTA)
+    top_entropy_quantile: float = setting(1.0, "Keep the policy loss on the top-q fraction of completion tokens by "
+                                               "entropy (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps all.",
+                                               check=PROBABILITY)
+    use_bias_correction_kl: bool = setting(True, "Multiply the KL term by the importance ratio (DeepSeek-V3.2), "
+                                                 "TRL's default; only matters with beta > 0.")
+    sapo_temperature_pos: float = setting(1.0, "sapo's gate temperature for tokens with positive advantage.",
+                                          check=SAPO_TEMPERATURE)
+    sapo_temperature_neg: float = setting(1.05, "sapo's gate temperature for the other tokens.", check=SAPO_TEMPERATURE)
+    vespo_k_pos: float = setting(2.0, "vespo's gamma shape k for advantages >= 0.", check=NON_NEGATIVE)
+    vespo_lambda_pos: float = setting(3.0, "vespo's gamma rate lambda for advantages >= 0.", check=NON_NEGATIVE)
+    vespo_k_neg: float = setting(3.0, "vespo's gamma shape k for negative advantages.", check=NON_NEGATIVE)
+    vespo_lambda_neg: float = setting(2.0, "vespo's gamma rate lambda for negative advantages.", check=NON_NEGATIVE)
     scale_rewards: str = setting("group", "Advantage scaling: group (divide by the group's std) | batch (by the "
                                           "generation batch's std) | none (Dr. GRPO).",
                                           check=("group", "batch", "none"))

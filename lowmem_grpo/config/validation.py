@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 
 from ..ranges import Interval
 from .batching import batch_plan
@@ -49,10 +50,26 @@ def check_field_rules(cfg: Config) -> None:
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
+def warn_loss_settings(t) -> None:
+    """TRL's warnings for loss settings that run but leave the paper's setup (a warning, not an error)."""
+    if t.loss_type == "luspo" and t.importance_sampling_level != "sequence":
+        warnings.warn("train.loss_type=luspo with importance_sampling_level=token: the LUSPO paper uses "
+                      "importance_sampling_level=sequence", stacklevel=3)
+    if t.loss_type == "vespo" and t.importance_sampling_level != "token":
+        warnings.warn("train.loss_type=vespo weighs each sequence by its own ratio already: set "
+                      "importance_sampling_level=token (the default)", stacklevel=3)
+    high = t.epsilon if t.epsilon_high is None else t.epsilon_high
+    if t.delta is not None and t.loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo") and t.delta <= 1 + high:
+        warnings.warn(f"train.delta={t.delta} <= 1 + epsilon_high = {1 + high}: the two-sided clip then caps "
+                      "ratios inside the clip range (INTELLECT-2 and TRL recommend delta > 1 + epsilon_high)",
+                      stacklevel=3)
+
+
 def validate(cfg: Config) -> None:
     """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix."""
     check_field_rules(cfg)
     m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
+    warn_loss_settings(t)
     if not m.name_or_path and m.config is None:
         raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
     if m.name_or_path and m.config is not None:

@@ -59,6 +59,10 @@ class PolicyLoss(nn.Module):
                 epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
                 loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
                 max_completion_length=g.max_completion_length,
-                num_items_in_batch=loss_denominator(t.loss_type, num_items), mask_count=tokens)
+                num_items_in_batch=loss_denominator(t.loss_type, num_items), mask_count=tokens, delta=t.delta,
+                use_bias_correction_kl=t.use_bias_correction_kl, top_entropy_quantile=t.top_entropy_quantile,
+                sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
+                vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
+                vespo_lambda_neg=t.vespo_lambda_neg)
         factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
         return (loss if factor == 1.0 else loss * factor), metrics

@@ -73,9 +73,10 @@ class StepSums:
         return self._host[0], dict(self._host[1])
 
 
-# The loss's metric names -> TRL's log names
+# The loss's metric names -> TRL's log names (per loss type where TRL logs different ones)
 TRL_STEP_NAMES = {"clip_ratio": "clip_ratio/region_mean", "clip_ratio_low": "clip_ratio/low_mean",
-                  "clip_ratio_high": "clip_ratio/high_mean"}
+                  "clip_ratio_high": "clip_ratio/high_mean", "vespo_phi_mean": "vespo/phi_seq_mean"}
+CLIP_NAMES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
 
 # evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
 # metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
@@ -93,9 +94,14 @@ def step_means(sums: dict[str, float], *, num_items: int, computed: int, backwar
     return out
 
 
-def trl_names(metrics: dict) -> dict:
+def trl_names(metrics: dict, loss_type: str = "dapo") -> dict:
     """`metrics` with the loss's names replaced by TRL's (TRL_STEP_NAMES), in place; renamed keys move
-    to the end."""
+    to the end. As TRL: cispo's one clip region is `cispo_clip_ratio`; sapo and vespo log no clip ratio."""
+    if loss_type == "cispo" and "clip_ratio_high" in metrics:
+        metrics["cispo_clip_ratio"] = metrics["clip_ratio_high"]
+    if loss_type in ("cispo", "sapo", "vespo"):
+        for name in CLIP_NAMES:
+            metrics.pop(name, None)
     for ours, trl in TRL_STEP_NAMES.items():
         if ours in metrics:
             metrics[trl] = metrics.pop(ours)

@@ -30,7 +30,7 @@ PANELS = ("reward", "held-out score", "completion length", "KL and entropy", "cl
 
 # Each series: a label and the metric names it may be logged under (newest first).
 _CLIP = [("region", ("clip_ratio/region_mean", "clip_ratio")), ("low", ("clip_ratio/low_mean", "clip_ratio_low")),
-         ("high", ("clip_ratio/high_mean", "clip_ratio_high"))]
+         ("high", ("clip_ratio/high_mean", "clip_ratio_high", "cispo_clip_ratio"))]
 _TIME = [("step", ("step_time",)), ("generation", ("generation_time",))]
 
 
