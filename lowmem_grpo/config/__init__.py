@@ -23,7 +23,8 @@ from .validation import DEVICE, REPORT_TARGETS, check_field_rules, report_target
 
 __all__ = [
     "BatchPlan", "batch_plan", "ConfigError", "did_you_mean", "apply_mapping", "apply_overrides", "load_config",
-    "resolve_key", "set_value", "LOSS_TYPES", "LR_SCHEDULES", "TOKEN_SUM_LOSS_TYPES", "Config", "DataConfig", "EvalConfig", "GenerationConfig",
-    "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig", "describe", "key_index",
-    "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "check_field_rules", "report_targets", "validate",
+    "resolve_key", "set_value", "LOSS_TYPES", "LR_SCHEDULES", "TOKEN_SUM_LOSS_TYPES", "Config", "DataConfig",
+    "EvalConfig", "GenerationConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig",
+    "describe", "key_index", "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "check_field_rules",
+    "report_targets", "validate",
 ]

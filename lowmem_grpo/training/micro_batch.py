@@ -3,16 +3,14 @@ divided by, and the token counts the step reports. Pure functions of the micro-b
 
     trained_rows(mb, train)         (b,) bool: completions whose gradient is not known to be zero
     plan_micro_batch(mb, train, d)  MicroBatchWork: the rows to run, their scale and completion tokens
-    loss_denominator(loss_type, n)  dapo, cispo, vespo: n, the step's completion tokens over every rank; else None
+    loss_denominator(loss_type, n)  dapo, cispo, vespo: n, the step's completion tokens (all ranks); else None
     loss_factor(scale, train, ws)   what the fused head's loss is multiplied by before backward
     computed_tokens(mb, pack, dec)  decoder positions the micro-batch computes (tokens_per_second)
 
-The fused head's loss per loss_type: grpo and sapo, the mean over sequences of each one's token mean;
-luspo, the mean over sequences of each one's token sum; dr_grpo, the token sum / (sequences x
-max_completion_length); bnpo, the token sum / masked tokens; dapo, cispo and vespo, the token sum /
-`loss_denominator` (global). The factor then restores the denominator of skipped rows
-(`skipped_rows_scale`) and makes the step a mean over the accumulated micro-batches (divide by
-gradient_accumulation_steps), or, for the global token sums, a sum over ranks (multiply by the world size).
+The fused head normalises per loss_type (docs/training.md, Loss types); the factor then restores the
+denominator of skipped rows (`skipped_rows_scale`) and makes the step a mean over the accumulated
+micro-batches (divide by gradient_accumulation_steps), or, for the global token sums (dapo, cispo,
+vespo), a sum over ranks (multiply by the world size).
 Design notes: docs/training.md (loss scaling)
 """
 
