@@ -1,23 +1,23 @@
 """A drop-in for TRL users: `from lowmem_grpo.integrations.trl import GRPOTrainer` is TRL's GRPOTrainer
 (same constructor, same GRPOConfig) whose LM head runs through lowmem-grpo's fused head.
 
-TRL 1.16's GRPOTrainer computes every per-token log-prob it needs (the policy pass with its gradient, the
-old-policy and reference passes without) through `model(..., labels=..., fused_lm_head=True)`, a forward
-that `trl.trainer.utils.add_fused_lm_head` patches into the policy and reference models. This trainer
-patches them again, after TRL's constructor, with the same forward whose head is
-`lowmem_grpo.kernels.linear_token_logprobs` (log-probs and entropy, both differentiable). Everything else
-is TRL's own code: generation, rewards, advantages and the per-token loss of every `loss_type`, which
-works on (B, T) log-prob vectors, so each loss type keeps its TRL definition exactly; only the
-(B, T, V)-sized part, the head, changes.
-
-Refused at construction, with the reason (TRL's head handles them, ours does not yet): final-logit
-softcapping or a logit scale (Gemma 2, Granite, ...), cast_lm_head_to_fp32=True, MoE router losses,
-FSDP-sharded (DTensor) heads.
-"""
+TRL 1.16's GRPOTrainer gets every per-token log-prob (policy pass with gradient, old-policy and reference
+passes without) from `model(..., labels=..., fused_lm_head=True)`, a forward that
+`trl.trainer.utils.add_fused_lm_head` patches in. This trainer re-patches the policy and reference models,
+after TRL's constructor, with the same forward whose head is `lowmem_grpo.kernels.linear_token_logprobs`
+(log-probs and entropy, differentiable). Everything else, including each `loss_type`'s per-token loss on the
+(B, T) log-probs, is TRL's own code; only the (B, T, V)-sized head changes. MoE models: aux_loss is the
+family's own transformers `load_balancing_loss_func` on the backbone's router logits, and `loss` adds
+router_aux_loss_coef * aux_loss, as in TRL's head. cast_lm_head_to_fp32=True: the head runs in fp32 (hidden
+states and weight) with autocast off, as TRL's does. Refused at construction, with the reason: final-logit
+softcapping or a logit scale (Gemma 2, Granite, ...), an MoE family without load_balancing_loss_func;
+FSDP-sharded (DTensor) heads are refused on the first fused call."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import types
 
 import torch
@@ -45,20 +45,35 @@ def _unsupported(model) -> list[str]:
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
             why.append(f"{name}={value}")
-    if getattr(config, "output_router_logits", False):
-        why.append("output_router_logits=True (an MoE load-balancing loss)")
+    if hasattr(config, "output_router_logits") and _router_loss(model) is None:
+        why.append(f"router logits but no load_balancing_loss_func in {type(model).__module__}")
     return why
 
 
-def add_fused_lm_head(model, temperature: float = 1.0) -> None:
-    """`trl.trainer.utils.add_fused_lm_head(model, temperature, outputs=("log_probs", "entropy"))` with our
-    head: `model(..., labels=labels, fused_lm_head=True)` returns TRL's FusedCausalLMOutput (log_probs and
-    entropy, 0 where labels are -100) without (B, T, V) logits; without the flag, the model's own forward."""
+def _router_loss(model):
+    """The MoE family's own load-balancing loss function, from the model's transformers module (or None)."""
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+
+
+def _experts(model, config) -> tuple[int, int]:
+    """(num_experts, num_experts_per_tok), read as the model's own forward reads them."""
+    num_experts = getattr(model, "num_experts", None)
+    if num_experts is None:
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    return num_experts, getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
+
+
+def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False) -> None:
+    """`trl.trainer.utils.add_fused_lm_head(model, temperature, cast_lm_head_to_fp32, ("log_probs", "entropy"))`
+    with our head: `model(..., labels=labels, fused_lm_head=True)` returns TRL's FusedCausalLMOutput (log_probs
+    and entropy, 0 where labels are -100; aux_loss when router logits are requested) without (B, T, V) logits;
+    without the flag, the model's own forward. cast_lm_head_to_fp32: the head runs in fp32, autocast off."""
     why = _unsupported(model)
     if why:
         raise ValueError(f"{type(model).__name__} has {', '.join(why)}, which lowmem-grpo's fused head does not "
                          "apply; use trl.GRPOTrainer for this model")
     original_forward = types.MethodType(type(model).forward, model)  # not TRL's patched instance forward
+    text_config = model.config.get_text_config()
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
     def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
@@ -70,6 +85,8 @@ def add_fused_lm_head(model, temperature: float = 1.0) -> None:
                     kwargs[name] = value
             return original_forward(*args, **kwargs)
         kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):  # as the model's own forward does
+            kwargs.setdefault("output_router_logits", True)
         backbone = self.base_model(*args, **kwargs)
         if shift_labels is None:  # position t predicts token t + 1
             hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
@@ -79,13 +96,26 @@ def add_fused_lm_head(model, temperature: float = 1.0) -> None:
         if not isinstance(lm_head.weight, torch.Tensor) or type(lm_head.weight).__name__ == "DTensor":
             raise ValueError("the LM head is sharded (FSDP DTensor); lowmem-grpo's head needs the full weight")
         hidden, labels = hidden.to(lm_head.weight.device), labels.to(lm_head.weight.device)
+        weight, bias = lm_head.weight, lm_head.bias
+        autocast = contextlib.nullcontext()
+        if cast_lm_head_to_fp32:  # TRL's trainer has cast the head's parameters already: then no copies
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            autocast = torch.autocast(hidden.device.type, enabled=False)
         mask = labels != -100  # (B, T): only these rows go through the head
-        logp, entropy = linear_token_logprobs(hidden[mask], lm_head.weight, labels[mask], bias=lm_head.bias,
-                                              temperature=temperature, return_entropy=True)  # (n_kept,) each
+        with autocast:
+            logp, entropy = linear_token_logprobs(hidden[mask], weight, labels[mask], bias=bias,
+                                                  temperature=temperature, return_entropy=True)  # (n_kept,) each
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)  # keeps the graph when none is kept
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _router_loss(self)(backbone.router_logits, *_experts(self, text_config),
+                                          kwargs.get("attention_mask"))  # None when padding-free: all tokens
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask,
+                                   aux_loss=aux_loss)
 
     model.forward = types.MethodType(_fused_forward, model)
 
@@ -94,11 +124,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     """TRL's GRPOTrainer, same arguments; the policy and reference models' heads are lowmem-grpo's."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # builds the models and patches TRL's head into them
-        if getattr(self.args, "cast_lm_head_to_fp32", False):
-            raise ValueError("cast_lm_head_to_fp32=True is not supported by lowmem-grpo's head (it accumulates "
-                             "in fp32 already); set it False, or use trl.GRPOTrainer")
+        super().__init__(*args, **kwargs)  # builds the models, casts the heads if asked, patches TRL's head in
+        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         model = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_fused_lm_head(model, temperature=self.temperature)
+        add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         if self.ref_model is not None:
-            add_fused_lm_head(self.ref_model, temperature=self.temperature)
+            add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
