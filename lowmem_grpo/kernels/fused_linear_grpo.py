@@ -93,6 +93,8 @@ class FusedLinearGRPOLoss(nn.Module):
         if mask is None:
             mask = torch.ones(B, T, dtype=torch.bool, device=_input.device)
         is_ratio = _check_is_ratio(vllm_is_ratio, B, T, _input.device)
+        if self.loss_type == "luspo":
+            _check_padding_ids(selected_token_ids, mask, lin_weight.shape[0])
         ref = self._reference_logps(selected_token_ids, mask, ref_per_token_logps, ref_input, ref_weight, ref_bias)
         beta = self.beta if ref is not None else 0.0  # no reference: Liger's k3(logp, sg[logp]) = 0, no gradient
         terms = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=beta, delta=self.delta,
@@ -145,7 +147,6 @@ class FusedLinearGRPOLoss(nn.Module):
         """Liger's luspo: sum over all B x T positions, padding included, of each token's loss times its
         sequence's length, / (B T). The head runs on every row; the per-token loss is policy_terms'."""
         B, T = mask.shape
-        _check_padding_ids(ids, mask, weight.shape[0])
         logp = linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.temperature)  # (B, T)
         maskf = mask.to(torch.float32)
         for name, t in (("old_per_token_logps", old), ("ref_per_token_logps", ref)):

@@ -103,6 +103,9 @@ def test_luspo_needs_valid_ids_at_the_padding():
     ids = ids.masked_fill(mask == 0, -100)
     with pytest.raises(ValueError, match="luspo.*padding.*valid id"):
         FusedLinearGRPOLoss(beta=0.0, loss_type="luspo", use_ref_model=False)(hidden, weight, ids, mask, adv)
+    with pytest.raises(ValueError, match="luspo.*padding.*valid id"):  # before the reference head sees them
+        FusedLinearGRPOLoss(beta=0.04, loss_type="luspo")(hidden, weight, ids, mask, adv, ref_input=hidden,
+                                                          ref_weight=weight)
     FusedLinearGRPOLoss(beta=0.0, loss_type="dapo", use_ref_model=False)(hidden, weight, ids, mask, adv)  # dropped
 
 
