@@ -1,15 +1,16 @@
 """A drop-in for Liger-Kernel users: `FusedLinearGRPOLoss` takes `LigerFusedLinearGRPOLoss`'s constructor and
-`forward` arguments (liger-kernel 0.8.x, by name and meaning) and returns the same structure, computed by
-`linear_grpo_loss` (no (B, T, V) logits, the padding dropped before the head).
+`forward` arguments (liger-kernel 0.8.5, every one, by name, position and meaning) and returns what it returns,
+computed by `linear_grpo_loss` and the shared per-token formula (grpo_loss.policy_terms), no (B, T, V) logits.
 
     loss_fn = FusedLinearGRPOLoss(beta=0.04, loss_type="dapo")   # was LigerFusedLinearGRPOLoss(...)
-    loss, metrics = loss_fn(hidden, lm_head.weight, completion_ids, completion_mask, advantages,
-                            ref_per_token_logps=ref, old_per_token_logps=old)
-    # metrics: (kl, clip_ratio) when beta != 0, else (clip_ratio,): 0-dim masked token means, as Liger's
+    loss, metrics = loss_fn(hidden (B, T, H), lm_head.weight (V, H), completion_ids (B, T), completion_mask (B, T),
+                            advantages (B,), ref_per_token_logps=ref (B, T), old_per_token_logps=old (B, T))
+    # metrics: (kl, clip_ratio) when beta != 0, else (clip_ratio,): 0-dim fp32 masked token means, as Liger's
 
-Supported: loss_type "grpo", "bnpo", "dr_grpo", "dapo"; importance_sampling_level "token" and "sequence"
-(GSPO); reference log-probs given, or computed here from ref_input / ref_weight / ref_bias (no gradient)
-as Liger does. Liger's other loss types and options are refused by name rather than computed differently;
+Where Liger's module differs from TRL this follows Liger: use_ref_model=False means no KL term (kl metric 0)
+whatever reference inputs are given; luspo sums over every position, padding included (those rows go through
+the head, so their ids must be valid); dapo / cispo / vespo divide by Liger's normaliser (`dapo_normalizer`).
+The loss is differentiable w.r.t. _input, lin_weight and bias (fp32 loss; gradients in the inputs' dtypes).
 `compiled` and `chunk_size` are accepted and have no effect.
 
 Design notes: docs/kernels.md ("Liger-Kernel's interface")
@@ -17,16 +18,23 @@ Design notes: docs/kernels.md ("Liger-Kernel's interface")
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
+from ..ranges import BETA, DELTA, EPSILON_HIGH, EPSILON_LOW, SAPO_TEMPERATURE
+from . import grpo_loss
+from ._backend import debug_checks
+from ._checks import _tracing, check_mask, check_shape, check_temperature
+from .grpo_loss import _expand_advantages, per_token_weights, term_params
 from .linear import linear_token_logprobs
-from .linear_loss import linear_grpo_loss
+from .linear_loss import ISLevel, LossType, linear_grpo_loss, parse_enum
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-_LIGER_ONLY_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+SUPPORTED_LOSS_TYPES = tuple(t.value for t in LossType)
+_NO_SEQUENCE_LEVEL = ("cispo", "sapo", "vespo")  # Liger refuses these with importance_sampling_level="sequence"
+_DAPO_NORMALISED = ("dapo", "cispo", "vespo")
 
 
 class FusedLinearGRPOLoss(nn.Module):
@@ -38,21 +46,23 @@ class FusedLinearGRPOLoss(nn.Module):
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
                  delta: Optional[float] = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
-        """Arguments as LigerFusedLinearGRPOLoss's; the SAPO / VESPO ones exist only for their loss types,
-        which are refused here, so they are accepted and unused."""
+        """Arguments as LigerFusedLinearGRPOLoss's; each setting is checked here, so a bad one fails before
+        any forward (the sequence-level refusal of cispo / sapo / vespo comes at forward, as Liger's)."""
         super().__init__()
-        if loss_type not in SUPPORTED_LOSS_TYPES:
-            which = "Liger's" if loss_type in _LIGER_ONLY_LOSS_TYPES else "an unknown"
-            raise ValueError(f"loss_type={loss_type!r} is {which} loss type, not computed by lowmem-grpo's head; "
-                             f"use one of {', '.join(SUPPORTED_LOSS_TYPES)} (or Liger's own module for it)")
-        if importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level={importance_sampling_level!r}: use 'token' or 'sequence'")
+        loss_type = parse_enum(LossType, loss_type, "loss_type").value
+        importance_sampling_level = parse_enum(ISLevel, importance_sampling_level, "importance_sampling_level").value
+        SAPO_TEMPERATURE.check(sapo_temperature_pos, "sapo_temperature_pos")
+        SAPO_TEMPERATURE.check(sapo_temperature_neg, "sapo_temperature_neg")
         if delta is not None:
-            raise ValueError(f"delta={delta} (INTELLECT-2's two-sided clip) is not supported; leave it None")
-        if use_bias_correction_kl:
-            raise ValueError("use_bias_correction_kl=True is not supported; leave it False")
+            DELTA.check(delta, "delta (the two-sided clip's cap on the ratio; None disables it)")
+        EPSILON_LOW.check(epsilon_low, "epsilon_low")
+        EPSILON_HIGH.check(epsilon_high, "epsilon_high")
+        BETA.check(beta, "beta")
+        check_temperature(temperature)
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass max_completion_length=...")
+        if max_completion_length is not None and not max_completion_length > 0:
+            raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
         self.beta, self.compiled, self.use_ref_model, self.chunk_size = beta, compiled, use_ref_model, chunk_size
         self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
         self.loss_type, self.max_completion_length = loss_type, max_completion_length
@@ -67,35 +77,119 @@ class FusedLinearGRPOLoss(nn.Module):
                 old_per_token_logps: Optional[Tensor] = None, ref_input: Optional[Tensor] = None,
                 ref_weight: Optional[Tensor] = None, ref_bias: Optional[Tensor] = None,
                 vllm_is_ratio: Optional[Tensor] = None, num_items_in_batch=None) -> tuple[Tensor, tuple[Tensor, ...]]:
-        """_input (B, T, H), lin_weight (V, H), selected_token_ids / attention_mask (B, T), advantages (B,).
+        """_input (B, T, H), lin_weight (V, H), selected_token_ids / attention_mask (B, T), advantages (B,);
+        ref_per_token_logps / old_per_token_logps (B, T); ref_input (B, T, H) with ref_weight (V, H) and ref_bias
+        (V,) give the reference log-probs instead (no gradient); vllm_is_ratio (B,), (B, 1) or (B, T) weighs the
+        policy term (vespo: folded into phi); num_items_in_batch: dapo / cispo / vespo's token count.
 
         Returns (loss, metrics): metrics = (kl, clip_ratio) when beta != 0, else (clip_ratio,)."""
-        if vllm_is_ratio is not None:
-            raise ValueError("vllm_is_ratio (vLLM importance-sampling correction) is not supported; pass None")
-        ref = ref_per_token_logps
-        if self.beta != 0.0 and ref is None:
-            if not self.use_ref_model or ref_input is None:
-                raise ValueError(f"beta={self.beta} needs reference log-probs: pass ref_per_token_logps, or "
-                                 "ref_input (and ref_weight) with use_ref_model=True")
-            with torch.no_grad():  # Liger: the reference head from ref_input / ref_weight, no gradient
-                ref = linear_token_logprobs(ref_input, lin_weight if ref_weight is None else ref_weight,
-                                            selected_token_ids.masked_fill(attention_mask == 0, 0), bias=ref_bias,
-                                            temperature=self.temperature)
-        if self.loss_type == "dapo":
-            num_items_in_batch = dapo_normalizer(attention_mask, num_items_in_batch)
-        loss, metrics = linear_grpo_loss(
-            _input, lin_weight, selected_token_ids, advantages, mask=attention_mask, old_logp=old_per_token_logps,
-            ref_logp=ref if self.beta != 0.0 else None, bias=bias, epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high, beta=self.beta, temperature=self.temperature, loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level, max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items_in_batch)
-        extra = (metrics["kl"],) if self.beta != 0.0 else ()
-        return loss, extra + (metrics["clip_ratio"],)
+        if self.importance_sampling_level == "sequence" and self.loss_type in _NO_SEQUENCE_LEVEL:
+            raise ValueError(f"Sequence-level importance sampling is not supported for loss_type="
+                             f"'{self.loss_type}' (as in Liger): use importance_sampling_level='token'")
+        if not isinstance(_input, Tensor) or _input.dim() != 3:
+            raise ValueError(f"_input must have shape (B, T, H), got {tuple(getattr(_input, 'shape', ()))}")
+        B, T = _input.shape[:2]
+        mask = check_mask(attention_mask, (B, T), _input.device)
+        if mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool, device=_input.device)
+        is_ratio = _check_is_ratio(vllm_is_ratio, B, T, _input.device)
+        if self.loss_type == "luspo":
+            _check_padding_ids(selected_token_ids, mask, lin_weight.shape[0])
+        ref = self._reference_logps(selected_token_ids, mask, ref_per_token_logps, ref_input, ref_weight, ref_bias)
+        beta = self.beta if ref is not None else 0.0  # no reference: Liger's k3(logp, sg[logp]) = 0, no gradient
+        terms = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=beta, delta=self.delta,
+                     use_bias_correction_kl=self.use_bias_correction_kl, sapo_temperature_pos=self.sapo_temperature_pos,
+                     sapo_temperature_neg=self.sapo_temperature_neg)
+        if self.loss_type == "luspo":
+            loss, kl, clip_ratio = self._luspo(_input, lin_weight, selected_token_ids, mask, advantages, bias,
+                                               old_per_token_logps, ref, is_ratio, terms)
+        else:
+            num_items = (dapo_normalizer(mask, num_items_in_batch) if self.loss_type in _DAPO_NORMALISED else None)
+            loss, metrics = linear_grpo_loss(
+                _input, lin_weight, selected_token_ids, advantages, mask=mask, old_logp=old_per_token_logps,
+                ref_logp=ref, bias=bias, temperature=self.temperature, loss_type=self.loss_type,
+                importance_sampling_level=self.importance_sampling_level,
+                max_completion_length=self.max_completion_length, num_items_in_batch=num_items,
+                importance_sampling_ratio=is_ratio, vespo_k_pos=self.vespo_k_pos,
+                vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+                vespo_lambda_neg=self.vespo_lambda_neg, **terms)
+            kl, clip_ratio = metrics["kl"], metrics["clip_ratio"]
+        return loss, ((kl,) if self.beta != 0.0 else ()) + (clip_ratio,)
+
+    def _reference_logps(self, ids: Tensor, mask: Tensor, ref_per_token_logps: Optional[Tensor],
+                         ref_input: Optional[Tensor], ref_weight: Optional[Tensor],
+                         ref_bias: Optional[Tensor]) -> Optional[Tensor]:
+        """The (B, T) reference log-probs the KL term uses, or None when there is no KL term."""
+        if not self.use_ref_model:
+            return None  # Liger: the reference is logp itself, whatever was passed
+        if ref_per_token_logps is None and ref_input is None:
+            raise ValueError("use_ref_model=True needs reference log-probs: pass ref_per_token_logps=..., or "
+                             "ref_input=... with ref_weight=... (the reference model's hidden states and lm_head); "
+                             "or construct with use_ref_model=False for no KL term")
+        if ref_per_token_logps is not None and ref_input is not None:
+            warnings.warn("both ref_per_token_logps and ref_input were given: using ref_per_token_logps "
+                          "(pass only one of them)", stacklevel=3)
+        if self.beta == 0.0:
+            return None
+        if ref_per_token_logps is not None:
+            return ref_per_token_logps
+        if ref_weight is None:
+            raise ValueError("ref_input needs ref_weight (the reference model's lm_head weight, (V, H)); "
+                             "or pass ref_per_token_logps instead")
+        if self.loss_type != "luspo":  # luspo reads every position; the others drop the padding's ids
+            ids = ids.masked_fill(~mask, 0)
+        with torch.no_grad():  # as Liger: the reference head has no gradient
+            return linear_token_logprobs(ref_input, ref_weight, ids, bias=ref_bias, temperature=self.temperature)
+
+    def _luspo(self, hidden: Tensor, weight: Tensor, ids: Tensor, mask: Tensor, advantages: Tensor,
+               bias: Optional[Tensor], old: Optional[Tensor], ref: Optional[Tensor], is_ratio: Optional[Tensor],
+               terms: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Liger's luspo: sum over all B x T positions, padding included, of each token's loss times its
+        sequence's length, / (B T). The head runs on every row; the per-token loss is policy_terms'."""
+        B, T = mask.shape
+        logp = linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.temperature)  # (B, T)
+        maskf = mask.to(torch.float32)
+        for name, t in (("old_per_token_logps", old), ("ref_per_token_logps", ref)):
+            check_shape(t, (B, T), name, logp.device)
+        log_ratio = logp - (logp.detach() if old is None else old.to(torch.float32))
+        if self.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0))[:, None]  # (B, 1)
+        p = term_params("luspo", ref_logp=ref, **terms)
+        adv = _expand_advantages(advantages, B, T, logp.device)
+        pg_weight = per_token_weights((B, T), logp.device, is_ratio, None, p.variant)
+        per_token, kl, low, high, _, _ = grpo_loss.policy_terms(
+            log_ratio, adv, logp, None if ref is None else ref.to(torch.float32), pg_weight, None, p)
+        loss = (per_token.expand(B, T) * maskf.sum(-1, keepdim=True)).mean()
+        tokens = maskf.sum().clamp(min=1.0)
+        kl_mean = (kl.detach().expand(B, T) * maskf).sum() / tokens
+        clip_ratio = ((low | high).expand(B, T).float() * maskf).sum() / tokens
+        return loss, kl_mean, clip_ratio
+
+
+def _check_is_ratio(ratio: Optional[Tensor], B: int, T: int, device) -> Optional[Tensor]:
+    if ratio is None:
+        return None
+    shape = tuple(ratio.shape)
+    if shape not in ((B,), (B, 1), (B, T)):
+        raise ValueError(f"vllm_is_ratio must have shape ({B},), ({B}, 1) or ({B}, {T}), got {shape}")
+    if ratio.device != device:
+        raise ValueError(f"vllm_is_ratio is on {ratio.device}, _input on {device}: move it there")
+    return ratio
+
+
+def _check_padding_ids(ids: Tensor, mask: Tensor, vocab: int) -> None:
+    """luspo computes log-probs at the padding positions too (Liger's reduction counts them)."""
+    if (ids.device.type == "cpu" or debug_checks()) and not _tracing(ids) and ids.numel():
+        bad = ((ids < 0) | (ids >= vocab)) & ~mask
+        if bool(bad.any()):
+            raise ValueError(f"loss_type='luspo' (Liger's reduction) includes the padding positions, so their "
+                             f"selected_token_ids must be valid ids in [0, {vocab}), found "
+                             f"{int(ids[bad][0])}: replace the padding ids by a valid id such as 0")
 
 
 def dapo_normalizer(attention_mask: Tensor, num_items_in_batch=None):
-    """Liger's per-process dapo denominator: num_items_in_batch / world_size, or without it the mask's tokens
-    summed over processes / world_size, at least 1; None (this micro-batch's tokens) on one process."""
+    """Liger's per-process dapo / cispo / vespo denominator: num_items_in_batch / world_size, or without it the
+    mask's tokens summed over processes / world_size, at least 1; None (this micro-batch's tokens) on one process."""
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     world_size = torch.distributed.get_world_size() if distributed else 1
     if num_items_in_batch is not None:

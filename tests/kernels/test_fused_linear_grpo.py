@@ -1,18 +1,15 @@
-"""FusedLinearGRPOLoss (Liger's interface on our head): against the spec always, against Liger's own
-LigerFusedLinearGRPOLoss where liger-kernel is installed (the `bench` extra), and its refusals."""
-
-import importlib.util
+"""FusedLinearGRPOLoss (Liger's interface on our head) against the spec, without liger-kernel; against Liger's
+own module: test_liger_dropin.py."""
 
 import pytest
 import torch
 
-from lowmem_grpo.kernels import FusedLinearGRPOLoss, reference
-
-HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+from lowmem_grpo.kernels import FusedLinearGRPOLoss, grpo_loss, reference, use_backend
 B, T, H, V = 3, 6, 16, 97
-SETTINGS = [  # (loss_type, beta, importance_sampling_level)
+SETTINGS = [  # (loss_type, beta, importance_sampling_level): the loss types Liger and TRL reduce alike
     ("dapo", 0.0, "token"), ("dapo", 0.04, "token"), ("grpo", 0.04, "token"), ("bnpo", 0.0, "token"),
-    ("dr_grpo", 0.04, "token"), ("grpo", 0.04, "sequence"), ("dapo", 0.0, "sequence"),
+    ("dr_grpo", 0.04, "token"), ("grpo", 0.04, "sequence"), ("dapo", 0.0, "sequence"), ("cispo", 0.04, "token"),
+    ("sapo", 0.04, "token"), ("vespo", 0.0, "token"),
 ]
 
 
@@ -43,14 +40,15 @@ def _run(module, hidden, weight, bias, ids, mask, adv, old, ref, **kwargs):
 @pytest.mark.parametrize("with_bias, temperature", [(False, 1.0), (True, 0.7)])
 def test_matches_the_spec(loss_type, beta, level, with_bias, temperature):
     hidden, weight, bias, ids, mask, adv, old, ref = _inputs(with_bias=with_bias)
-    module = FusedLinearGRPOLoss(beta=beta, use_ref_model=beta != 0.0, loss_type=loss_type, epsilon_high=0.28,
+    eps_high = 1.3 if loss_type == "cispo" else 0.28  # cispo's bound is on the ratio itself
+    module = FusedLinearGRPOLoss(beta=beta, use_ref_model=beta != 0.0, loss_type=loss_type, epsilon_high=eps_high,
                                  max_completion_length=T + 2, importance_sampling_level=level, temperature=temperature)
     loss, metrics, grads = _run(module, hidden, weight, bias, ids, mask, adv, old, ref if beta else None)
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + (() if bias is None else (bias,))]
     spec_loss, spec_metrics = reference.linear_grpo_loss(
         leaves[0], leaves[1], ids, adv, mask=mask, old_logp=old, ref_logp=ref if beta else None,
-        bias=leaves[2] if bias is not None else None, epsilon_high=0.28, beta=beta, temperature=temperature,
+        bias=leaves[2] if bias is not None else None, epsilon_high=eps_high, beta=beta, temperature=temperature,
         loss_type=loss_type, importance_sampling_level=level, max_completion_length=T + 2)
     spec_loss.backward()
     torch.testing.assert_close(loss, spec_loss, rtol=1e-5, atol=1e-6)
@@ -83,43 +81,56 @@ def test_reference_log_probs_from_ref_input():
     torch.testing.assert_close(m_computed[0], m_given[0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(loss_type="sapo"), "sapo.*grpo, bnpo, dr_grpo, dapo"),
-    (dict(loss_type="cispo"), "Liger's loss type"),
-    (dict(loss_type="nope"), "unknown loss type"),
-    (dict(delta=2.0), "delta"),
-    (dict(use_bias_correction_kl=True), "use_bias_correction_kl"),
-    (dict(loss_type="dr_grpo"), "max_completion_length"),
-    (dict(importance_sampling_level="seq"), "importance_sampling_level"),
-])
-def test_unsupported_options_are_refused_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        FusedLinearGRPOLoss(**kwargs)
+def test_luspo_sums_every_position_times_the_sequence_length():
+    """Liger's luspo: the unmasked per-token loss (padding positions included) times its sequence's length,
+    averaged over all B x T positions; the spec's per-token terms without a mask give the per-token loss."""
+    hidden, weight, bias, ids, mask, adv, old, ref = _inputs()
+    loss, _, grads = _run(FusedLinearGRPOLoss(beta=0.04, loss_type="luspo", epsilon_high=0.28), hidden, weight, bias,
+                          ids, mask, adv, old, ref)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp = reference.linear_token_logprobs(h, w, ids)
+    terms = reference.grpo_token_terms(logp, adv, old_logp=old, ref_logp=ref, epsilon_high=0.28, beta=0.04)
+    spec = (terms["loss"] * mask.sum(-1, keepdim=True)).mean()
+    spec.backward()
+    torch.testing.assert_close(loss, spec, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], h.grad, rtol=1e-4, atol=1e-6)
+    assert grads[0][2, 1:].abs().sum() > 0  # the padding rows get a gradient, as in Liger
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_beta_without_reference_log_probs_is_refused():
+def test_luspo_needs_valid_ids_at_the_padding():
+    hidden, weight, bias, ids, mask, adv, old, ref = _inputs()
+    ids = ids.masked_fill(mask == 0, -100)
+    with pytest.raises(ValueError, match="luspo.*padding.*valid id"):
+        FusedLinearGRPOLoss(beta=0.0, loss_type="luspo", use_ref_model=False)(hidden, weight, ids, mask, adv)
+    with pytest.raises(ValueError, match="luspo.*padding.*valid id"):  # before the reference head sees them
+        FusedLinearGRPOLoss(beta=0.04, loss_type="luspo")(hidden, weight, ids, mask, adv, ref_input=hidden,
+                                                          ref_weight=weight)
+    FusedLinearGRPOLoss(beta=0.0, loss_type="dapo", use_ref_model=False)(hidden, weight, ids, mask, adv)  # dropped
+
+
+@pytest.mark.parametrize("loss_type, level", [("luspo", "token"), ("luspo", "sequence"), ("dapo", "sequence"),
+                                              ("vespo", "token")])
+def test_goes_through_the_one_formula(monkeypatch, loss_type, level):
+    """Doubling grpo_loss.policy_terms' loss doubles the drop-in's: no second copy of the per-token math."""
+    hidden, weight, bias, ids, mask, adv, old, ref = _inputs()
+    module = FusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type=loss_type, importance_sampling_level=level)
+    with use_backend("torch"):
+        plain, _ = module(hidden, weight, ids, mask, adv, old_per_token_logps=old)
+        formula = grpo_loss.policy_terms
+
+        def doubled(*args, **kw):
+            loss, *rest = formula(*args, **kw)
+            return (2 * loss, *rest)
+
+        monkeypatch.setattr(grpo_loss, "policy_terms", doubled)
+        twice, _ = module(hidden, weight, ids, mask, adv, old_per_token_logps=old)
+    assert plain.abs() > 1e-3
+    torch.testing.assert_close(twice, 2 * plain)
+
+
+def test_missing_reference_log_probs_are_refused():
     hidden, weight, bias, ids, mask, adv, old, _ = _inputs()
-    with pytest.raises(ValueError, match="ref_per_token_logps"):
-        FusedLinearGRPOLoss(beta=0.04)(hidden, weight, ids, mask, adv, old_per_token_logps=old)
-    with pytest.raises(ValueError, match="vllm_is_ratio"):
-        FusedLinearGRPOLoss(beta=0.0)(hidden, weight, ids, mask, adv, vllm_is_ratio=torch.ones(B))
-
-
-@pytest.mark.skipif(not HAS_LIGER, reason="needs liger-kernel (pip install '.[bench]')")
-@pytest.mark.parametrize("loss_type, beta, level", SETTINGS)
-@pytest.mark.parametrize("with_bias, temperature", [(False, 1.0), (True, 0.7)])
-def test_matches_liger(loss_type, beta, level, with_bias, temperature):
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-    hidden, weight, bias, ids, mask, adv, old, ref = _inputs(with_bias=with_bias)
-    kwargs = dict(beta=beta, use_ref_model=beta != 0.0, loss_type=loss_type, epsilon_high=0.28,
-                  max_completion_length=T + 2, importance_sampling_level=level, temperature=temperature)
-    ours = _run(FusedLinearGRPOLoss(**kwargs), hidden, weight, bias, ids, mask, adv, old, ref if beta else None)
-    theirs = _run(LigerFusedLinearGRPOLoss(compiled=False, **kwargs), hidden, weight, bias, ids, mask, adv, old,
-                  ref if beta else None)
-    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
-    assert isinstance(theirs[1], tuple) and len(ours[1]) == len(theirs[1])
-    for got, want in zip(ours[1], theirs[1]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(ours[2], theirs[2], strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    for beta in (0.04, 0.0):  # use_ref_model=True (the default) needs a reference, as Liger's assert says
+        with pytest.raises(ValueError, match="ref_per_token_logps"):
+            FusedLinearGRPOLoss(beta=beta)(hidden, weight, ids, mask, adv, old_per_token_logps=old)
