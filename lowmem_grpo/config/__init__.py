@@ -16,15 +16,14 @@ Design notes: docs/config.md
 from .batching import BatchPlan, batch_plan
 from .errors import ConfigError, did_you_mean
 from .loading import apply_mapping, apply_overrides, load_config, resolve_key, set_value
-from .schema import LOSS_TYPES, LR_SCHEDULES, TOKEN_SUM_LOSS_TYPES, Config, DataConfig, EvalConfig, GenerationConfig, \
-    ModelConfig, OptimConfig, OutputConfig, RewardsConfig, TrainConfig, describe, key_index, section_classes, setting
+from .schema import LR_SCHEDULES, Config, DataConfig, EvalConfig, GenerationConfig, ModelConfig, OptimConfig, \
+    OutputConfig, RewardsConfig, TrainConfig, describe, key_index, section_classes, setting
 from .validation import DEVICE, REPORT_TARGETS, check_field_rules, report_targets, validate
 
 
 __all__ = [
     "BatchPlan", "batch_plan", "ConfigError", "did_you_mean", "apply_mapping", "apply_overrides", "load_config",
-    "resolve_key", "set_value", "LOSS_TYPES", "LR_SCHEDULES", "TOKEN_SUM_LOSS_TYPES", "Config", "DataConfig",
-    "EvalConfig", "GenerationConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig",
-    "describe", "key_index", "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "check_field_rules",
-    "report_targets", "validate",
+    "resolve_key", "set_value", "LR_SCHEDULES", "Config", "DataConfig", "EvalConfig", "GenerationConfig",
+    "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig", "describe", "key_index",
+    "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "check_field_rules", "report_targets", "validate",
 ]

@@ -30,6 +30,9 @@ def setting(default, help: str, check: Union[Interval, tuple, None] = None, why:
     return field(default=default, metadata=metadata)
 
 
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
 # transformers.get_scheduler's schedules that need nothing but the step (not reduce_lr_on_plateau or greedy,
 # which read a metric).
 LR_SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
@@ -146,11 +149,6 @@ class RewardsConfig:
                                                     check=POSITIVE)
 
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
-# normalised by the optimizer step's completion tokens (num_items_in_batch), as dapo
-TOKEN_SUM_LOSS_TYPES = ("dapo", "cispo", "vespo")
-
-
 @dataclass
 class TrainConfig:
     max_steps: int = setting(100, "Optimizer steps to run.", check=POSITIVE)
@@ -179,26 +177,46 @@ class TrainConfig:
                              check=EPSILON_LOW, why="the ratio is clipped to [1 - epsilon, 1 + epsilon_high]")
     epsilon_high: Optional[float] = setting(None, "Upper clip range (default: epsilon). DAPO uses 0.28.",
                                                   check=EPSILON_HIGH)
-    loss_type: str = setting("dapo", "grpo | bnpo | dapo | dr_grpo | cispo | sapo | luspo | vespo (TRL's; dapo, "
-                                     "cispo and vespo divide by the completion tokens of the optimizer step's "
-                                     "micro-batches: docs/trl.md; formulas: docs/training.md, Loss types).",
-                                     check=LOSS_TYPES)
-    importance_sampling_level: str = setting("token", "token | sequence (GSPO).", check=("token", "sequence"))
-    delta: Optional[float] = setting(None, "Two-sided clip (INTELLECT-2): the unclipped ratio is capped at delta in "
-                                           "the PPO-clip loss types; TRL recommends > 1 + epsilon_high. None: off.",
-                                           check=DELTA)
-    top_entropy_quantile: float = setting(1.0, "Keep the policy loss on the top-q fraction of completion tokens by "
-                                               "entropy (Beyond the 80/20 Rule recommends 0.2); 1.0 keeps all.",
-                                               check=PROBABILITY)
-    use_bias_correction_kl: bool = setting(True, "Multiply the KL term by the importance ratio (DeepSeek-V3.2), "
-                                                 "TRL's default; only matters with beta > 0.")
-    sapo_temperature_pos: float = setting(1.0, "sapo's gate temperature for tokens with positive advantage.",
+    loss_type: str = setting("dapo", "grpo | bnpo | dapo | dr_grpo | cispo | sapo | luspo | vespo (TRL's names, "
+                                     "per-token terms and normalisers: docs/training.md, Loss types; dapo, cispo and "
+                                     "vespo divide by the completion tokens of the optimizer step's micro-batches: "
+                                     "docs/trl.md).", check=LOSS_TYPES)
+    delta: Optional[float] = setting(None, "Two-sided clip (INTELLECT-2): the unclipped ratio of the PPO-clip term is "
+                                           "capped at delta (> 1 + epsilon_high recommended). None = no cap.",
+                                     check=DELTA)
+    top_entropy_quantile: float = setting(1.0, "Keep the policy term on the top-q fraction of a micro-batch's tokens "
+                                               "by entropy only (Beyond the 80/20 Rule; 0.2 recommended). 1.0 keeps "
+                                               "all. The quantile is over each process's loss micro-batch (TRL's "
+                                               "gathers across processes); with q < 1 no completion is skipped "
+                                               "(skip_zero_advantage would change the token set).",
+                                          check=PROBABILITY)
+    use_bias_correction_kl: bool = setting(True, "Multiply the KL term by the importance ratio (DeepSeek-V3.2's "
+                                                 "unbiased reverse-KL gradient), as TRL. Only matters with beta > 0.")
+    sapo_temperature_pos: float = setting(1.0, "sapo: the sigmoid gate's temperature for positive advantages.",
                                           check=SAPO_TEMPERATURE)
-    sapo_temperature_neg: float = setting(1.05, "sapo's gate temperature for the other tokens.", check=SAPO_TEMPERATURE)
-    vespo_k_pos: float = setting(2.0, "vespo's gamma shape k for advantages >= 0.", check=NON_NEGATIVE)
-    vespo_lambda_pos: float = setting(3.0, "vespo's gamma rate lambda for advantages >= 0.", check=NON_NEGATIVE)
-    vespo_k_neg: float = setting(3.0, "vespo's gamma shape k for negative advantages.", check=NON_NEGATIVE)
-    vespo_lambda_neg: float = setting(2.0, "vespo's gamma rate lambda for negative advantages.", check=NON_NEGATIVE)
+    sapo_temperature_neg: float = setting(1.05, "sapo: the sigmoid gate's temperature for negative advantages.",
+                                          check=SAPO_TEMPERATURE)
+    vespo_k_pos: float = setting(2.0, "vespo: the gamma weight's shape k for positive advantages.", check=POSITIVE)
+    vespo_lambda_pos: float = setting(3.0, "vespo: the gamma weight's rate lambda for positive advantages.",
+                                      check=POSITIVE)
+    vespo_k_neg: float = setting(3.0, "vespo: the gamma weight's shape k for negative advantages.", check=POSITIVE)
+    vespo_lambda_neg: float = setting(2.0, "vespo: the gamma weight's rate lambda for negative advantages.",
+                                      check=POSITIVE)
+    vllm_importance_sampling_correction: Optional[bool] = setting(
+        None, "Weight the policy term by the ratio of the trained policy's to the sampling engine's token "
+              "probabilities (TRL's name). None = by the engine: off for the native rollout (the same weights "
+              "sample and train, the ratio is 1), on for an external engine (none is built in yet).")
+    vllm_importance_sampling_mode: str = setting("sequence_mask", "token_truncate | token_mask | sequence_truncate | "
+                                                                  "sequence_mask: clip the ratio into [clip_min, "
+                                                                  "clip_max] or zero it outside, per token or per "
+                                                                  "sequence (the exp of the summed log-ratio).",
+                                                 check=IS_MODES)
+    vllm_importance_sampling_clip_max: Optional[float] = setting(3.0, "Upper bound of the importance-sampling ratio "
+                                                                      "(None = none).", check=POSITIVE)
+    vllm_importance_sampling_clip_min: Optional[float] = setting(None, "Lower bound of the importance-sampling ratio "
+                                                                       "(None = none).",
+                                                                 check=NON_NEGATIVE)
+    importance_sampling_level: str = setting("token", "token | sequence (GSPO).", check=("token", "sequence"))
     scale_rewards: str = setting("group", "Advantage scaling: group (divide by the group's std) | batch (by the "
                                           "generation batch's std) | none (Dr. GRPO).",
                                           check=("group", "batch", "none"))

@@ -50,26 +50,10 @@ def check_field_rules(cfg: Config) -> None:
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
-def warn_loss_settings(t) -> None:
-    """TRL's warnings for loss settings that run but leave the paper's setup (a warning, not an error)."""
-    if t.loss_type == "luspo" and t.importance_sampling_level != "sequence":
-        warnings.warn("train.loss_type=luspo with importance_sampling_level=token: the LUSPO paper uses "
-                      "importance_sampling_level=sequence", stacklevel=3)
-    if t.loss_type == "vespo" and t.importance_sampling_level != "token":
-        warnings.warn("train.loss_type=vespo weighs each sequence by its own ratio already: set "
-                      "importance_sampling_level=token (the default)", stacklevel=3)
-    high = t.epsilon if t.epsilon_high is None else t.epsilon_high
-    if t.delta is not None and t.loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo") and t.delta <= 1 + high:
-        warnings.warn(f"train.delta={t.delta} <= 1 + epsilon_high = {1 + high}: the two-sided clip then caps "
-                      "ratios inside the clip range (INTELLECT-2 and TRL recommend delta > 1 + epsilon_high)",
-                      stacklevel=3)
-
-
 def validate(cfg: Config) -> None:
     """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix."""
     check_field_rules(cfg)
     m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
-    warn_loss_settings(t)
     if not m.name_or_path and m.config is None:
         raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
     if m.name_or_path and m.config is not None:
@@ -104,6 +88,7 @@ def validate(cfg: Config) -> None:
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
                           "'constant'), or warmup_steps=0 and warmup_ratio=0")
+    check_loss_settings(t)
     report_targets(out.report_to)
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
@@ -118,6 +103,30 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
                           "reward functions")
     batch_plan(cfg)
+
+
+def check_loss_settings(t) -> None:
+    """The loss-type settings that depend on each other; TRL's warnings for combinations that run but do not
+    mirror their paper (luspo at the token level, vespo at the sequence level)."""
+    lo, hi = t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo >= hi:
+        raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
+                          f"vllm_importance_sampling_clip_max ({hi}): lower the first or raise the second")
+    if (t.loss_type == "vespo" and t.vllm_importance_sampling_correction
+            and t.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+        raise ConfigError("loss_type=vespo folds a per-token importance-sampling ratio into its weight: set "
+                          "vllm_importance_sampling_mode to token_truncate or token_mask (got "
+                          f"{t.vllm_importance_sampling_mode!r}), or vllm_importance_sampling_correction=false")
+    if t.vllm_importance_sampling_correction:
+        warnings.warn("vllm_importance_sampling_correction=true has no effect: the native rollout samples with the "
+                      "weights being trained (ratio 1) and records no sampling log-probs; the correction applies to "
+                      "an external engine", UserWarning, stacklevel=3)
+    if t.loss_type == "luspo" and t.importance_sampling_level != "sequence":
+        warnings.warn("loss_type=luspo: set importance_sampling_level=sequence to mirror the paper's setup",
+                      UserWarning, stacklevel=3)
+    if t.loss_type == "vespo" and t.importance_sampling_level != "token":
+        warnings.warn("loss_type=vespo computes sequence-level weights itself: importance_sampling_level should be "
+                      "token (the default)", UserWarning, stacklevel=3)
 
 
 REPORT_TARGETS = ("tensorboard", "wandb", "trackio")

@@ -12,10 +12,11 @@ Design notes: docs/training.md, docs/distributed.md
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..config import Config
 from ..kernels import linear_grpo_loss
@@ -65,4 +66,45 @@ class PolicyLoss(nn.Module):
                 vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
                 vespo_lambda_neg=t.vespo_lambda_neg)
         factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
-        return (loss if factor == 1.0 else loss * factor), metrics
+        return (loss if factor == 1.0 else loss * factor), loss_metrics(metrics, t.loss_type)
+
+
+def loss_metrics(metrics: dict, loss_type: str) -> dict:
+    """The fused head's metrics as TRL logs them per loss type: clip ratios for the PPO-clip types,
+    `cispo_clip_ratio` (its upper clip) for cispo, none for sapo and vespo (vespo: `vespo_phi_mean`)."""
+    if loss_type in ("grpo", "bnpo", "dapo", "dr_grpo", "luspo"):
+        return metrics
+    out = {k: v for k, v in metrics.items() if not k.startswith("clip_ratio")}
+    if loss_type == "cispo":
+        out["cispo_clip_ratio"] = metrics["clip_ratio_high"]
+    return out
+
+
+def importance_sampling_ratio(train_logp: Tensor, sampling_logp: Tensor, mask: Tensor, mode: str,
+                              clip_min: Optional[float], clip_max: Optional[float]) -> Tensor:
+    """TRL's correction for rollouts sampled by another engine: the ratio of the trained policy's token
+    probabilities (`train_logp`, the old log-probs, (B, T)) to the sampler's (`sampling_logp`, (B, T); NaN
+    where unknown: ratio 1), per token ((B, T)) or per sequence ((B, 1), the exp of the summed log-ratio),
+    clamped into [clip_min, clip_max] (`*_truncate`) or zeroed outside it (`*_mask`). None: no bound.
+    The result is linear_grpo_loss's importance_sampling_ratio."""
+    diff = torch.nan_to_num((train_logp.float() - sampling_logp.float()) * mask.float(), nan=0.0)
+    level, _, action = mode.partition("_")
+    if level not in ("token", "sequence") or action not in ("truncate", "mask"):
+        raise ValueError(f"unknown importance-sampling mode {mode!r}; valid: token_truncate, token_mask, "
+                         "sequence_truncate, sequence_mask")
+    ratio = (diff.sum(-1, keepdim=True) if level == "sequence" else diff).exp()
+    if action == "truncate":
+        return ratio.clamp(min=clip_min, max=clip_max) if (clip_min, clip_max) != (None, None) else ratio
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def importance_sampling_metrics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """min / mean / max of the ratio over the masked tokens (per sequence for a (B, 1) ratio), under TRL's
+    names (sampling/importance_sampling_ratio/...)."""
+    values = ratio[:, 0] if ratio.shape[1] == 1 else ratio[mask.bool()]
+    if values.numel() == 0:
+        values = torch.ones(1, device=ratio.device)
+    name = "sampling/importance_sampling_ratio"
+    return {f"{name}/min": values.min(), f"{name}/mean": values.mean(), f"{name}/max": values.max()}

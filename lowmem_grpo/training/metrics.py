@@ -73,10 +73,13 @@ class StepSums:
         return self._host[0], dict(self._host[1])
 
 
-# The loss's metric names -> TRL's log names (per loss type where TRL logs different ones)
+# The loss's metric names -> TRL's log names
 TRL_STEP_NAMES = {"clip_ratio": "clip_ratio/region_mean", "clip_ratio_low": "clip_ratio/low_mean",
-                  "clip_ratio_high": "clip_ratio/high_mean", "vespo_phi_mean": "vespo/phi_seq_mean"}
-CLIP_NAMES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
+                  "clip_ratio_high": "clip_ratio/high_mean", "vespo_phi_mean": "vespo/phi_seq_mean",
+                  "entropy_mask_ratio": "entropy/mask_ratio"}
+
+# Metrics known only for the tokens a backward computed (not the skipped zero-advantage completions)
+COMPUTED_ONLY = ("entropy", "vespo_phi_mean", "entropy_mask_ratio")
 
 # evaluate()'s keys -> the names logged during training. transformers' Trainer prefixes evaluation
 # metrics with "eval_" and calls the wall time eval_runtime; the length follows TRL's completions/ names.
@@ -86,22 +89,18 @@ EVAL_NAMES = {"seconds": "eval_runtime", "mean_length": "eval_completions/mean_l
 def step_means(sums: dict[str, float], *, num_items: int, computed: int, backwards: int) -> dict[str, float]:
     """A step's token-weighted metric sums -> means under the loss's names. Skipped completions have no
     clipped tokens (A == 0), so clip ratios are over every token of the step (`num_items`); entropy is
-    known only for the tokens computed. With no backward, no token was clipped and (beta == 0) the KL
+    known only for the tokens computed (so are vespo's phi, weighted by tokens here, and the entropy
+    mask's fraction). With no backward, no token was clipped and (beta == 0) the KL
     is 0; entropy is unknown."""
-    out = {k: v / max(computed if k == "entropy" else num_items, 1) for k, v in sums.items()}
+    out = {k: v / max(computed if k in COMPUTED_ONLY else num_items, 1) for k, v in sums.items()}
     if not backwards:
         out.update(kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0)
     return out
 
 
-def trl_names(metrics: dict, loss_type: str = "dapo") -> dict:
+def trl_names(metrics: dict) -> dict:
     """`metrics` with the loss's names replaced by TRL's (TRL_STEP_NAMES), in place; renamed keys move
-    to the end. As TRL: cispo's one clip region is `cispo_clip_ratio`; sapo and vespo log no clip ratio."""
-    if loss_type == "cispo" and "clip_ratio_high" in metrics:
-        metrics["cispo_clip_ratio"] = metrics["clip_ratio_high"]
-    if loss_type in ("cispo", "sapo", "vespo"):
-        for name in CLIP_NAMES:
-            metrics.pop(name, None)
+    to the end."""
     for ours, trl in TRL_STEP_NAMES.items():
         if ours in metrics:
             metrics[trl] = metrics.pop(ours)

@@ -3,14 +3,14 @@ divided by, and the token counts the step reports. Pure functions of the micro-b
 
     trained_rows(mb, train)         (b,) bool: completions whose gradient is not known to be zero
     plan_micro_batch(mb, train, d)  MicroBatchWork: the rows to run, their scale and completion tokens
-    loss_denominator(loss_type, n)  dapo, cispo, vespo: n, the step's completion tokens (all ranks); else None
+    loss_denominator(loss_type, n)  dapo, cispo, vespo: n, the step's completion tokens over every rank
     loss_factor(scale, train, ws)   what the fused head's loss is multiplied by before backward
     computed_tokens(mb, pack, dec)  decoder positions the micro-batch computes (tokens_per_second)
 
-The fused head normalises per loss_type (docs/training.md, Loss types); the factor then restores the
-denominator of skipped rows (`skipped_rows_scale`) and makes the step a mean over the accumulated
-micro-batches (divide by gradient_accumulation_steps), or, for the global token sums (dapo, cispo,
-vespo), a sum over ranks (multiply by the world size).
+The fused head normalises grpo, sapo, luspo, bnpo and dr_grpo per micro-batch, and dapo, cispo and
+vespo by `loss_denominator` (global). The factor then restores the denominator of skipped rows
+(`skipped_rows_scale`) and makes the step a mean over the accumulated micro-batches (divide by
+gradient_accumulation_steps), or, for the global-count types, a sum over ranks (multiply by the world size).
 Design notes: docs/training.md (loss scaling)
 """
 
@@ -21,18 +21,23 @@ from typing import Optional
 
 import torch
 
-from ..config import TOKEN_SUM_LOSS_TYPES, TrainConfig
+from ..config import TrainConfig
 from ..policy.batch import Batch
 from ..policy.packing import Packing, prompt_groups, should_pack
+
+
+# The loss types whose denominator is the optimizer step's completion tokens over every rank (TRL's
+# num_items_in_batch); the others normalise within each micro-batch.
+GLOBAL_TOKEN_COUNT = ("dapo", "cispo", "vespo")
 
 
 def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
     """(N,) bool: the completions whose gradient is not known in advance to be exactly zero.
 
-    With beta == 0 a completion with A == 0 has loss 0 and gradient 0 for any ratio and every loss type
-    (each policy term is a multiple of A), so train.skip_zero_advantage leaves it out of the forward and
-    backward (and of the old log-prob pass). With beta > 0 its KL term still has a gradient, and with
-    top_entropy_quantile < 1 its tokens' entropies move the quantile: every row is trained."""
+    With beta == 0 a completion with A == 0 has loss 0 and gradient 0 for any ratio, so
+    train.skip_zero_advantage leaves it out of the forward and backward (and of the old log-prob pass).
+    With beta > 0 its KL term still has a gradient, and with top_entropy_quantile < 1 every token moves the
+    entropy threshold: every row is trained."""
     if (not train.skip_zero_advantage or train.beta != 0 or train.top_entropy_quantile < 1.0
             or batch.advantages is None):
         return torch.ones(len(batch), dtype=torch.bool)
@@ -42,8 +47,8 @@ def trained_rows(batch: Batch, train: TrainConfig) -> torch.Tensor:
 def skipped_rows_scale(mb: Batch, keep: torch.Tensor, loss_type: str) -> float:
     """Factor that gives the loss of the kept rows of micro-batch `mb` the denominator of the whole
     micro-batch. grpo, sapo, luspo and dr_grpo divide by the number of sequences, bnpo by the masked
-    tokens; the token-sum types' denominator (num_items_in_batch) is counted over every row already."""
-    if keep.all() or loss_type in TOKEN_SUM_LOSS_TYPES:
+    tokens; the denominator of dapo, cispo and vespo (num_items_in_batch) is counted over every row already."""
+    if keep.all() or loss_type in GLOBAL_TOKEN_COUNT:
         return 1.0
     if loss_type == "bnpo":
         return int(mb.completion_mask[keep].sum()) / int(mb.completion_mask.sum())
@@ -92,17 +97,17 @@ def step_completion_tokens(micro_batches: list[Batch]) -> int:
 
 
 def loss_denominator(loss_type: str, num_items: int) -> Optional[int]:
-    """The fused head's num_items_in_batch: the global token count of dapo, cispo and vespo; None (a
+    """The fused head's num_items_in_batch: the global token count for dapo, cispo and vespo; None (a
     per-micro-batch normaliser) for the others."""
-    return num_items if loss_type in TOKEN_SUM_LOSS_TYPES else None
+    return num_items if loss_type in GLOBAL_TOKEN_COUNT else None
 
 
 def loss_factor(scale: float, train: TrainConfig, world_size: int) -> float:
     """What the fused head's loss is multiplied by. dapo, cispo, vespo: each rank's sum over its tokens /
-    the global count; data parallelism averages the ranks' gradients, so multiply by the number of ranks
-    to get the sum (as TRL). Otherwise a per-micro-batch mean, averaged over the accumulation (and over
-    ranks by the averaging)."""
-    if train.loss_type in TOKEN_SUM_LOSS_TYPES:
+    the global count; data parallelism averages the ranks' gradients, so multiply by the number of ranks to get the
+    sum (as TRL). Otherwise a per-micro-batch mean, averaged over the accumulation (and over ranks by
+    the averaging)."""
+    if train.loss_type in GLOBAL_TOKEN_COUNT:
         return scale * world_size
     return scale / train.gradient_accumulation_steps
 

@@ -361,7 +361,7 @@ class Trainer:
         lr = self._after_update(finite)
         gb.steps_done += 1
         out = trl_names(step_means(totals.sums, num_items=num_items, computed=totals.computed,
-                                   backwards=totals.backwards), t.loss_type)
+                                   backwards=totals.backwards))
         out.update(loss=totals.loss, grad_norm=grad_norm, learning_rate=lr,
                    skipped=int(not finite or not num_items), train_tokens=totals.tokens)
         return out

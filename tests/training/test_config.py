@@ -219,3 +219,52 @@ def test_an_override_that_is_not_yaml_names_the_key_and_the_fix():
         "Answer: in one word: yes"  # the fix it names works
     with pytest.raises(ConfigError, match=r"value of reward_weights .*'\[1.0,', line 1, column 6: expected the node"):
         load_config(None, [*MINIMAL, "reward_weights=[1.0,"])
+
+
+def test_loss_type_options_have_trls_names_and_defaults():
+    """Every loss option of TRL 1.16's GRPOConfig under its name, with its default (where installed)."""
+    t = Config().train
+    ours = {k: getattr(t, k) for k in ("delta", "top_entropy_quantile", "use_bias_correction_kl",
+                                       "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                                       "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                                       "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                                       "vllm_importance_sampling_clip_min")}
+    assert ours["use_bias_correction_kl"] is True and ours["delta"] is None
+    for lt in ("grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"):
+        assert load_config(None, [*MINIMAL, f"loss_type={lt}", "importance_sampling_level=sequence"
+                                  if lt == "luspo" else "seed=1"]).train.loss_type == lt
+    trl_config = pytest.importorskip("trl").GRPOConfig
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(trl_config)}
+    assert ours == {k: trl_defaults[k] for k in ours}
+    assert t.vllm_importance_sampling_correction is None  # by engine: off for the native rollout
+
+
+@pytest.mark.parametrize("override, message", [
+    ("delta=0", "train.delta must be > 0"),
+    ("top_entropy_quantile=1.5", r"train.top_entropy_quantile must be in \[0, 1\]"),
+    ("sapo_temperature_neg=0", "train.sapo_temperature_neg must be > 0"),
+    ("vespo_k_pos=-1", "train.vespo_k_pos must be > 0"),
+    ("loss_type=cispoo", "did you mean 'cispo'"),
+    ("vllm_importance_sampling_mode=token", "vllm_importance_sampling_mode must be one of token_truncate"),
+    ("vllm_importance_sampling_clip_min=3", r"clip_min \(3.0\) must be less than .*clip_max \(3.0\)"),
+])
+def test_bad_loss_options_name_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, MINIMAL + [override])
+
+
+def test_vespo_with_is_correction_needs_a_token_mode():
+    with pytest.raises(ConfigError, match="vespo .* token_truncate or token_mask"):
+        load_config(None, [*MINIMAL, "loss_type=vespo", "vllm_importance_sampling_correction=true"])
+    load_config(None, [*MINIMAL, "loss_type=vespo", "vllm_importance_sampling_correction=true",
+                       "vllm_importance_sampling_mode=token_mask"])
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["loss_type=luspo"], "luspo: set importance_sampling_level=sequence"),
+    (["loss_type=vespo", "importance_sampling_level=sequence"], "vespo .* should be token"),
+    (["vllm_importance_sampling_correction=true"], "correction=true has no effect: the native rollout"),
+])
+def test_trls_warnings_for_paper_mismatches(overrides, warning):
+    with pytest.warns(UserWarning, match=warning):
+        load_config(None, MINIMAL + overrides)

@@ -98,8 +98,10 @@ def _reference_loss(model, mb: Batch, loss_type, level, beta, eps, eps_high, tem
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_loss_parity_with_reference_formula(toy_config, loss_type, level):
+    # the plain k3 KL of the formula below (the bias-corrected one, TRL's default, is checked against TRL in
+    # test_loss_variants_vs_trl.py)
     cfg = toy_config(f"loss_type={loss_type}", f"importance_sampling_level={level}", "beta=0.1", "epsilon=0.1",
-                     "epsilon_high=0.3", "temperature=0.7", "num_iterations=2")
+                     "epsilon_high=0.3", "temperature=0.7", "num_iterations=2", "use_bias_correction_kl=false")
     trainer = Trainer(cfg)
     gb = trainer.new_generation_batch()
     batch = gb.batch
