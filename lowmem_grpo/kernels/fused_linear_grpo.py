@@ -11,9 +11,7 @@ Where Liger's module differs from TRL this follows Liger: use_ref_model=False me
 whatever reference inputs are given; luspo sums over every position, padding included (those rows go through
 the head, so their ids must be valid); dapo / cispo / vespo divide by Liger's normaliser (`dapo_normalizer`).
 The loss is differentiable w.r.t. _input, lin_weight and bias (fp32 loss; gradients in the inputs' dtypes).
-`compiled` and `chunk_size` are accepted and have no effect.
-
-Design notes: docs/kernels.md ("Liger-Kernel's interface")
+`compiled` and `chunk_size` are accepted and have no effect. Design notes: docs/kernels.md ("Liger-Kernel's interface")
 """
 
 from __future__ import annotations
