@@ -170,11 +170,14 @@ class GRPOTrainer(Trainer):
         the reward functions as a keyword argument. None = the config's train_file / eval_file.
     processing_class: the tokenizer (default: loaded from the model's name_or_path, or the config's
         `tokenizer`).
+    reward_processing_classes: one tokenizer (or folder / hub id) per reward_funcs entry, None for functions
+        and for reward models that bring their own (TRL's). None = the config's reward_processing_classes.
     callbacks: TrainerCallback instances or classes (on_step_end, on_log, on_save).
     """
 
     def __init__(self, model=None, reward_funcs=None, args: Optional[GRPOConfig] = None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, callbacks: Optional[list] = None):
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None,
+                 callbacks: Optional[list] = None):
         if args is None:
             args = GRPOConfig()
         elif isinstance(args, Config):
@@ -196,8 +199,10 @@ class GRPOTrainer(Trainer):
         validate(probe)
         self.args = args
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        classes = _use_reward_tokenizers(cfg, reward_processing_classes, len(specs))
         super().__init__(cfg, recipe_dir=args.recipe_dir, model=loaded, tokenizer=tokenizer, reward_funcs=specs,
-                         train_data=train_data, eval_data=eval_data, callbacks=callbacks)
+                         train_data=train_data, eval_data=eval_data, callbacks=callbacks,
+                         reward_processing_classes=classes)
 
     @property
     def model(self):
@@ -264,6 +269,19 @@ def _use_tokenizer(cfg: Config, loaded, processing_class):
                           "processing_class=tokenizer (or GRPOConfig(tokenizer='chars'), "
                           "or 'none' for prompt_ids data)")
     return None
+
+
+def _use_reward_tokenizers(cfg: Config, classes, n: int) -> Optional[list]:
+    """The reward models' tokenizers as given (TRL allows one without a list); cfg keeps their names."""
+    if classes is None:
+        return None
+    classes = list(classes) if isinstance(classes, (list, tuple)) else [classes]
+    if len(classes) != n:
+        raise ConfigError(f"reward_processing_classes has {len(classes)} entries for {n} reward functions: give one "
+                          f"per entry of reward_funcs (None for functions)")
+    cfg.rewards.reward_processing_classes = [c if c is None or isinstance(c, str) else getattr(c, "name_or_path", None)
+                                             for c in classes]
+    return classes
 
 
 def _use_rewards(cfg: Config, reward_funcs) -> list:

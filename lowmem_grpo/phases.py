@@ -16,7 +16,8 @@ from torch.profiler import record_function
 
 PREFIX = "lowmem::"
 GRAD_MARK = PREFIX + "grad@"
-PHASES = ("rollout", "old log-probs", "reference log-probs", "forward", "backward", "optimizer", "evaluation")
+PHASES = ("rollout", "rewards", "old log-probs", "reference log-probs", "forward", "backward", "optimizer",
+          "evaluation")  # "rewards": marked only when a reward model scores (reward functions use no device)
 # labels that hold whatever the phase: optimizer steps taken inside backward, activation offload's host copies
 SCOPES = ("optimizer", "activation offload")
 

@@ -24,7 +24,7 @@ BELOW = {
     "shipped_recipes": set(),
     "optim": {"ranges", "config", "phases", "host_arena"},
     "policy": {"ranges", "config", "kernels", "host_arena"},
-    "rewards": set(),
+    "rewards": {"policy"},  # reward models stream their layers as the reference model does
     "training": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim"},
     "memory": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim", "training"},
     "memory_modes": {"host_arena", "optim", "policy", "training"},  # the old import path, deprecated

@@ -139,14 +139,28 @@ class GenerationConfig:
 class RewardsConfig:
     reward_funcs: list = setting([], "Reward functions: a built-in name ('numeric_answer', 'regex_format', "
                                      "'exact_match', 'token_answer', 'token_think', 'char_count', 'math_verify'), a "
-                                     "dict {name: ..., <kwargs>}, or a user function 'module:function' / "
+                                     "dict {name: ..., <kwargs>}, a user function 'module:function' / "
                                      "'path/file.py:function' with TRL's signature f(prompts, completions, **kwargs) "
-                                     "-> list[float | None].")
+                                     "-> list[float | None], or a reward model: the folder or hub id of a "
+                                     "sequence-classification model (TRL: its first logit is the reward).")
     reward_weights: Optional[list] = setting(None, "One weight per reward function (default: all 1.0).")
     reward_timeout: Optional[float] = setting(None, "Seconds one call of a reward function (on a whole generation "
                                                     "batch) may take; a call still running then stops the run, naming "
                                                     "the function. The call runs in a worker thread. None = no limit.",
                                                     check=POSITIVE)
+    reward_processing_classes: Optional[list] = setting(None, "One tokenizer per reward_funcs entry (TRL's name): a "
+                                                              "folder or hub id for a reward model, null for "
+                                                              "functions or to use the reward model's own.")
+    model_placement: str = setting("auto", "Where reward models run: gpu (weights on the training device all run), "
+                                           "stream (weights in host RAM, each layer copied to the device as it "
+                                           "runs, like train.reference_compute=stream) or cpu. auto: cpu on a CPU "
+                                           "run; on a GPU, gpu where the planner finds room for it "
+                                           "(`lowmem-grpo train`), else stream.",
+                                   check=("auto", "gpu", "stream", "cpu"))
+    model_batch_size: Optional[int] = setting(None, "Completions per reward-model forward (default: "
+                                                    "train.per_device_train_batch_size).", check=POSITIVE)
+    model_dtype: str = setting("auto", "Reward models' weight dtype: auto (the checkpoint's), float32, bfloat16 or "
+                                       "float16.", check=("auto", "float32", "bfloat16", "float16"))
 
 
 @dataclass

@@ -102,6 +102,10 @@ def validate(cfg: Config) -> None:
     if w is not None and len(w) != len(cfg.rewards.reward_funcs):
         raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
                           "reward functions")
+    classes = cfg.rewards.reward_processing_classes
+    if classes is not None and len(classes) != len(cfg.rewards.reward_funcs):
+        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are "
+                          f"{len(cfg.rewards.reward_funcs)} reward functions: give one per entry (null for functions)")
     batch_plan(cfg)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ..config import Config, ConfigError
 from .plan import GiB, Arch, margin_bytes, plan, suggestions
+from .reward_plan import reward_archs
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,23 @@ def check_run(cfg: Config) -> Optional[Fit]:
             return None  # the trainer names the devices there are
     local = int(os.environ.get("LOCAL_WORLD_SIZE", size))  # torchrun: the ranks of one node
     autocast = bf16_autocast_wanted(cfg.model.bf16, device)
-    return check_device_memory(cfg, run_architecture(cfg), device, autocast, nproc=size,
-                               nnodes=max(size // max(local, 1), 1))
+    arch = run_architecture(cfg)
+    if size == 1:
+        place_reward_models(cfg, arch, device, autocast)
+    return check_device_memory(cfg, arch, device, autocast, nproc=size, nnodes=max(size // max(local, 1), 1))
+
+
+def place_reward_models(cfg: Config, arch: Arch, device: torch.device, autocast: Optional[bool] = None) -> None:
+    """rewards.model_placement=auto on a GPU, decided by the plan: gpu where the run fits what `device` has
+    free with the reward models' weights on it, else stream. Writes the choice into `cfg` (logged)."""
+    if cfg.rewards.model_placement != "auto" or not reward_archs(cfg):
+        return
+    on_device = plan(cfg, arch, autocast=autocast, reward_placement="gpu")["peak_bytes"]
+    free, _ = device_free_bytes(device)
+    fits = on_device + margin_bytes(on_device) <= free
+    cfg.rewards.model_placement = "gpu" if fits else "stream"
+    logger.info(f"reward models: {cfg.rewards.model_placement} (on the GPU the run would need "
+                f"{(on_device + margin_bytes(on_device)) / GiB:.2f} GiB with the margin; {free / GiB:.2f} GiB free)")
 
 
 def check_device_memory(cfg: Config, arch: Arch, device: torch.device, autocast: Optional[bool] = None,

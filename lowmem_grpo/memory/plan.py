@@ -26,6 +26,7 @@ from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: 
 from ..training.activation_offload import MIN_BYTES
 from ..optim.offload import staging_bytes
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
+from . import reward_plan
 from .layer_probe import layer_costs
 
 GiB = 2**30
@@ -138,12 +139,15 @@ def decoder_positions(cfg: Config, arch: Arch, micro_batch: int, query_bytes: in
     return positions, held, elements * query_bytes if impl == "sdpa" else 0
 
 
-def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda") -> dict:
+def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda",
+         rewards: Optional[list] = None, reward_placement: Optional[str] = None) -> dict:
     """Predicted device bytes per phase, and per category at each phase's peak, for `cfg` on `arch`.
 
     `autocast`: whether bf16 autocast is on; None resolves model.bf16 as on an Ampere+ GPU (None = on).
     `device`: "cuda" (what the planner is for), or "cpu" to compare with a CPU run, where the fused
-    head runs its torch fallback and bitsandbytes its CPU update.
+    head runs its torch fallback and bitsandbytes its CPU update. `rewards`: the reward models'
+    shapes (reward_plan.RewardArch; default: read from rewards.reward_funcs), placed as
+    rewards.model_placement says unless `reward_placement` overrides it.
     """
     g, t, m = cfg.generation, cfg.train, cfg.model
     wb = 2 if m.precision == "bf16_sr" else 4  # weight (and gradient, and residual stream) bytes
@@ -245,6 +249,11 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         return kv + graphs + max(prefill, logits) + layers * casts + head_copy
 
     phases = {"rollout": {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
+    rewards = reward_plan.reward_archs(cfg) if rewards is None else rewards
+    where = reward_placement or reward_plan.placement(cfg, device)
+    resident, scoring = reward_plan.device_bytes(cfg, rewards, where)
+    if scoring:  # between the rollout and the loss: the policy's resident state and one scoring forward
+        phases["rewards"] = {**base, **scoring}
     # A log-prob pass: no-grad forward of a micro-batch (one layer's transient), then the head forward.
     lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp + mask_call_lp,
                                                    costs.norm_saved * T_lp)
@@ -265,11 +274,16 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     rows = evaluation_rows(cfg)
     if rows:  # between steps: the gradients are gone (zero_grad(set_to_none)), weights and states stay
         phases["evaluation"] = {**base, "KV cache": generation(rows, cfg.eval.eval_batch_size)}
+    if resident:  # gpu-placed reward models: their weights, all run
+        phases = {p: {**cats, "reward model": resident} for p, cats in phases.items()}
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
     host = host_categories(cfg, arch, layers * layer_io + costs.norm_offloaded * T if offloading else 0, device)
     pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
+    if reward_plan.host_bytes(rewards, where, device):
+        host["reward models"] = reward_plan.host_bytes(rewards, where, device)
+        pinned += ["reward models"] if where == "stream" and device != "cpu" else []
     return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),

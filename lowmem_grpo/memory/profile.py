@@ -22,12 +22,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..phases import GRAD_MARK, PHASES, PREFIX, mark_gradient
+from ..rewards.model import reward_models
 
 CATEGORIES = ("weights", "gradients", "optimizer states", "activations", "KV cache", "loss head",
-              "reference model", "reference buffers", "rollout batch", "weights copy", "gradient buffer",
-              "activations (offloaded)", "other")
+              "reference model", "reference buffers", "reward model", "reward buffers", "rollout batch",
+              "weights copy", "gradient buffer", "activations (offloaded)", "other")
 _PHASE_CATEGORY = {"rollout": "KV cache", "old log-probs": "activations", "reference log-probs": "reference buffers",
-                   "forward": "activations", "backward": "activations", "optimizer": "optimizer states"}
+                   "rewards": "reward buffers", "forward": "activations", "backward": "activations",
+                   "optimizer": "optimizer states"}
 # e.g. optimizer steps taken inside backward; activation offload's host copies, whatever op saved them
 _SCOPE_CATEGORY = {"optimizer": "optimizer states", "activation offload": "activations (offloaded)"}
 _BATCH_PHASES = ("rollout", "old log-probs", "reference log-probs")  # their outputs live on as the batch
@@ -138,7 +140,8 @@ class MemoryProfile:
 
     `params`: the model's parameters (and buffers, if they should count as weights): their storages
     are weights, and the .grad of those that require grad are gradients; `optimizer`: whose state
-    tensors are optimizer states; `reference`: the reference model's tensors; `batch`: tensors of a
+    tensors are optimizer states; `reference`: the reference model's tensors; `reward_models`: the reward
+    models' tensors (their streamed layers' device copies count as reward buffers); `batch`: tensors of a
     generation batch already in hand. `cuda_snapshot`: a path for the CUDA allocator's history.
     `device`: the CUDA device whose allocator is read (peaks reset on entry, so the allocator's peak
     is the block's own, not model loading's); default the device of the first CUDA parameter, and
@@ -147,8 +150,10 @@ class MemoryProfile:
     """
 
     def __init__(self, params: list[torch.Tensor], optimizer=None, reference: Iterable[torch.Tensor] = (),
-                 batch: Iterable[torch.Tensor] = (), cuda_snapshot: Optional[str] = None, device=None):
+                 batch: Iterable[torch.Tensor] = (), cuda_snapshot: Optional[str] = None, device=None,
+                 reward_models: Iterable[torch.Tensor] = ()):
         self.params = list(params)
+        self.reward_models = list(reward_models)
         self.cuda_device = _cuda_device(device, self.params)
         self.optimizer = optimizer
         self.reference = list(reference)
@@ -202,7 +207,8 @@ class MemoryProfile:
             for opt in (inner.values() if isinstance(inner, dict) else [self.optimizer]):
                 states += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         known = {"weights": _storages(self.params), "optimizer states": _storages(states),
-                 "reference model": _storages(self.reference), "rollout batch": _storages(self.batch)}
+                 "reference model": _storages(self.reference), "reward model": _storages(self.reward_models),
+                 "rollout batch": _storages(self.batch)}
         # optim.offload_optimizer (optim/offload.py): the host weight copies and gradient buffers,
         # views of one block (host_arena.py), so counted view by view, not by storage
         for category, attr in (("weights copy", "host"), ("gradient buffer", "host_grad")):
@@ -410,6 +416,7 @@ def profile_trainer(trainer, steps: int,
     reference = []
     if trainer.ref is not None:
         reference = list(trainer.ref.model.parameters()) + list(trainer.ref.model.buffers())
+    rewards = [t for m in reward_models(trainer.reward_funcs) for t in (*m.model.parameters(), *m.model.buffers())]
     batch = trainer.generation.batch.state_dict().values() if trainer.generation is not None else ()
     weights = list(trainer.policy.parameters()) + list(trainer.policy.buffers())
     times, widths = [], (0, 0)
@@ -428,7 +435,7 @@ def profile_trainer(trainer, steps: int,
         policy_loss.offload_copy_on_cpu = True
     try:
         with MemoryProfile(weights, trainer.optimizer, reference, batch, cuda_snapshot=cuda_snapshot,
-                           device=trainer.device) as prof:
+                           device=trainer.device, reward_models=rewards) as prof:
             for _ in range(steps):
                 t0 = time.perf_counter()
                 gb, _, _ = trainer.run_step()
@@ -459,6 +466,11 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
     excluded = ["reference model"]
     if trainer.ref is not None and trainer.ref.device.type == "cpu":
         excluded.append("reference buffers")
+    placements = {m.placement for m in reward_models(trainer.reward_funcs)}
+    if placements - {"gpu"}:  # streamed or CPU reward models live in host RAM (the planner's host categories)
+        excluded.append("reward model")
+    if "cpu" in placements:
+        excluded.append("reward buffers")
     if trainer.cfg.optim.offload_optimizer:  # host RAM on any device (the planner's host categories)
         excluded += ["optimizer states", "weights copy", "gradient buffer"]
     excluded.append("activations (offloaded)")  # host RAM on any device (the planner's host categories)

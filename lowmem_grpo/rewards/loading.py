@@ -1,5 +1,6 @@
 """Loading the reward functions a recipe names: built-ins, `module:function`, `path/file.py:function`,
-a dict with options and a label, or (from Python) a callable. Errors name the entry and the fix."""
+a dict with options and a label, a reward model (a folder or hub id; from Python also a loaded model:
+rewards/model.py), or (from Python) a callable. Errors name the entry and the fix."""
 
 from __future__ import annotations
 
@@ -18,19 +19,27 @@ from typing import Callable
 
 from .base import RewardError, RewardFunction
 from .builtins import BUILTINS
+from .model import ModelSettings, load_reward_model, looks_like_model
 
 
-def load_reward_functions(specs: list, weights: list | None = None,
-                          base_dir: str | Path | None = None) -> list[RewardFunction]:
-    """Build the reward functions of a recipe; ``base_dir`` (the recipe's folder) resolves file paths."""
+def load_reward_functions(specs: list, weights: list | None = None, base_dir: str | Path | None = None,
+                          models: ModelSettings | None = None) -> list[RewardFunction]:
+    """Build the reward functions of a recipe; ``base_dir`` (the recipe's folder) resolves file paths;
+    ``models`` says where and how reward models run, and their tokenizers (default: on the CPU, their own)."""
     if isinstance(specs, (str, dict)) or callable(specs):
         specs = [specs]
     if not specs:
         raise RewardError("no reward functions configured: set rewards.reward_funcs, e.g. ['numeric_answer']")
     weights = _check_weights(weights, len(specs))
+    models = models or ModelSettings()
+    classes = models.processing_classes or [None] * len(specs)
+    if len(classes) != len(specs):
+        raise RewardError(f"reward_processing_classes has {len(classes)} entries for {len(specs)} reward functions: "
+                          f"give one per entry of reward_funcs (null for functions)")
     funcs, used = [], set()
     for i, (spec, w) in enumerate(zip(specs, weights)):
-        label, fn = _load_one(spec, base_dir, where=f"reward_funcs[{i}]")
+        where = f"reward_funcs[{i}]"
+        label, fn = _load_one(spec, base_dir, where, models, classes[i])
         label = _unique(label, used)
         funcs.append(RewardFunction(name=label, fn=fn, weight=w))
     return funcs
@@ -41,6 +50,8 @@ def spec_record(spec):
     Python callable as 'module:qualname', which reloads when the callable is importable from there."""
     if isinstance(spec, dict):
         return {k: spec_record(v) if k == "name" else _json_or_repr(v) for k, v in spec.items()}
+    if looks_like_model(spec):  # a loaded reward model: where it was loaded from
+        return getattr(spec.config, "_name_or_path", None) or type(spec).__name__
     if callable(spec) and not isinstance(spec, str):
         fn = spec.func if isinstance(spec, functools.partial) else spec
         qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
@@ -78,16 +89,25 @@ def _unique(label: str, used: set) -> str:
     return out
 
 
-def _load_one(spec, base_dir, where: str) -> tuple[str, Callable]:
+def _load_one(spec, base_dir, where: str, models: ModelSettings, tokenizer) -> tuple[str, Callable]:
     label, kwargs = None, {}
     if isinstance(spec, dict):
         kwargs = dict(spec)
         if "name" not in kwargs:
-            raise RewardError(f"{where}: a dict spec needs a 'name' key (a built-in or 'module:function'), "
-                              f"got keys {sorted(kwargs)}")
+            raise RewardError(f"{where}: a dict spec needs a 'name' key (a built-in, 'module:function' or a "
+                              f"reward model), got keys {sorted(kwargs)}")
         spec, label = kwargs.pop("name"), kwargs.pop("label", None)
         if label is not None and not isinstance(label, str):
             raise RewardError(f"{where}: 'label' must be a string, got {label!r}")
+    if not (isinstance(spec, str) and spec in BUILTINS) and looks_like_model(spec, base_dir):
+        if kwargs:
+            raise RewardError(f"{where}: a reward model takes no options ({', '.join(map(repr, kwargs))}); its "
+                              f"settings are rewards.model_placement, model_batch_size and model_dtype")
+        model = load_reward_model(spec, tokenizer, base_dir=base_dir, settings=models, where=where)
+        return label or model.__name__, model
+    if tokenizer is not None:
+        raise RewardError(f"{where}: reward_processing_classes gives a tokenizer for a reward function; only reward "
+                          f"models take one (write null for this entry)")
     if callable(spec):
         fn = functools.partial(spec, **kwargs) if kwargs else spec
         return label or getattr(spec, "__name__", "reward"), fn

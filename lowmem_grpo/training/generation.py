@@ -7,6 +7,7 @@ stops inside a batch resumes on the same completions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..policy.batch import Batch
 from ..policy.logprobs import token_logprobs
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
+from ..rewards.model import uses_reward_model
 from .context import RolloutContext
 from .micro_batch import trained_rows
 
@@ -114,9 +116,11 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
             trainer_state.num_input_tokens_seen += tokens
         prompt_list = [p for p in prompts.prompts for _ in range(G)]
         decoded = decode_completions(batch, prompt_list, eos_ids, ctx.tokenizer)
-        columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
+    columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
+    with phase("rewards") if uses_reward_model(reward_funcs) else contextlib.nullcontext():
         per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
                                           trainer_state=trainer_state, logs=logs)
+    with phase("rollout"):
         # Every rank's rewards (identity with one process): the whole generation batch, in rank order
         per_func, total = world.gather_rows(per_func), world.gather_rows(total)
         scored = scorable_totals(per_func, total)  # NaN: no function scored it

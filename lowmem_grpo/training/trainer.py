@@ -36,7 +36,7 @@ from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head
                             load_model, load_tokenizer)
 from ..policy.packing import Packing
 from ..policy.batch import Batch
-from ..rewards import load_reward_functions
+from ..rewards import ModelSettings, load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from . import distributed
@@ -90,6 +90,14 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def reward_model_placement(setting: str, device: torch.device) -> str:
+    """Where reward models run: the setting, or for auto, cpu on a CPU run and stream on a GPU (`lowmem-grpo
+    train` resolves auto before this, to gpu where the planner finds room: memory/fit.py)."""
+    if setting != "auto":
+        return setting
+    return "cpu" if device.type == "cpu" else "stream"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -99,12 +107,13 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True, *,
                  model=None, tokenizer=None, reward_funcs: Optional[list] = None, train_data=None, eval_data=None,
-                 callbacks: Optional[list] = None):
+                 callbacks: Optional[list] = None, reward_processing_classes: Optional[list] = None):
         """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only).
 
         From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
-        tokenizer, reward functions (callables mixed with what a recipe names), and the rows as a
-        datasets.Dataset or list of dicts; `cfg` then only names them (data.train_file, ...)."""
+        tokenizer, reward functions (callables and loaded reward models mixed with what a recipe names) and
+        their tokenizers, and the rows as a datasets.Dataset or list of dicts; `cfg` then only names them
+        (data.train_file, ...)."""
         self.cfg = cfg
         self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
@@ -120,9 +129,14 @@ class Trainer:
         if m.precision == "bf16_sr":
             check_bf16_weights(self.device)
         self.tokenizer = load_tokenizer(m) if tokenizer is None else tokenizer
+        r = cfg.rewards
+        models = ModelSettings(reward_model_placement(r.model_placement, self.device), self.device,
+                               r.model_batch_size or t.per_device_train_batch_size, r.model_dtype,
+                               r.reward_processing_classes if reward_processing_classes is None
+                               else reward_processing_classes)
         self.reward_funcs = with_timeout(
-            load_reward_functions(cfg.rewards.reward_funcs if reward_funcs is None else reward_funcs,
-                                  cfg.rewards.reward_weights, base_dir=recipe_dir), cfg.rewards.reward_timeout)
+            load_reward_functions(r.reward_funcs if reward_funcs is None else reward_funcs, r.reward_weights,
+                                  base_dir=recipe_dir, models=models), r.reward_timeout)
         self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
