@@ -43,7 +43,7 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
                 cats["gradients"] = cats["gradients"] // nproc
             if phase in ("rollout", "old log-probs", "reference log-probs", "evaluation"):
                 cats["weights"] = shards + gathered * arch.params
-            elif phase == "optimizer":
+            elif phase in ("optimizer", "rewards"):  # (no policy forward runs while rewards are scored)
                 cats["weights"] = shards
             else:
                 cats["weights"] = shards + root + 2 * layer

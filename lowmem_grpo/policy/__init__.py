@@ -10,6 +10,7 @@
     logprobs.py        hidden states and no-grad log-probs of the completion tokens (loss, old policy)
     packing.py         shared-prompt packing: one row per prompt and its completions, block mask
     reference.py       the frozen reference model, kept in CPU RAM
+    streaming.py       a frozen decoder in host RAM, run on the device a layer at a time (reference, reward models)
     char_tokenizer.py  a character tokenizer for tiny from-scratch models
 
 May import lowmem_grpo.config, the kernels and host_arena, nothing else. Design notes: docs/rollouts.md

@@ -107,6 +107,11 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                                  or (t.reference_compute == "auto" and t.device != "cpu"),
                                  "reference_compute=cpu (the reference runs on the CPU)"),
                                 (logprob_micro > 1, f"logprob_micro_batch_size={_halve(logprob_micro)}")],
+        "rewards": [(cfg.rewards.model_placement in ("gpu", "auto") and t.device != "cpu",
+                     "rewards.model_placement=stream (the reward model's layers are copied in one at a time)"),
+                    ((cfg.rewards.model_batch_size or t.per_device_train_batch_size) > 1,
+                     f"rewards.model_batch_size="
+                     f"{_halve(cfg.rewards.model_batch_size or t.per_device_train_batch_size)}")],
         "forward": [(not m.gradient_checkpointing, "gradient_checkpointing=true"),
                     (not m.offload_activations, "offload_activations=true"),
                     (t.per_device_train_batch_size > 1, _smaller_micro_batch(cfg))],
