@@ -215,3 +215,12 @@ def test_a_run_learns_from_a_streamed_reward_model(e_rm, tmp_path):
     assert "rewards" in prof.result.devices["host"].summary()["phases"]
     _, summary = device_equivalent(prof, trainer)
     assert "reward model" not in summary["categories"] or summary["categories"]["reward model"] == 0
+
+
+def test_out_of_memory_while_scoring_names_the_reward_model_settings():
+    from lowmem_grpo.training.stopping import _cheapest_fix
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    on_gpu = load_config(recipe, ["train.device=cuda", "rewards.model_placement=gpu"])
+    assert _cheapest_fix("rewards", on_gpu).startswith("rewards.model_placement=stream")
+    streamed = load_config(recipe, ["rewards.model_placement=stream", "rewards.model_batch_size=6"])
+    assert _cheapest_fix("rewards", streamed) == "rewards.model_batch_size=3"
