@@ -85,7 +85,10 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
         if model is not None or nproc > 1:
             raise ConfigError("--largest plans every preset in one process: drop "
                               + ("--model" if model is not None else f"--nproc {nproc}"))
-        return run_largest(cfg, gpu_memory, host_memory, as_json)
+        settings = (f"{Path(recipe).name}'s settings" if recipe else "lowmem-grpo's default settings (a recipe, "
+                    "e.g. qwen2.5-3b_gsm8k_8gb, brings its memory modes)")
+        settings += f" with {' '.join(overrides)}" if overrides else ""
+        return run_largest(cfg, gpu_memory, host_memory, as_json, settings=settings)
     arch, source = architecture(cfg, model)
     budget, budget_source, card = gpu_budget(gpu_memory)
     host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
@@ -142,7 +145,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
 
 
 def run_largest(cfg: Config, gpu_memory: str | None, host_memory: str | None, as_json: bool,
-                names: list[str] | None = None) -> int:
+                names: list[str] | None = None, settings: str = "these settings") -> int:
     """`plan --largest`: every preset (or `names`) with `cfg`'s settings; exit status 1 when none fits."""
     from ..memory.largest import candidates, format_candidates, largest, verdict
     budget, budget_source, card = gpu_budget(gpu_memory)
@@ -151,10 +154,11 @@ def run_largest(cfg: Config, gpu_memory: str | None, host_memory: str | None, as
     best = largest(found)
     if as_json:
         print(json.dumps({"gpu_memory_bytes": budget, "gpu_memory_source": budget_source, "card": card or None,
-                          "host_memory_bytes": host_budget, "largest": best.name if best else None,
+                          "host_memory_bytes": host_budget, "settings": settings,
+                          "largest": best.name if best else None,
                           "verdict": verdict(found), "presets": [c.as_dict() for c in found]}, indent=2))
     else:
-        print(f"every preset with these settings, against {budget / GiB:.2f} GiB ({budget_source}) with the margin "
+        print(f"every preset with {settings}, against {budget / GiB:.2f} GiB ({budget_source}) with the margin "
               f"(CUDA context 0.5 GiB + 5%) and {host_budget / GiB:.1f} GiB of host RAM:")
         print(format_candidates(found))
         print(verdict(found))

@@ -133,3 +133,23 @@ def test_gemma_3_is_planned_with_its_own_layer():
     assert costs.saved > 1152 * 2  # at least the layer's output
     cfg = load_config(Path(__file__).parents[2] / "recipes" / "gemma-3-1b_gsm8k_8gb.yaml")
     assert plan(cfg, arch)["peak_bytes"] < 7 * GiB
+
+
+def _cli_takes_largest() -> bool:
+    import argparse
+    from lowmem_grpo.cli import _parser
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return any("--largest" in a.option_strings for a in sub.choices["plan"]._actions)
+
+
+@pytest.mark.slow  # every preset: ~25 s on 2 CPU cores
+@pytest.mark.skipif(not _cli_takes_largest(), reason="lowmem_grpo/cli/__init__.py does not register plan --largest")
+def test_the_command_line(capsys):
+    from lowmem_grpo.cli import main
+    common = ["plan", str(RECIPE_3B), "--largest", "--host-memory", "1024GiB"]
+    capsys.readouterr()
+    assert main([*common, "--gpu-memory", "7.5GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["largest"] == "Qwen2.5-3B" and len(out["presets"]) >= 15
+    assert main([*common, "--gpu-memory", "0.5GiB"]) == 1
+    assert "none of the presets fits" in capsys.readouterr().out
