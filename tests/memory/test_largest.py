@@ -16,7 +16,7 @@ from lowmem_grpo.memory.presets import preset
 
 GiB = 2**30
 RECIPE_3B = Path(__file__).parents[2] / "recipes" / "qwen2.5-3b_gsm8k_8gb.yaml"
-# around the 3B recipe's limit: Llama-3.2-3B has more parameters than Qwen2.5-3B but a 6x larger
+# around the 3B recipe's limit: Llama-3.2-3B has more parameters than Qwen2.5-3B but a 3x larger
 # KV cache per token and a larger tied embedding; Qwen3-4B's bf16 weights alone fill 7.5 GiB
 AROUND_3B = ["Qwen3-4B", "Llama-3.2-3B", "Qwen2.5-3B", "Qwen2.5-1.5B"]
 
