@@ -10,7 +10,8 @@ RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded ac
 part of it (page-locked on a GPU: it cannot swap) apart from the rest, checked against --host-memory
 (default: this machine's RAM); exit status 1 when that does not fit. With
 --nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the host RAM of one node (of the
---nnodes M the N ranks are spread over).
+--nnodes M the N ranks are spread over). With --largest, the same settings for every preset
+(memory/largest.py): which fit the card and the host, and the largest that does (exit status 1: none).
 """
 
 from __future__ import annotations
@@ -78,8 +79,16 @@ def _cuda_available() -> bool:
 
 def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides: list[str], as_json: bool,
         host_memory: str | None = None, nproc: int = 1, strategy: str | None = None,
-        nnodes: int = 1) -> int:
+        nnodes: int = 1, largest: bool = False) -> int:
     cfg = load_config(recipe, overrides, check=False)
+    if largest:
+        if model is not None or nproc > 1:
+            raise ConfigError("--largest plans every preset in one process: drop "
+                              + ("--model" if model is not None else f"--nproc {nproc}"))
+        settings = (f"{Path(recipe).name}'s settings" if recipe else "lowmem-grpo's default settings (a recipe, "
+                    "e.g. qwen2.5-3b_gsm8k_8gb, brings its memory modes)")
+        settings += f" with {' '.join(overrides)}" if overrides else ""
+        return run_largest(cfg, gpu_memory, host_memory, as_json, settings=settings)
     arch, source = architecture(cfg, model)
     budget, budget_source, card = gpu_budget(gpu_memory)
     host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
@@ -133,6 +142,27 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
               "turn off optim.offload_optimizer / model.offload_activations, or use a machine with more RAM")
         return 1
     return 0
+
+
+def run_largest(cfg: Config, gpu_memory: str | None, host_memory: str | None, as_json: bool,
+                names: list[str] | None = None, settings: str = "these settings") -> int:
+    """`plan --largest`: every preset (or `names`) with `cfg`'s settings; exit status 1 when none fits."""
+    from ..memory.largest import candidates, format_candidates, largest, verdict
+    budget, budget_source, card = gpu_budget(gpu_memory)
+    host_budget = parse_bytes(host_memory, "--host-memory") if host_memory else physical_ram_bytes()
+    found = candidates(cfg, budget, host_budget, names)
+    best = largest(found)
+    if as_json:
+        print(json.dumps({"gpu_memory_bytes": budget, "gpu_memory_source": budget_source, "card": card or None,
+                          "host_memory_bytes": host_budget, "settings": settings,
+                          "largest": best.name if best else None,
+                          "verdict": verdict(found), "presets": [c.as_dict() for c in found]}, indent=2))
+    else:
+        print(f"every preset with {settings}, against {budget / GiB:.2f} GiB ({budget_source}) with the margin "
+              f"(CUDA context 0.5 GiB + 5%) and {host_budget / GiB:.1f} GiB of host RAM:")
+        print(format_candidates(found))
+        print(verdict(found))
+    return 0 if best else 1
 
 
 def physical_ram_bytes() -> int:
