@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--strategy", choices=("ddp", "fsdp"), default=None,
                    help="with --nproc: ddp or fsdp (default: the recipe's train.strategy)")
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
+    s.add_argument("--largest", action="store_true",
+                   help="the same settings for every preset: which fit the card and host RAM, and the largest")
     s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
                                        "(table, profile.json, timeline.png)")
     s.add_argument("recipe", help="a YAML recipe (see recipes/)")
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
             recipe, overrides = None, [recipe] + overrides
         try:
             return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory,
-                       nproc=args.nproc, strategy=args.strategy, nnodes=args.nnodes)
+                       nproc=args.nproc, strategy=args.strategy, nnodes=args.nnodes,
+                       largest=args.largest)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2

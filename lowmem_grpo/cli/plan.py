@@ -24,6 +24,7 @@ from ..config import Config, ConfigError, batch_plan, load_config
 from ..memory.parallel_plan import per_rank
 from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
 from ..memory.presets import PRESETS, preset
+from ..memory.reward_plan import resolve_folders
 
 
 def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
@@ -81,6 +82,8 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
         host_memory: str | None = None, nproc: int = 1, strategy: str | None = None,
         nnodes: int = 1, largest: bool = False) -> int:
     cfg = load_config(recipe, overrides, check=False)
+    if recipe is not None:  # reward-model folders named from the recipe's folder
+        resolve_folders(cfg, Path(recipe).resolve().parent)
     if largest:
         if model is not None or nproc > 1:
             raise ConfigError("--largest plans every preset in one process: drop "

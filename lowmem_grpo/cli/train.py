@@ -33,10 +33,12 @@ def train(recipe: str, overrides: list[str]) -> int:
     user set the allocator's settings; then, before the trainer loads any weight, the planner's peak
     against what the card has free (memory/fit.py says why and how)."""
     from ..memory.fit import check_run, use_expandable_segments
+    from ..memory.reward_plan import resolve_folders
     use_expandable_segments()
     from ..training import distributed
     from ..training.trainer import Trainer  # torch/transformers only when needed
     cfg = load_config(recipe, overrides)
+    resolve_folders(cfg, Path(recipe).resolve().parent)  # reward-model folders named from the recipe's folder
     check_run(cfg)
     try:
         result = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent).train()

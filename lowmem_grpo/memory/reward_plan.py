@@ -50,6 +50,18 @@ def reward_archs(cfg: Config, base_dir=None) -> list[RewardArch]:
     return out
 
 
+def resolve_folders(cfg: Config, base_dir) -> None:
+    """Make reward-model folders named relative to `base_dir` (the recipe's folder) absolute in `cfg`, so
+    the planner finds them from any current folder, as the trainer does."""
+    specs = cfg.rewards.reward_funcs
+    for i, spec in enumerate(specs):
+        name = spec.get("name") if isinstance(spec, dict) else spec
+        if isinstance(name, str) and ":" not in name and model_folder(name) is None:
+            folder = model_folder(name, base_dir)
+            if folder is not None:
+                specs[i] = {**spec, "name": str(folder)} if isinstance(spec, dict) else str(folder)
+
+
 @functools.lru_cache(maxsize=32)
 def _read(source: str, dtype: str) -> RewardArch:
     from transformers import AutoConfig, AutoModelForSequenceClassification

@@ -224,3 +224,22 @@ def test_out_of_memory_while_scoring_names_the_reward_model_settings():
     assert _cheapest_fix("rewards", on_gpu).startswith("rewards.model_placement=stream")
     streamed = load_config(recipe, ["rewards.model_placement=stream", "rewards.model_batch_size=6"])
     assert _cheapest_fix("rewards", streamed) == "rewards.model_batch_size=3"
+
+
+def test_the_planner_finds_a_reward_model_beside_the_recipe(random_rm, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import yaml
+
+    from lowmem_grpo.cli import main
+    model, _ = random_rm
+    folder = tmp_path / "recipe"
+    shutil.copytree(model, folder / "judge")
+    recipe = yaml.safe_load((ROOT / "recipes" / "char_e.yaml").read_text())
+    recipe["rewards"] = {"reward_funcs": ["judge"], "model_placement": "gpu"}
+    (folder / "r.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.chdir(tmp_path)  # not the recipe's folder
+    assert main(["plan", str(folder / "r.yaml"), "--gpu-memory", "8GiB", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    weights = 4 * sum(p.numel() for p in load_reward_model(str(model), str(random_rm[1])).model.parameters())
+    assert result["phase_categories"]["rewards"]["reward model"] == weights
