@@ -9,9 +9,8 @@
     decode_graphs.py   CUDA graphs of the compiled decode step, owned by one rollout
     logprobs.py        hidden states and no-grad log-probs of the completion tokens (loss, old policy)
     packing.py         shared-prompt packing: one row per prompt and its completions, block mask
-    reference.py       the frozen reference model, kept in CPU RAM
-    streaming.py       a frozen decoder in host RAM, run on the device a layer at a time (reference, reward models)
+    reference.py       the frozen reference model, kept in CPU RAM; streaming.py runs it (and reward models)
+                       from host RAM on the device a layer at a time
     char_tokenizer.py  a character tokenizer for tiny from-scratch models
-
 May import lowmem_grpo.config, the kernels and host_arena, nothing else. Design notes: docs/rollouts.md
 """
