@@ -1,151 +1,220 @@
-"""The policy machinery on today's small architectures, at tiny size on the CPU: Qwen3 (q/k norms, a head_dim
-that is not hidden / heads), Llama 3.2 (tied head, llama3 rope scaling) and Gemma 3 (sliding-window layers
-mixed with full ones, the embedding scale, query_pre_attn_scalar).
+"""The policy machinery on tiny random Qwen3, Llama 3.2 and Gemma 3 (gemma3_text) models, on the CPU.
 
-For each: the rollout's greedy tokens equal transformers' generate() with the dynamic and the static
-decode step (or, where a step cannot express the model, the rollout says why and falls back to
-generate()); packed log-probs and gradients equal unpacked (or packing is refused, naming the window);
-activation offload's gradients equal none; the model's own head at its real vocabulary size gives the
-log-probs of its logits. The fused head at vocabularies 151936 and 262144 in bf16, both paths, against
-the fp32 spec: tests/kernels/test_linear_loss.py (test_variants_at_real_vocabulary_sizes_in_bf16).
+Qwen3: q/k norms, head_dim != hidden / heads. Llama 3.2: tied head, llama3 rope scaling. Gemma 3: sliding
+window 8 (shorter than the sequences here) on some layers, embedding scale, query_pre_attn_scalar, no soft-caps.
+Qwen3 and Llama: greedy rollouts equal transformers' generate() (dynamic and static steps, refill active),
+packed log-probs and gradients equal unpacked in fp32. Gemma 3: the fast rollout and the static step are
+refused with the reason (rollouts run generate()), packing is refused past the window and exact within it.
+All three: activation offload gives the gradients of no offload; build_head's head (tied where the model
+ties) at the real vocabulary in bf16 matches the fp32 spec on the torch and interpreter paths. The loss
+variants at those vocabularies: tests/kernels/test_linear_loss.py::test_variants_at_real_vocabulary_sizes_in_bf16.
 """
 
 import dataclasses
+import logging
 
 import pytest
 import torch
 
 from lowmem_grpo.config import GenerationConfig
-from lowmem_grpo.kernels import linear_token_logprobs
-from lowmem_grpo.policy.logprobs import completion_hidden
-from lowmem_grpo.policy.model import build_head, enable_checkpointing
-from lowmem_grpo.policy.packing import Packing, PackingError, packed_completion_hidden
-from lowmem_grpo.policy.rollout import generate
-from lowmem_grpo.policy.sampling import fast_sampling_problem, sample
-from lowmem_grpo.policy.static_decode import static_decode_problem
+from lowmem_grpo.kernels import HAS_TRITON, reference, use_backend
+from lowmem_grpo.kernels._backend import interpreter_enabled
+from lowmem_grpo.policy.model import build_head, check_logits_are_linear
+from lowmem_grpo.policy import sampling
+from lowmem_grpo.policy.packing import Packing, PackingError, packing_supported
+from lowmem_grpo.policy.sampling import SamplingStats, decode_mode, sample
 from lowmem_grpo.training.activation_offload import offload_activations
 
-from .test_packing import make_batch
+from .test_packing import logp_and_grads, make_batch
 from .test_sampling import CPU, PAD, frequent_token, random_prompts
+from .test_static_decode import generate
+from tests.kernels.helpers import assert_as_close_as_reference
+from tests.kernels.test_linear_loss import _batch, _compare
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=128, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
-             pad_token_id=PAD)
-ARCHS = {
-    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False),
-    "llama3.2": dict(model_type="llama", head_dim=16, tie_word_embeddings=True,
-                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    # a window of 8 that the test sequences pass; one sliding layer, one full
-    "gemma3": dict(model_type="gemma3_text", head_dim=16, tie_word_embeddings=True, sliding_window=8,
-                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
-                   final_logit_softcapping=None, attn_logit_softcapping=None),
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
+              eos_token_id=None, pad_token_id=PAD)
+CONFIGS = {
+    "qwen3": dict(model_type="qwen3", head_dim=32, tie_word_embeddings=False, **COMMON),  # 4 x 32 != 64
+    "llama3.2": dict(model_type="llama", tie_word_embeddings=True, rope_theta=500000.0,
+                     rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=8192), **COMMON),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_local_base_freq=10000.0, final_logit_softcapping=None, attn_logit_softcapping=None,
+                   tie_word_embeddings=True, **COMMON),
 }
-REAL_VOCAB = {"qwen3": 151936, "llama3.2": 128256, "gemma3": 262144}
+WINDOW = 8
 
 
-def make(name: str, vocab: int = 64, seed: int = 0, **changes):
+def make_model(name: str, attn: str = "sdpa", seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
-    conf = {**SMALL, **ARCHS[name], "vocab_size": vocab, **changes}
+    conf = dict(CONFIGS[name])
     config = AutoConfig.for_model(conf.pop("model_type"), **conf)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():  # random norm weights, so q/k norms and Gemma's (1 + w) norms matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0, 0.3)
+    return model.eval()
 
 
-def greedy_generate(model, prompts, cfg, eos):
-    return generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos], pad_id=PAD,
-                    device=CPU, greedy=True).completion_ids
+def test_configs_are_what_they_claim():
+    qwen, llama, gemma = (make_model(n).config for n in CONFIGS)
+    assert qwen.head_dim * qwen.num_attention_heads != qwen.hidden_size
+    assert llama.tie_word_embeddings and llama.rope_scaling["rope_type"] == "llama3"
+    assert gemma.model_type == "gemma3_text" and set(gemma.layer_types) == {"sliding_attention", "full_attention"}
+    assert gemma.final_logit_softcapping is None and gemma.attn_logit_softcapping is None
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_rollout_greedy_equals_generate(name, decode):
-    """Refill active (6 prompts x 3 samples through micro-batches of 4), prompts and completions together
-    longer than Gemma's window."""
-    model = make(name)
-    distinct = random_prompts([3, 7, 5, 9, 4, 6], 64)
-    cfg = GenerationConfig(max_completion_length=16, generation_micro_batch_size=4, max_prompt_length=16)
-    eos = frequent_token(model, distinct, cfg)
-    want = greedy_generate(model, [p for p in distinct for _ in range(3)], cfg, eos)
-    problem = fast_sampling_problem(model, cfg, greedy=True) or (static_decode_problem(model) if decode == "static"
-                                                                  else None)
-    if name == "gemma3":  # its sliding-window cache is not a plain growing one: refused, with the reason
-        assert problem and "cache" in problem
-        got = generate(model, [p for p in distinct for _ in range(3)], cfg, eos_ids=[eos], pad_id=PAD, device=CPU,
-                       greedy=True).completion_ids  # the rollout falls back to generate()
-    else:
-        assert problem is None
-        got = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, decode=decode)
-    assert got.shape == want.shape and torch.equal(got, want), f"\n{got}\n{want}"
-    lengths = (want != PAD).sum(1)
-    assert lengths.min() < lengths.max()  # rows end at different steps: refill ran
-
-
-def _logprobs_and_grads(model, batch, pack):
-    model.zero_grad()
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_build_head_accepts_the_model(name):
+    model = make_model(name)
+    check_logits_are_linear(model.config)
     head = build_head(model)
-    hidden = completion_hidden(head, batch, Packing.ALWAYS if pack else Packing.OFF)  # (B, C, H)
-    ids = batch.completion_ids.masked_fill(~batch.completion_mask, 0)
-    logp = linear_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, ids.reshape(-1))
-    logp = logp.view(ids.shape) * batch.completion_mask
-    logp.sum().backward()
-    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert head.weight.shape == (VOCAB, 64)
+    if model.config.tie_word_embeddings:
+        assert head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        hidden = head.decoder(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(hidden @ head.weight.T, logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_packed_logprobs_and_gradients_equal_unpacked(name):
-    """Gemma 3 with its window past the sequences (the window is then a no-op in both layouts) packs
-    exactly; with a window the sequences reach, packing is refused naming the window."""
-    changes = {"sliding_window": 64} if name == "gemma3" else {}
-    model = make(name, vocab=97, **changes).train()
-    batch = make_batch(97)
-    plain_logp, plain_grads = _logprobs_and_grads(model, batch, pack=False)
-    packed_logp, packed_grads = _logprobs_and_grads(model, batch, pack=True)
-    torch.testing.assert_close(packed_logp, plain_logp, rtol=1e-5, atol=1e-5)
-    assert plain_grads.keys() == packed_grads.keys()
-    for k in plain_grads:
-        scale = plain_grads[k].abs().max().item()  # (the tied embedding sums two gradients of ~20)
-        torch.testing.assert_close(packed_grads[k], plain_grads[k], rtol=1e-4, atol=1e-5 * max(scale, 1.0))
-    if name == "gemma3":
-        narrow = make(name, vocab=97, sliding_window=4)
-        with pytest.raises(PackingError, match="sliding window"):
-            packed_completion_hidden(build_head(narrow).decoder, batch)
-        assert Packing.resolve(None, narrow, max_length=13) is Packing.OFF
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["qwen3", "llama3.2"])
+def test_greedy_rollout_matches_generate(name, decode):
+    """Token for token with generate(), with refills."""
+    model = make_model(name, seed=1)
+    distinct = random_prompts([3, 7, 5, 9, 4, 6], VOCAB, seed=2)
+    cfg = GenerationConfig(max_completion_length=20, generation_micro_batch_size=4, max_prompt_length=16)
+    eos = frequent_token(model, distinct, cfg)
+    slow = generate(model, [p for p in distinct for _ in range(3)], cfg, eos)
+    stats = SamplingStats()
+    fast = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, stats=stats,
+                  decode=decode)
+    assert fast.shape == slow.shape and torch.equal(fast, slow), f"\n{fast}\n{slow}"
+    lengths = (slow != PAD).sum(1)
+    assert lengths.min() < lengths.max()
+    assert stats.refills > 0
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_activation_offload_gradients_equal_none(name):
-    def grads(hooks):
-        model = make(name, vocab=64)
+def test_gemma3_rollouts_fall_back_to_generate(caplog, monkeypatch):
+    """Gemma's sliding layers keep a windowed cache the fast path cannot edit row by row, and the static
+    step's one mask would reach past the window: sample() refuses with the reason, the static step is
+    never chosen, and rollout.generate (fast_rollout on) logs the reason and runs generate()."""
+    from lowmem_grpo.policy.rollout import generate as rollout_generate
+    from lowmem_grpo.policy.static_decode import static_decode_problem
+    model = make_model("gemma3", seed=1)
+    distinct = random_prompts([3, 7, 5, 9], VOCAB, seed=2)
+    cfg = GenerationConfig(max_completion_length=12, generation_micro_batch_size=4, max_prompt_length=16,
+                           compile_decode=True)
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+        sample(model, distinct, 2, cfg, eos_ids=[1], pad_id=PAD, device=CPU, greedy=True)
+    assert "sliding-window attention (window 8)" in static_decode_problem(model)
+    assert decode_mode(model, cfg, CPU) == "dynamic"
+    prompts = [p for p in distinct for _ in range(2)]
+    monkeypatch.setattr(sampling, "_fallbacks_logged", set())  # each reason is logged once per process
+    kw = dict(eos_ids=[1], pad_id=PAD, device=CPU, greedy=True)
+    with caplog.at_level(logging.WARNING, logger="lowmem_grpo.policy.sampling"):
+        fast = rollout_generate(model, prompts, dataclasses.replace(cfg, fast_rollout=True), **kw)
+    slow = rollout_generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), **kw)
+    assert "using transformers' generate() instead" in caplog.text and "DynamicSlidingWindowLayer" in caplog.text
+    assert torch.equal(fast.completion_ids, slow.completion_ids)
+    assert fast.completion_ids.shape[1] + 9 > WINDOW
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3.2"])
+def test_packed_matches_unpacked(name):
+    model = make_model(name).train()
+    assert packing_supported(model, max_length=64) == (True, "")
+    mb = make_batch(VOCAB)
+    logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
+    logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
+    assert_as_close_as_reference(logp_p, logp, floor=1e-5, name="logp")
+    assert grads.keys() == grads_p.keys()
+    for n in grads:
+        assert_as_close_as_reference(grads_p[n], grads[n], floor=1e-5, name=n)
+
+
+def test_gemma3_packs_only_within_its_window(caplog):
+    """A ready 4D mask replaces Gemma's sliding-window mask: packing past the window is refused with the
+    reason; sequences that fit the window pack, and equal unpacked."""
+    model = make_model("gemma3").train()
+    ok, reason = packing_supported(model, max_length=WINDOW + 1)
+    assert not ok and "sliding-window" in reason and "pack_prompts=false" in reason
+    with caplog.at_level(logging.INFO, logger="lowmem_grpo.policy.packing"):
+        assert Packing.resolve(None, model, max_length=WINDOW + 1) is Packing.OFF
+    assert "sliding-window" in caplog.text
+    with pytest.raises(PackingError, match="sliding-window"):
+        Packing.resolve(True, model, max_length=WINDOW + 1)
+    mb = make_batch(VOCAB).rows(0, 3)  # prompt 5 + completion 6 columns: more than the window...
+    mb = dataclasses.replace(mb, prompt_ids=mb.prompt_ids[:, 3:], prompt_mask=mb.prompt_mask[:, 3:],
+                             completion_ids=mb.completion_ids[:, :4], completion_mask=mb.completion_mask[:, :4])
+    assert mb.prompt_ids.shape[1] + mb.completion_ids.shape[1] <= WINDOW  # ...so cut to 4 + 4
+    assert Packing.resolve(True, model, max_length=WINDOW) is Packing.ALWAYS
+    logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
+    logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
+    assert_as_close_as_reference(logp_p, logp, floor=1e-5, name="logp")
+    for n in grads:
+        assert_as_close_as_reference(grads_p[n], grads[n], floor=1e-5, name=n)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_activation_offload_gives_the_same_gradients(name):
+    from lowmem_grpo.policy.model import enable_checkpointing
+    ids = torch.randint(1, VOCAB, (3, 24), generator=torch.Generator().manual_seed(1))  # past Gemma's window
+
+    def grads(offload):
+        model = make_model(name).train()
         enable_checkpointing(model)
-        model.train()
-        ids = torch.randint(1, 64, (3, 24), generator=torch.Generator().manual_seed(1))
-        with hooks:
-            loss = model(input_ids=ids).logits.float().pow(2).mean()
+        with offload:
+            loss = (model.model(input_ids=ids).last_hidden_state.float() ** 2).mean()
         loss.backward()
         return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
-    hooks = offload_activations(min_bytes=1, copy_on_cpu=True)
     plain = grads(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    hooks = offload_activations(min_bytes=1, copy_on_cpu=True)
     moved = grads(hooks)
-    assert hooks.offloaded_bytes > 0
-    assert plain.keys() == moved.keys()
+    assert hooks.offloaded_bytes > 0 and plain.keys() == moved.keys()
     for k in plain:
         torch.testing.assert_close(moved[k], plain[k], rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
-def test_the_models_head_at_its_real_vocabulary(name):
-    """build_head's view (decoder + output embedding, tied or not) through the fused log-probs at the real
-    vocabulary equals log_softmax of the model's own logits (fp32)."""
-    vocab = REAL_VOCAB[name]
-    model = make(name, vocab=vocab, hidden_size=16, intermediate_size=32, head_dim=8)
+REAL_VOCAB = {"qwen3": 151936, "llama3.2": 128256, "gemma3": 262144}
+HEAD_PATHS = ["torch"] + ([pytest.param("triton", marks=pytest.mark.slow)]  # 4-9 s each in the interpreter
+                           if HAS_TRITON and interpreter_enabled() else [])
+
+
+@pytest.mark.parametrize("backend", HEAD_PATHS)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_head_at_the_real_vocabulary_in_bf16(name, backend):
+    """The head build_head takes from a one-layer bf16 model at the real vocabulary (tied for Llama and
+    Gemma: the embedding's own storage) against the fp32 spec, by test_linear_loss's comparison."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    conf = dict(CONFIGS[name], vocab_size=REAL_VOCAB[name], hidden_size=32, intermediate_size=32,
+                num_hidden_layers=1, layer_types=None)
+    if name == "gemma3":
+        conf["layer_types"] = ["sliding_attention"]
+    else:
+        conf.pop("layer_types")
+    config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     head = build_head(model)
-    assert (head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()) == ARCHS[name][
-        "tie_word_embeddings"]
-    ids = torch.randint(1, vocab, (2, 9), generator=torch.Generator().manual_seed(2))
+    assert head.weight.shape == (REAL_VOCAB[name], 32) and head.weight.dtype == torch.bfloat16
+    assert (head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()) == config.tie_word_embeddings
+    ids = torch.randint(1, REAL_VOCAB[name], (2, 4), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = model(input_ids=ids).logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-        hidden = head.decoder(input_ids=ids).last_hidden_state[:, :-1]
-        got = linear_token_logprobs(hidden.reshape(-1, hidden.shape[-1]), head.weight, ids[:, 1:].reshape(-1))
-    torch.testing.assert_close(got.view(want.shape), want, rtol=1e-5, atol=1e-5)
+        hidden = head.decoder(input_ids=ids).last_hidden_state
+    batch = _batch("cpu", dtype=torch.bfloat16, B=2, T=4, H=32, V=8, with_bias=False)
+    batch = dict(batch, hidden=hidden.detach().requires_grad_(), weight=head.weight,
+                 ids=ids.masked_fill(~batch["mask"], -100))
+    with torch.no_grad():
+        logp = reference.linear_token_logprobs(batch["hidden"], head.weight, ids)
+    batch.update(old_logp=logp + 0.3 * torch.randn(2, 4), ref_logp=logp + 0.5 * torch.randn(2, 4))
+    with use_backend(backend):
+        _compare(batch, dtype=torch.bfloat16, loss_type="grpo")
