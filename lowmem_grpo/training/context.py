@@ -29,3 +29,4 @@ class RolloutContext:
     reference: Optional[Any] = None  # policy.reference.Reference when beta > 0
     pack: Packing = Packing.OFF  # shared-prompt packing in the log-prob passes (policy/packing.py)
     world: World = field(default_factory=World)  # this process among the torchrun ranks
+    engine: Optional[Any] = None  # policy.vllm_engine.VLLMEngine when generation.engine=vllm (training only)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import BatchPlan, Config
+from ..config import BatchPlan, Config, importance_sampling_correction
 from ..phases import phase
 from ..policy.batch import Batch
 from ..policy.logprobs import token_logprobs
@@ -23,6 +23,7 @@ from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
 from ..rewards.model import uses_reward_model
 from .context import RolloutContext
+from .loss import importance_sampling_metrics, importance_sampling_ratio
 from .micro_batch import trained_rows
 
 
@@ -107,8 +108,12 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
     G, t0 = cfg.generation.num_generations, time.perf_counter()
     logs = RewardLogs()
     with phase("rollout"):
-        batch = generate(policy, [ids for ids in prompts.prompt_ids for _ in range(G)], cfg.generation,
-                         eos_ids=eos_ids, pad_id=ctx.pad_id, device=device, autocast_bf16=autocast)
+        repeated = [ids for ids in prompts.prompt_ids for _ in range(G)]
+        if ctx.engine is not None:  # vLLM: its sampled tokens' log-probs come with them
+            batch, batch.sampling_logp = ctx.engine.generate(repeated, eos_ids=eos_ids, pad_id=ctx.pad_id)
+        else:
+            batch = generate(policy, repeated, cfg.generation, eos_ids=eos_ids, pad_id=ctx.pad_id, device=device,
+                             autocast_bf16=autocast)
         # TRL's lengths count the EOS token; taken before mask_truncated_completions edits the mask
         lengths = batch.completion_mask.sum(1).float()
         tokens = int(world.sum([int(batch.prompt_mask.sum()) + int(lengths.sum())])[0])
@@ -131,7 +136,8 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
             batch.completion_mask &= ~batch.is_truncated[:, None]
     micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
     temperature = cfg.generation.temperature
-    if plan.needs_old_logprobs:
+    correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train, cfg.generation.engine)
+    if plan.needs_old_logprobs or correct:  # (the correction's ratio is the trained policy's over the sampler's)
         was_training = policy.training
         policy.eval()
         with phase("old log-probs"):
@@ -143,6 +149,16 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
                                      device=device, autocast_bf16=autocast, pack=pack)  # (kept, <= C)
                 batch.old_logp[keep, :old.shape[1]] = old
         policy.train(was_training)
+    is_metrics = {}
+    if correct:
+        t = cfg.train
+        weight = importance_sampling_ratio(batch.old_logp, batch.sampling_logp, batch.completion_mask,
+                                           t.vllm_importance_sampling_mode, t.vllm_importance_sampling_clip_min,
+                                           t.vllm_importance_sampling_clip_max)
+        # over the rows the loss trains (the ones it skips have no old log-probs)
+        is_metrics = {k: v.item() for k, v in importance_sampling_metrics(weight[keep],
+                                                                         batch.completion_mask[keep]).items()}
+        batch.is_weight = weight.expand_as(batch.old_logp).masked_fill(~keep[:, None], 1.0).contiguous()  # (N, C)
     if reference is not None:
         with phase("reference log-probs"):
             batch.ref_logp = reference.logprobs(batch, temperature=temperature, micro_batch=micro, pack=pack,
@@ -163,6 +179,7 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
         "frac_zero_advantage_skipped": world.sum([len(batch) - int(trained_rows(batch, cfg.train).sum())])[0]
                                        / len(advantages),
         "epoch": epoch,
+        **is_metrics,  # sampling/importance_sampling_ratio/min, /mean, /max (TRL's names), with engine=vllm
     }
     logged = _merged(world.gather_objects(logs.metrics))  # what reward functions logged with log_metric
     clash = sorted(set(logged) & set(info))

@@ -64,7 +64,7 @@ class PolicyLoss(nn.Module):
                 use_bias_correction_kl=t.use_bias_correction_kl, top_entropy_quantile=t.top_entropy_quantile,
                 sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
                 vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
-                vespo_lambda_neg=t.vespo_lambda_neg)
+                vespo_lambda_neg=t.vespo_lambda_neg, importance_sampling_ratio=mb.is_weight)
         factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
         return (loss if factor == 1.0 else loss * factor), loss_metrics(metrics, t.loss_type)
 

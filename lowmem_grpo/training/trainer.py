@@ -191,12 +191,28 @@ class Trainer:
         if resume is not None:
             self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
-        self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack)
+        self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack,
+                                             engine=self._vllm_engine())
 
     def _rollout_context(self, **training_parts) -> RolloutContext:
         """What rollouts and evaluations use (context.py); the training-only parts: head, reference, pack."""
         return RolloutContext(self.policy, self.tokenizer, self.reward_funcs, self.eos_ids, self.pad_id, self.device,
                               self.autocast, world=self.world, **training_parts)
+
+    def _vllm_engine(self):
+        """generation.engine=vllm: vLLM in this process on a copy of the policy's weights (policy/vllm_engine.py)."""
+        g = self.cfg.generation
+        if g.engine != "vllm":
+            return None
+        if self.world.distributed:
+            raise ConfigError("generation.engine=vllm runs in one process; under torchrun use generation.engine=native")
+        from ..policy.vllm_engine import VLLMEngine
+        if self.device.type == "cuda":
+            logger.warning("generation.engine=vllm: the memory planner does not count vLLM's share of the card "
+                           "(vllm_gpu_memory_utilization=%s) yet", g.vllm_gpu_memory_utilization)
+        return VLLMEngine(self.policy, g, device=self.device, seed=self.cfg.train.seed,
+                          gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                          max_model_length=g.vllm_max_model_length, cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib)
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:
@@ -348,6 +364,9 @@ class Trainer:
         drawn = self.sampler.next_indices(self.plan.prompts_per_generation)
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
+        engine = self.rollout.engine
+        if engine is not None and engine.synced_step != self.step:  # vLLM samples with the weights being trained
+            engine.sync(self.policy, self.step)
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
             gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
                                        trainer_state=state)

