@@ -271,11 +271,21 @@ def build_head(model: nn.Module) -> Head:
     if not isinstance(head, nn.Linear):
         raise ModelError(f"{type(model).__name__}'s output embedding is {type(head).__name__}, not nn.Linear: "
                          "the fused loss head cannot express it")
-    decoder = getattr(model, model.base_model_prefix, None)
-    if decoder is None or decoder is model:
+    decoder = decoder_of(model)
+    if decoder is None:
         raise ModelError(f"{type(model).__name__} has no separate decoder ({model.base_model_prefix!r}); "
                          "the fused head needs its hidden states")
     return Head(decoder=decoder, output=head)
+
+
+def decoder_of(model: nn.Module):
+    """The decoder under a causal LM's head (the module that returns last_hidden_state), or None: the attribute
+    `base_model_prefix` names, else the `model` child (transformers 4.x's Gemma 3 names a prefix,
+    "language_model", that its causal LM does not have, and its get_decoder() returns None)."""
+    decoder = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
+    if decoder is None or decoder is model:
+        decoder = getattr(model, "model", None)
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
 def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:

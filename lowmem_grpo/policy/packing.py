@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from .batch import Batch
-from .model import position_ids_for
+from .model import decoder_of, position_ids_for
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ def resolve_pack_prompts(setting: Optional[bool], model: nn.Module, max_length: 
     ok, reason = packing_supported(model, max_length)
     probed = ok and probe
     if probed:
-        decoder = getattr(model, getattr(model, "base_model_prefix", ""), None) or model
+        decoder = decoder_of(model) or model
         reason = probe_packing(decoder)
         ok = not reason
     if ok:

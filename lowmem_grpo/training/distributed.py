@@ -218,7 +218,8 @@ def check_supported(cfg, world: World) -> None:
 
 def decoder_layers(policy: torch.nn.Module) -> list:
     """The decoder's layer list (model.model.layers for Llama/Qwen2-style models): FSDP2's sharding units."""
-    decoder = getattr(policy, policy.base_model_prefix, None)
+    from ..policy.model import decoder_of
+    decoder = decoder_of(policy)
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
         raise ConfigError(f"{type(policy).__name__} has no decoder layer list ({policy.base_model_prefix}.layers) "
