@@ -115,3 +115,24 @@ def test_a_run_with_vllm_learns_and_logs_the_correction(tmp_path):
                     dataclasses.replace(trainer.cfg.generation, fast_rollout=False), eos_ids=trainer.eos_ids,
                     pad_id=trainer.pad_id, device=CPU, greedy=True)
     assert torch.equal(batch.completion_ids, want.completion_ids)
+
+
+def test_the_generation_batch_carries_the_correction(tmp_path):
+    """One generation batch with vLLM: old log-probs are computed (the correction needs the trainer's own), and
+    each trained token's weight is TRL's sequence_mask ratio of them to vLLM's, clipped at 3 by zeroing."""
+    from pathlib import Path
+
+    from lowmem_grpo.training.loss import importance_sampling_ratio
+    from lowmem_grpo.training.trainer import Trainer
+    root = Path(__file__).resolve().parents[2]
+    trainer = Trainer(char_e_config(tmp_path, "train.max_steps=1"), recipe_dir=root / "recipes")
+    assert not trainer.plan.needs_old_logprobs  # one step per batch: only the correction asks for them
+    gb = trainer.new_generation_batch()
+    b = gb.batch
+    assert b.sampling_logp is not None and b.old_logp is not None and b.is_weight is not None
+    keep = b.advantages != 0
+    want = importance_sampling_ratio(b.old_logp, b.sampling_logp, b.completion_mask, "sequence_mask", None, 3.0)
+    torch.testing.assert_close(b.is_weight[keep], want.expand_as(b.old_logp)[keep])
+    close = (b.old_logp - b.sampling_logp)[b.completion_mask & keep[:, None]].abs()
+    assert close.max() < 1e-3  # fp32 on both sides: the engines agree to rounding
+    assert gb.info["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-2)
