@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Optional
 
 import torch
@@ -52,6 +53,7 @@ class VLLMEngine:
         from vllm import LLM
         self.cfg = cfg
         self.folder = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)  # at exit too
         policy.save_pretrained(self.folder)  # config and weights; no tokenizer: vLLM takes token ids
         dtype = next(policy.parameters()).dtype
         length = max_model_length or cfg.max_prompt_length + cfg.max_completion_length
@@ -65,7 +67,9 @@ class VLLMEngine:
         self.synced_step = -1  # the optimizer step whose weights vLLM holds (-1: the folder's, synced on first use)
 
     def close(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        """Stop vLLM's engine and remove the weights folder (also done when the engine is collected, or at exit)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        self._remove_folder()
 
     @torch.no_grad()
     def sync(self, policy: nn.Module, step: int) -> None:

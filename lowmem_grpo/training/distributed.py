@@ -166,8 +166,9 @@ def start(strategy: str, device: str, timeout_s: float) -> tuple[World, Optional
 
 
 def stop() -> None:
-    """Leave the process group (end of a run)."""
-    if dist.is_initialized():
+    """Leave the process group (end of a torchrun run). A single process leaves alone a group someone
+    else started in it (vLLM in-process starts one of its own and leaves it at exit)."""
+    if dist.is_initialized() and torchrun_env() is not None:
         dist.destroy_process_group()
 
 
