@@ -186,7 +186,7 @@ def main() -> None:
     if "vllm" in paths:
         from lowmem_grpo.policy.vllm_engine import VLLMEngine
         t0 = time.perf_counter()
-        ENGINE["vllm"] = VLLMEngine(model, cfg, device=device, seed=0)
+        ENGINE["vllm"] = VLLMEngine(model, cfg, device=device, seed=0, max_num_seqs=len(prompts))  # as the trainer
         print(f"  vLLM start-up {time.perf_counter() - t0:7.2f} s")
     kw = dict(G=args.G, eos=eos, pad=pad, device=device, autocast=args.autocast)
     warmup = {}

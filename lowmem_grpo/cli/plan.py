@@ -25,6 +25,7 @@ from ..memory.parallel_plan import per_rank
 from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
 from ..memory.presets import PRESETS, preset
 from ..memory.reward_plan import resolve_folders
+from ..memory.vllm_plan import format_summary as format_vllm
 
 
 def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
@@ -107,11 +108,13 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
             raise ConfigError(f"--nproc {nproc}: optimizer_in_backward and offload_optimizer do not run under "
                               "torchrun (training/distributed.py); add optimizer_in_backward=false "
                               "offload_optimizer=false")
-    result = per_rank(plan(cfg, arch), cfg, arch, nproc, strategy, nnodes)
+    card_bytes = card["total_bytes"] if card and budget_source != "--gpu-memory" else budget  # vLLM takes a share of it
+    result = per_rank(plan(cfg, arch, card_bytes=card_bytes), cfg, arch, nproc, strategy, nnodes)
     margin = margin_bytes(result["peak_bytes"])
     total = result["peak_bytes"] + margin
-    fits = total <= budget
-    ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget)  # suggestions: one process
+    vllm = result.get("vllm")
+    fits = total <= budget and not (vllm and vllm["problem"])
+    ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget, card_bytes=card_bytes)  # (one process)
     host_fits = result["host_bytes"] <= host_budget
     if as_json:
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
@@ -123,14 +126,18 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
                           "categories": result["categories"], "phase_categories": result["phase_categories"],
                           "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
                           "host_pinned_bytes": result["host_pinned_bytes"], "host_pinned": result["host_pinned"],
-                          "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas}, indent=2))
+                          "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas,
+                          "vllm": vllm}, indent=2))
         return 0 if host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"
           + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else "")
           + (f" on {nnodes} nodes (host RAM: one node's {nproc // nnodes})" if nnodes > 1 else ""))
     print(format_plan(result))
+    if vllm:
+        print(format_vllm(vllm))
     print(f"+ margin (CUDA context 0.5 GiB + 5% fragmentation): {margin / GiB:.3f} GiB "
-          f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB ({budget_source}): {'FITS' if fits else 'DOES NOT FIT'}")
+          f"-> {total / GiB:.3f} GiB of {budget / GiB:.2f} GiB ({budget_source}): {'FITS' if fits else 'DOES NOT FIT'}"
+          + (" (vLLM does not start in its share: above)" if vllm and vllm["problem"] else ""))
     if card and budget_source == "--gpu-memory":
         print(f"  (this machine's {card['device']} has {card['free_bytes'] / GiB:.2f} of "
               f"{card['total_bytes'] / GiB:.2f} GiB free now)")

@@ -138,6 +138,11 @@ class GenerationConfig:
                                     "the weights, sent after every optimizer step; TRL's use_vllm with "
                                     "vllm_mode=colocate; needs the vllm extra). Evaluation stays native.",
                           check=("native", "vllm"))
+    use_vllm: Optional[bool] = setting(None, "TRL's name for engine: true = engine vllm, false = native; None leaves "
+                                             "engine as it is set.")
+    vllm_mode: str = setting("colocate", "TRL's vLLM mode: colocate (vLLM in the trainer's process, on its "
+                                         "device). server (a separate `trl vllm-serve` process) is not built.",
+                             check=("colocate", "server"))
     vllm_gpu_memory_utilization: float = setting(0.3, "engine=vllm on a GPU: the share of the card vLLM takes for its "
                                                       "weights and KV cache (TRL's name).",
                                                  check=Interval(0, 1, low_open=True))

@@ -88,8 +88,8 @@ def validate(cfg: Config) -> None:
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
                           "'constant'), or warmup_steps=0 and warmup_ratio=0")
-    check_loss_settings(t, cfg.generation.engine)
     check_engine(cfg)
+    check_loss_settings(t, rollout_engine(cfg.generation))
     report_targets(out.report_to)
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
@@ -117,11 +117,24 @@ def importance_sampling_correction(t, engine: str) -> bool:
     return engine == "vllm" if setting is None else bool(setting)
 
 
+def rollout_engine(g) -> str:
+    """Who samples the rollouts: generation.engine, or TRL's use_vllm where it is set (true: vllm, false: native)."""
+    if g.use_vllm is None:
+        return g.engine
+    return "vllm" if g.use_vllm else "native"
+
+
 def check_engine(cfg) -> None:
-    """generation.engine=vllm: vLLM importable, the settings it takes."""
+    """generation.engine=vllm (or use_vllm=true): vLLM importable, the settings it takes."""
     g = cfg.generation
-    if g.engine != "vllm":
+    if g.use_vllm is False and g.engine == "vllm":
+        raise ConfigError("use_vllm=false contradicts generation.engine=vllm: drop one of them (use_vllm is TRL's "
+                          "name for the same choice)")
+    if rollout_engine(g) != "vllm":
         return
+    if g.vllm_mode != "colocate":
+        raise ConfigError(f"vllm_mode={g.vllm_mode} (vLLM in a separate server process) is not built: lowmem-grpo "
+                          "runs vLLM in the trainer's process; set vllm_mode=colocate")
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("generation.engine=vllm needs vLLM: pip install 'lowmem-grpo[vllm]' (a CPU-only machine: "

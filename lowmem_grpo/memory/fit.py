@@ -76,6 +76,7 @@ class Fit:
     free_bytes: int  # what the card has free now
     total_bytes: int  # the card's memory
     peak_phase: str
+    vllm_problem: Optional[str] = None  # why vLLM would not start in its share (vllm_plan.share_problem)
 
     @property
     def needed_bytes(self) -> int:
@@ -88,20 +89,24 @@ class Fit:
 
 def predicted_fit(cfg: Config, arch: Arch, device: torch.device, autocast: Optional[bool] = None, nproc: int = 1,
                   nnodes: int = 1) -> Fit:
-    """The run's predicted peak (one rank's, under torchrun) against what `device` has free."""
+    """The run's predicted peak (one rank's, under torchrun) against what `device` has free; vLLM's share
+    (generation.engine=vllm) is taken of the card's whole memory, as vLLM takes it."""
     from .parallel_plan import per_rank
-    result = per_rank(plan(cfg, arch, autocast=autocast), cfg, arch, nproc, cfg.train.strategy, nnodes)
     free, total = device_free_bytes(device)
-    return Fit(result["peak_bytes"], margin_bytes(result["peak_bytes"]), free, total, result["peak_phase"])
+    result = per_rank(plan(cfg, arch, autocast=autocast, card_bytes=total), cfg, arch, nproc, cfg.train.strategy,
+                      nnodes)
+    return Fit(result["peak_bytes"], margin_bytes(result["peak_bytes"]), free, total, result["peak_phase"],
+               (result.get("vllm") or {}).get("problem"))
 
 
-def cheapest_fix(cfg: Config, arch: Arch, budget: int, nproc: int = 1, autocast: Optional[bool] = None) -> str:
+def cheapest_fix(cfg: Config, arch: Arch, budget: int, nproc: int = 1, autocast: Optional[bool] = None,
+                 card_bytes: Optional[int] = None) -> str:
     """The first change (cheapest first, plan.SUGGESTIONS) that brings the run under `budget`, else the
     combination, else what is left to do."""
     if nproc > 1:
         return (f"`lowmem-grpo plan RECIPE --nproc {nproc}` shows each phase; lower per_device_train_batch_size, "
                 "generation_micro_batch_size or eval_batch_size, or use strategy=fsdp")
-    ideas = suggestions(cfg, arch, budget, autocast)
+    ideas = suggestions(cfg, arch, budget, autocast, card_bytes)
     fitting = [s for s in ideas if s["fits"] and not s.get("combined")] or [s for s in ideas if s["fits"]]
     if not fitting:
         return "none of the planner's changes is enough: a card with more free memory (close what else uses it)"
@@ -156,12 +161,14 @@ def check_device_memory(cfg: Config, arch: Arch, device: torch.device, autocast:
     `device` has free; otherwise return the numbers (logged)."""
     fit = predicted_fit(cfg, arch, device, autocast, nproc, nnodes)
     where = f"{device} ({torch.cuda.get_device_name(device)})"
+    if fit.vllm_problem:
+        raise ConfigError(f"vLLM would not start on {where}: {fit.vllm_problem}")
     if not fit.fits:
         raise ConfigError(
             f"this run needs {fit.needed_bytes / GiB:.2f} GiB on the GPU (predicted peak {fit.peak_bytes / GiB:.2f} "
             f"GiB in {fit.peak_phase} + margin {fit.margin_bytes / GiB:.2f} GiB) but {where} has "
             f"{fit.free_bytes / GiB:.2f} of {fit.total_bytes / GiB:.2f} GiB free; cheapest fix: "
-            f"{cheapest_fix(cfg, arch, fit.free_bytes, nproc, autocast)}. `lowmem-grpo plan RECIPE` shows every phase; "
+            f"{cheapest_fix(cfg, arch, fit.free_bytes, nproc, autocast, fit.total_bytes)}. `lowmem-grpo plan RECIPE` shows every phase; "
             "train.memory_check=false starts anyway")
     logger.info(f"memory check: predicted {fit.needed_bytes / GiB:.2f} GiB with the margin ({fit.peak_phase} peak); "
                 f"{where} has {fit.free_bytes / GiB:.2f} of {fit.total_bytes / GiB:.2f} GiB free")

@@ -68,10 +68,11 @@ def candidates(cfg: Config, budget: int, host_budget: int, names: Optional[Itera
             raise ConfigError(str(e.args[0])) from None
         c = Candidate(name, arch.params, budget, host_budget)
         try:
-            result = plan(cfg, arch, autocast=autocast)
+            result = plan(cfg, arch, autocast=autocast, card_bytes=budget)
         except ConfigError as e:
             c.error = str(e)
         else:
+            c.error = (result["vllm"] or {}).get("problem")  # vLLM would not start in its share
             c.peak_bytes, c.peak_phase = result["peak_bytes"], result["peak_phase"]
             c.margin_bytes, c.host_bytes = margin_bytes(result["peak_bytes"]), result["host_bytes"]
         out.append(c)

@@ -19,14 +19,14 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ConfigError, batch_plan
+from ..config import Config, ConfigError, batch_plan, importance_sampling_correction
 from ..host_arena import arena_bytes, round_up
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..training.activation_offload import MIN_BYTES
 from ..optim.offload import staging_bytes
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
-from . import reward_plan
+from . import reward_plan, vllm_plan
 from .layer_probe import layer_costs
 
 GiB = 2**30
@@ -140,14 +140,16 @@ def decoder_positions(cfg: Config, arch: Arch, micro_batch: int, query_bytes: in
 
 
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda",
-         rewards: Optional[list] = None, reward_placement: Optional[str] = None) -> dict:
+         rewards: Optional[list] = None, reward_placement: Optional[str] = None,
+         card_bytes: Optional[int] = None) -> dict:
     """Predicted device bytes per phase, and per category at each phase's peak, for `cfg` on `arch`.
 
     `autocast`: whether bf16 autocast is on; None resolves model.bf16 as on an Ampere+ GPU (None = on).
     `device`: "cuda" (what the planner is for), or "cpu" to compare with a CPU run, where the fused
     head runs its torch fallback and bitsandbytes its CPU update. `rewards`: the reward models'
     shapes (reward_plan.RewardArch; default: read from rewards.reward_funcs), placed as
-    rewards.model_placement says unless `reward_placement` overrides it.
+    rewards.model_placement says unless `reward_placement` overrides it. `card_bytes`: the card's memory, of which
+    generation.engine=vllm takes its share (vllm_plan.py; None: the share it needs for a whole batch).
     """
     g, t, m = cfg.generation, cfg.train, cfg.model
     wb = 2 if m.precision == "bf16_sr" else 4  # weight (and gradient, and residual stream) bytes
@@ -248,7 +250,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         head_copy = 2 * arch.vocab * H if casts else 0  # the output head's bf16 copy (the tied one's too)
         return kv + graphs + max(prefill, logits) + layers * casts + head_copy
 
-    phases = {"rollout": {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
+    vllm = vllm_plan.uses_vllm(cfg)  # vLLM samples: the trainer makes no KV cache (vLLM's share is added below)
+    phases = {"rollout": {**base} if vllm else {**base, "KV cache": generation(gen_b, g.generation_micro_batch_size)}}
     rewards = reward_plan.reward_archs(cfg) if rewards is None else rewards
     where = reward_placement or reward_plan.placement(cfg, device)
     resident, scoring = reward_plan.device_bytes(cfg, rewards, where)
@@ -258,7 +261,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     lp_activations = mask_lp + T_lp * H * wb + max((costs.no_grad_peak - costs.kv_cache) * T_lp + mask_call_lp,
                                                    costs.norm_saved * T_lp)
     lp_head = loss_head_bytes(n_lp, arch, ab, wb, False, device)
-    if batches.needs_old_logprobs:
+    if batches.needs_old_logprobs or (vllm and importance_sampling_correction(t, "vllm")):  # (the correction's pass)
         phases["old log-probs"] = {**base, "activations": lp_activations + layers * casts, "loss head": lp_head}
     if t.beta > 0:
         ref = {**base}
@@ -276,6 +279,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         phases["evaluation"] = {**base, "KV cache": generation(rows, cfg.eval.eval_batch_size)}
     if resident:  # gpu-placed reward models: their weights, all run
         phases = {p: {**cats, "reward model": resident} for p, cats in phases.items()}
+    vllm_entry = vllm_plan.summary(cfg, vllm_plan.need(cfg, arch, autocast, device), card_bytes) if vllm else None
+    if vllm and device != "cpu":  # vLLM's share of the card, taken at start-up and kept all run
+        phases = {p: {**cats, "vLLM": vllm_entry["share_bytes"]} for p, cats in phases.items()}
     phase_categories = {p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}
     phase_totals = {p: sum(cats.values()) for p, cats in phase_categories.items()}
     peak_phase = max(phase_totals, key=phase_totals.get)
@@ -284,7 +290,9 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     if reward_plan.host_bytes(rewards, where, device):
         host["reward models"] = reward_plan.host_bytes(rewards, where, device)
         pinned += ["reward models"] if where == "stream" and device != "cpu" else []
-    return {"categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
+    if vllm and device == "cpu":
+        host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
+    return {"vllm": vllm_entry, "categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}
@@ -465,6 +473,13 @@ def _offload_optimizer(c: Config):
     return edits
 
 
+def _native_engine(c: Config):
+    """The native rollout on the trained weights: no second copy of them, no vLLM share."""
+    if not vllm_plan.uses_vllm(c):
+        return None
+    return {("generation", "engine"): "native", ("generation", "use_vllm"): None}
+
+
 def _smaller_generation_micro_batch(c: Config):
     gen_b = min(c.generation.generation_micro_batch_size, batch_plan(c).generation_batch_size)
     return {("generation", "generation_micro_batch_size"): gen_b // 2} if gen_b > 8 else None
@@ -490,7 +505,8 @@ def _shorter_completions(c: Config):
 
 
 SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload,
-               _offload_optimizer, _smaller_generation_micro_batch, _half_micro_batch, _shorter_completions)
+               _offload_optimizer, _native_engine, _smaller_generation_micro_batch, _half_micro_batch,
+               _shorter_completions)
 
 
 def _apply(cfg: Config, edits: dict) -> Config:
@@ -509,34 +525,49 @@ def _describe(edits: dict) -> str:
     return text
 
 
-def suggestions(cfg: Config, arch: Arch, budget: int, autocast: Optional[bool] = None) -> list[dict]:
+def suggestions(cfg: Config, arch: Arch, budget: int, autocast: Optional[bool] = None,
+                card_bytes: Optional[int] = None) -> list[dict]:
     """Single changes and a cumulative combination (cheapest first) with their predicted totals (and the
-    host RAM each needs). `autocast` as for plan()."""
+    host RAM each needs). `autocast` as for plan(); `card_bytes` (default `budget`): the card vLLM takes a
+    share of, where generation.engine=vllm (first suggestion then: the share vLLM needs, where less)."""
+    card_bytes = card_bytes or budget
+
     def predicted(c: Config) -> Optional[dict]:
         try:
-            return plan(c, arch, autocast=autocast)
+            return plan(c, arch, autocast=autocast, card_bytes=card_bytes)
         except ConfigError:  # a change this config cannot take
             return None
 
     def entry(change: str, result: dict) -> dict:
         peak = result["peak_bytes"]
         total = peak + margin_bytes(peak)
-        return {"change": change, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget,
+        starts = not (result["vllm"] and result["vllm"]["problem"])
+        return {"change": change, "peak_bytes": peak, "total_bytes": total, "fits": total <= budget and starts,
                 "host_bytes": result["host_bytes"]}
+
+    def vllm_share(c: Config):
+        """vLLM's share down to what it needs for a whole batch (or to start), where that is less."""
+        found = predicted(c) if vllm_plan.uses_vllm(c) else None
+        if not (found and found["vllm"]):
+            return None
+        current, need = c.generation.vllm_gpu_memory_utilization, found["vllm"]
+        wanted = [u for u in (need["whole_batch_utilization"], need["least_utilization"]) if u < current]
+        return {("generation", "vllm_gpu_memory_utilization"): wanted[0]} if wanted else None
 
     def lowers_a_phase_over(before: dict, after: dict) -> bool:
         """Whether `after` lowers a phase of `before` that does not fit (not, e.g., a smaller evaluation
         batch where evaluation already fits)."""
         return any(after["phases"].get(p, 0) < v for p, v in before["phases"].items() if v + margin_bytes(v) > budget)
 
-    out, current = [], plan(cfg, arch, autocast=autocast)
-    for option in SUGGESTIONS:
+    out, current = [], plan(cfg, arch, autocast=autocast, card_bytes=card_bytes)
+    options = (vllm_share,) + SUGGESTIONS
+    for option in options:
         edits = option(cfg)
         result = predicted(_apply(cfg, edits)) if edits else None
         if result is not None and lowers_a_phase_over(current, result):
             out.append(entry(_describe(edits), result))
     combined, steps = cfg, []
-    for option in SUGGESTIONS:  # apply cheapest-first until it fits
+    for option in options:  # apply cheapest-first until it fits
         edits = option(combined)
         result = predicted(_apply(combined, edits)) if edits else None
         if result is None or not lowers_a_phase_over(current, result):

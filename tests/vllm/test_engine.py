@@ -122,11 +122,18 @@ def test_the_generation_batch_carries_the_correction(tmp_path):
     each trained token's weight is TRL's sequence_mask ratio of them to vLLM's, clipped at 3 by zeroing."""
     from pathlib import Path
 
+    from lowmem_grpo.policy.vllm_engine import engine_sizes
     from lowmem_grpo.training.loss import importance_sampling_ratio
     from lowmem_grpo.training.trainer import Trainer
     root = Path(__file__).resolve().parents[2]
-    trainer = Trainer(char_e_config(tmp_path, "train.max_steps=1"), recipe_dir=root / "recipes")
+    # TRL's names choose the engine too
+    cfg = char_e_config(tmp_path, "train.max_steps=1", "generation.engine=native", "use_vllm=true",
+                        "vllm_mode=colocate")
+    trainer = Trainer(cfg, recipe_dir=root / "recipes")
     assert not trainer.plan.needs_old_logprobs  # one step per batch: only the correction asks for them
+    scheduler = trainer.rollout.engine.llm.llm_engine.vllm_config.scheduler_config  # the sizes the planner reads
+    assert scheduler.max_num_seqs == trainer.plan.completions_per_rank
+    assert scheduler.max_num_batched_tokens == engine_sizes(cfg).max_num_batched_tokens
     gb = trainer.new_generation_batch()
     b = gb.batch
     assert b.sampling_logp is not None and b.old_logp is not None and b.is_weight is not None
