@@ -168,7 +168,8 @@ def check_device_memory(cfg: Config, arch: Arch, device: torch.device, autocast:
             f"this run needs {fit.needed_bytes / GiB:.2f} GiB on the GPU (predicted peak {fit.peak_bytes / GiB:.2f} "
             f"GiB in {fit.peak_phase} + margin {fit.margin_bytes / GiB:.2f} GiB) but {where} has "
             f"{fit.free_bytes / GiB:.2f} of {fit.total_bytes / GiB:.2f} GiB free; cheapest fix: "
-            f"{cheapest_fix(cfg, arch, fit.free_bytes, nproc, autocast, fit.total_bytes)}. `lowmem-grpo plan RECIPE` shows every phase; "
+            f"{cheapest_fix(cfg, arch, fit.free_bytes, nproc, autocast, fit.total_bytes)}. "
+            "`lowmem-grpo plan RECIPE` shows every phase; "
             "train.memory_check=false starts anyway")
     logger.info(f"memory check: predicted {fit.needed_bytes / GiB:.2f} GiB with the margin ({fit.peak_phase} peak); "
                 f"{where} has {fit.free_bytes / GiB:.2f} of {fit.total_bytes / GiB:.2f} GiB free")

@@ -292,7 +292,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
         pinned += ["reward models"] if where == "stream" and device != "cpu" else []
     if vllm and device == "cpu":
         host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
-    return {"vllm": vllm_entry, "categories": phase_categories[peak_phase], "phases": phase_totals, "phase_categories": phase_categories,
+    return {"vllm": vllm_entry, "categories": phase_categories[peak_phase], "phases": phase_totals,
+            "phase_categories": phase_categories,
             "peak_bytes": phase_totals[peak_phase], "peak_phase": peak_phase,
             "host_categories": host, "host_bytes": sum(host.values()),
             "host_pinned": pinned, "host_pinned_bytes": sum(host[c] for c in pinned)}

@@ -128,9 +128,10 @@ def format_summary(entry: dict) -> str:
              + (f" = vllm_gpu_memory_utilization {entry['utilization']} x the {g(entry['card_bytes'])} GiB card"
                 if entry["card_bytes"] else " (what it needs for the whole batch; no card given)"),
              f"  inside it: weights {g(entry['weights'])}, activations {g(entry['activations'])}, CUDA graphs "
-             f"{g(entry['graphs'])}, workspace {g(entry['workspace'])}, KV cache {entry['kv_per_sequence'] / 2**20:.1f} "
-             f"MiB per sequence x {entry['sequences']} rows",
-             f"  needs {g(entry['least_bytes'])} GiB to start, {g(entry['whole_batch_bytes'])} GiB for all rows at once"]
+             f"{g(entry['graphs'])}, workspace {g(entry['workspace'])}, KV cache "
+             f"{entry['kv_per_sequence'] / 2**20:.1f} MiB per sequence x {entry['sequences']} rows",
+             f"  needs {g(entry['least_bytes'])} GiB to start, {g(entry['whole_batch_bytes'])} GiB for all rows "
+             "at once"]
     if entry["card_bytes"]:
         lines[-1] += (f" (vllm_gpu_memory_utilization {entry['least_utilization']} / "
                       f"{entry['whole_batch_utilization']})")

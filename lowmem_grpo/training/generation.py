@@ -136,7 +136,8 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
             batch.completion_mask &= ~batch.is_truncated[:, None]
     micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
     temperature = cfg.generation.temperature
-    correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train, rollout_engine(cfg.generation))
+    engine = rollout_engine(cfg.generation)
+    correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train, engine)
     if plan.needs_old_logprobs or correct:  # (the correction's ratio is the trained policy's over the sampler's)
         was_training = policy.training
         policy.eval()
