@@ -163,3 +163,11 @@ def test_the_figures_in_docs_are_the_planners(recipe, name, utilization):
     row = (f"| `{Path(recipe).name}` | {with_margin(native):.2f} GiB | {entry['least_bytes'] / GiB:.2f} / "
            f"{entry['whole_batch_bytes'] / GiB:.2f} GiB | {with_margin(vllm):.2f} GiB (U {utilization} of 12 GiB) |")
     assert row in (Path(__file__).parents[2] / "docs" / "rollouts.md").read_text()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_names_the_extra():
+    from lowmem_grpo import GRPOConfig
+    with pytest.raises(ConfigError, match=r"pip install 'lowmem-grpo\[vllm\]'"):
+        GRPOConfig(use_vllm=True, vllm_mode="colocate")
+    assert GRPOConfig(use_vllm=False).use_vllm is False
