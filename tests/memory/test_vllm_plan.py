@@ -69,7 +69,7 @@ def test_what_vllm_needs_inside_its_share(autocast, precision, bytes_):
     assert need.kv_per_sequence == blocks * vllm_plan.BLOCK * a.layers * 2 * a.kv_heads * a.head_dim * bytes_
     assert need.whole_batch - need.least == need.kv_per_sequence * (need.sequences - 1)
     assert need.activations > vllm_plan.LOGIT_BUFFERS * 4 * need.sequences * a.vocab  # and the profiling forward
-    assert sizes.max_num_batched_tokens == max(BATCHED_TOKENS, sizes.max_num_seqs)
+    assert sizes.max_num_batched_tokens == max(BATCHED_TOKENS, sizes.max_num_seqs, sizes.max_model_len)
 
 
 def test_the_engine_holds_one_generation_batch_and_the_length_limit():
