@@ -88,8 +88,8 @@ def validate(cfg: Config) -> None:
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
                           "'constant'), or warmup_steps=0 and warmup_ratio=0")
-    check_engine(cfg)
     check_loss_settings(t, rollout_engine(cfg.generation))
+    check_engine(cfg)
     report_targets(out.report_to)
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
