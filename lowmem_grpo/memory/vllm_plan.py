@@ -117,8 +117,9 @@ def summary(cfg: Config, needed: VLLMNeed, card_bytes: Optional[int]) -> dict:
 def host_bytes(cfg: Config, arch) -> int:
     """vLLM on the CPU: its copy of the weights (the policy's dtype) and its KV cache (VLLM_CPU_KVCACHE_SPACE,
     whole GiB as policy/vllm_engine.py sets it)."""
+    from ..policy.vllm_engine import cpu_kv_cache_space
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
-    return wb * arch.params + max(1, round(cfg.generation.vllm_cpu_kv_cache_gib)) * GiB
+    return wb * arch.params + cpu_kv_cache_space(cfg.generation.vllm_cpu_kv_cache_gib) * GiB
 
 
 def format_summary(entry: dict) -> str:

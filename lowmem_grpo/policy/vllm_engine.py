@@ -55,6 +55,11 @@ def engine_sizes(cfg: Config) -> EngineSizes:
                        batch_plan(cfg).completions_per_rank)
 
 
+def cpu_kv_cache_space(gib: float) -> int:
+    """VLLM_CPU_KVCACHE_SPACE for vllm_cpu_kv_cache_gib: whole GiB, at least 1."""
+    return max(1, int(round(gib)))
+
+
 def engine_dtype(policy_dtype: torch.dtype, autocast: bool, device: torch.device) -> torch.dtype:
     """What vLLM computes in: on a GPU the dtype the policy's matmuls use (bf16 under autocast); on the
     CPU the policy's own dtype."""
@@ -81,7 +86,7 @@ class VLLMEngine:
             raise RuntimeError(problem)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by reference
         if device.type == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cpu_kv_cache_gib)))))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_space(cpu_kv_cache_gib)))
         from vllm import LLM
         self.cfg = cfg
         self.folder = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
