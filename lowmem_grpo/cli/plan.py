@@ -8,7 +8,7 @@ machine with a CUDA GPU, what it has free now (torch.cuda.mem_get_info, memory/f
 --gpu-memory names another; without one, --gpu-memory (default 8GiB). Also the host
 RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded activations), the pinned
 part of it (page-locked on a GPU: it cannot swap) apart from the rest, checked against --host-memory
-(default: this machine's RAM); exit status 1 when that does not fit. With
+(default: this machine's RAM). Exit status 0 when the run fits both, 1 when it fits either not. With
 --nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the host RAM of one node (of the
 --nnodes M the N ranks are spread over). With --largest, the same settings for every preset
 (memory/largest.py): which fit the card and the host, and the largest that does (exit status 1: none).
@@ -34,6 +34,9 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
         raise ConfigError(f"{option} {text!r}: give a size such as 8GiB, 7.5GB or 8192MiB")
     value, unit = float(m.group(1)), (m.group(2) or "GiB").lower()
     scale = {"gib": GiB, "g": GiB, "gb": 10**9, "mib": 2**20, "m": 2**20, "mb": 10**6}[unit]
+    if int(value * scale) < 2**20:
+        raise ConfigError(f"{option} {text!r}: a memory size must be at least 1MiB; give the card's or the machine's "
+                          "size, such as 8GiB")
     return int(value * scale)
 
 
@@ -128,7 +131,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
                           "host_pinned_bytes": result["host_pinned_bytes"], "host_pinned": result["host_pinned"],
                           "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas,
                           "vllm": vllm}, indent=2))
-        return 0 if host_fits else 1
+        return 0 if fits and host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"
           + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else "")
           + (f" on {nnodes} nodes (host RAM: one node's {nproc // nnodes})" if nnodes > 1 else ""))
@@ -150,8 +153,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
         print(f"error: the run keeps {result['host_bytes'] / GiB:.2f} GiB in host RAM but "
               f"{'--host-memory is' if host_memory else 'this machine has'} {host_budget / GiB:.2f} GiB: "
               "turn off optim.offload_optimizer / model.offload_activations, or use a machine with more RAM")
-        return 1
-    return 0
+    return 0 if fits and host_fits else 1
 
 
 def run_largest(cfg: Config, gpu_memory: str | None, host_memory: str | None, as_json: bool,

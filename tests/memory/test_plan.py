@@ -106,8 +106,10 @@ def _plan_json(capsys, *argv):
     capsys.readouterr()
     if "--gpu-memory" not in argv:  # on a GPU machine plan's default is the card's free memory
         argv = (*argv, "--gpu-memory", "8GiB")
-    assert main(["plan", *argv, "--json", "--host-memory", "64GiB"]) == 0  # this machine's RAM may be smaller
-    return json.loads(capsys.readouterr().out)
+    status = main(["plan", *argv, "--json", "--host-memory", "64GiB"])  # this machine's RAM may be smaller
+    out = json.loads(capsys.readouterr().out)
+    assert status == (0 if out["fits"] and out["host_fits"] else 1)  # the exit status says whether it fits
+    return out
 
 
 def test_plan_cli_json_for_presets_by_short_name_and_hub_id(capsys):
@@ -243,7 +245,7 @@ def test_plan_suggests_the_offload_and_checks_host_ram(capsys):
     # Qwen2.5-1.5B in bf16 with the optimizer in backward needs ~7.1 GiB: over a 6 GiB card until the
     # optimizer states leave it.
     args = ["precision=bf16_sr", "optimizer_in_backward=true", "max_completion_length=256"]
-    assert run(None, "Qwen2.5-1.5B", "6GiB", args, False, host_memory="64GiB") == 0
+    assert run(None, "Qwen2.5-1.5B", "6GiB", args, False, host_memory="64GiB") == 1  # a script can tell
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("offload_optimizer=true"))
@@ -377,3 +379,18 @@ def test_activation_offload_moves_layer_inputs_and_the_norms_saves_over_its_mini
     # layer's input back, every gradient made) is the same either way
     assert off["phases"]["forward"] - on["phases"]["forward"] >= layer_io
     assert on["phases"]["backward"] <= off["phases"]["backward"]
+
+
+def test_plan_exits_1_when_the_run_does_not_fit_and_refuses_an_empty_card(capsys):
+    from lowmem_grpo.cli import main
+    args = ["plan", "--model", "Qwen2.5-1.5B", "precision=bf16_sr", "max_completion_length=256", "--host-memory",
+            "64GiB"]
+    assert main([*args, "--gpu-memory", "2GiB"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main([*args, "--gpu-memory", "2GiB", "--json"]) == 1
+    assert main([*args, "--gpu-memory", "80GiB", "--json"]) == 0
+    capsys.readouterr()
+    for size in ("0", "0GiB", "0.0001MiB"):
+        assert main([*args, "--gpu-memory", size]) == 2
+        err = capsys.readouterr().err
+        assert f"--gpu-memory {size!r}: a memory size must be at least 1MiB" in err and "8GiB" in err

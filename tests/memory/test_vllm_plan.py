@@ -126,7 +126,7 @@ def test_plan_prints_vllms_share(capsys, monkeypatch):
     assert main(["plan", R15, "engine=vllm", "--gpu-memory", "24GiB", "--host-memory", "64GiB"]) == 0
     text = capsys.readouterr().out
     assert "vLLM (engine=vllm): share 7.20 GiB = vllm_gpu_memory_utilization 0.3 x the 24.00 GiB card" in text
-    assert main(["plan", R15, "engine=vllm", "--gpu-memory", "8GiB", "--host-memory", "64GiB", "--json"]) == 0
+    assert main(["plan", R15, "engine=vllm", "--gpu-memory", "8GiB", "--host-memory", "64GiB", "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["vllm"]["problem"] and not out["fits"]  # 0.3 of 8 GiB is less than 1.5B needs to start
 
