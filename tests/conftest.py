@@ -13,8 +13,12 @@ test pins its own device (the CPU unless it says otherwise), so the suite means 
 machine (benchmarks/gpu_session.sh runs it there).
 """
 
+import contextlib
 import importlib.util
+import logging
 import os
+import re
+import warnings
 
 import pytest
 import torch
@@ -48,3 +52,20 @@ def pytest_collection_modifyitems(config, items):
         # so a checkout in a folder named cuda skipped every test
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def logged(caplog):
+    """`with logged(pattern):` asserts that the block logs a warning matching `pattern` (re.search) through the
+    `lowmem_grpo` logger, as library messages go, and that it raises no Python warning with that text."""
+    @contextlib.contextmanager
+    def expect(pattern: str):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="lowmem_grpo"), warnings.catch_warnings(record=True) as raw:
+            warnings.simplefilter("always")
+            yield
+        messages = [r.getMessage() for r in caplog.records
+                    if r.name.startswith("lowmem_grpo") and r.levelno >= logging.WARNING]
+        assert any(re.search(pattern, m) for m in messages), f"no warning matching {pattern!r} in {messages}"
+        assert not [w for w in raw if re.search(pattern, str(w.message))], "raised as a Python warning, not logged"
+    return expect

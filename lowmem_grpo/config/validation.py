@@ -12,14 +12,16 @@ Design notes: docs/config.md
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
-import warnings
 
 from ..ranges import Interval
 from .batching import batch_plan
 from .errors import ConfigError, did_you_mean
 from .schema import Config, section_classes
+
+logger = logging.getLogger(__name__)
 
 
 def _choice(value: str, choices: tuple, name: str) -> None:
@@ -157,15 +159,14 @@ def check_loss_settings(t, engine: str = "native") -> None:
                           "vllm_importance_sampling_mode to token_truncate or token_mask (got "
                           f"{t.vllm_importance_sampling_mode!r}), or vllm_importance_sampling_correction=false")
     if t.vllm_importance_sampling_correction and engine == "native":
-        warnings.warn("vllm_importance_sampling_correction=true has no effect: the native rollout samples with the "
-                      "weights being trained (ratio 1) and records no sampling log-probs; the correction applies to "
-                      "an external engine", UserWarning, stacklevel=3)
+        logger.warning("vllm_importance_sampling_correction=true has no effect: the native rollout samples with the "
+                       "weights being trained (ratio 1) and records no sampling log-probs; the correction applies to "
+                       "an external engine")
     if t.loss_type == "luspo" and t.importance_sampling_level != "sequence":
-        warnings.warn("loss_type=luspo: set importance_sampling_level=sequence to mirror the paper's setup",
-                      UserWarning, stacklevel=3)
+        logger.warning("loss_type=luspo: set importance_sampling_level=sequence to mirror the paper's setup")
     if t.loss_type == "vespo" and t.importance_sampling_level != "token":
-        warnings.warn("loss_type=vespo computes sequence-level weights itself: importance_sampling_level should be "
-                      "token (the default)", UserWarning, stacklevel=3)
+        logger.warning("loss_type=vespo computes sequence-level weights itself: importance_sampling_level should be "
+                       "token (the default)")
 
 
 REPORT_TARGETS = ("tensorboard", "wandb", "trackio")

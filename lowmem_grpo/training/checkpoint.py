@@ -18,17 +18,19 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import pickle
 import random
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
@@ -128,7 +130,7 @@ def resolve_resume(resume_from: str, output_dir: str | Path) -> Path:
             try:
                 verify(path)
             except CheckpointError as e:
-                warnings.warn(f"resume_from=latest: skipping {path.name}: {e}", stacklevel=2)
+                logger.warning(f"resume_from=latest: skipping {path.name}: {e}")
                 skipped.append(str(e))
                 continue
             return path

@@ -6,17 +6,19 @@ renaming of internal metric names to the reported, TRL-style ones (`trl_names`, 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
 import sys
-import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .trackers import close_trackers, open_trackers, scalars
+
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -160,8 +162,8 @@ def _parsed_lines(path: Path) -> list[tuple[str, dict]]:
         try:
             row = json.loads(line)
         except ValueError:
-            warnings.warn(f"{path}: dropping line {number}, which is not complete JSON (a run killed while "
-                          f"writing it): {line[:80]!r}", stacklevel=3)
+            logger.warning(f"{path}: dropping line {number}, which is not complete JSON (a run killed while "
+                           f"writing it): {line[:80]!r}")
             continue
         out.append((line, row))
     return out

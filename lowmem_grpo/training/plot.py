@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -153,8 +152,7 @@ def draw_run(run_dir: str | Path):
                                 "(it is written from the first logged step on)")
     rows, bad = read_rows(metrics)
     if bad:
-        warnings.warn(f"{metrics}: skipped {bad} unreadable line(s) (a run killed mid-write leaves a torn last line)",
-                      stacklevel=2)
+        logger.warning(f"{metrics}: skipped {bad} unreadable line(s) (a run killed mid-write leaves a torn last line)")
     train = [r for r in rows if not is_eval_row(r)]
     evals = [r for r in rows if is_eval_row(r)]
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -215,8 +213,8 @@ def save_run_plot(run_dir: str | Path) -> Optional[Path]:
     try:
         path = plot_run(run_dir)
     except Exception as e:  # noqa: BLE001 - the picture is a convenience; the run's results are on disk
-        warnings.warn(f"could not draw {Path(run_dir) / PLOT_NAME}: {type(e).__name__}: {e} "
-                      f"(try `lowmem-grpo plot {run_dir}`)", stacklevel=2)
+        logger.warning(f"could not draw {Path(run_dir) / PLOT_NAME}: {type(e).__name__}: {e} "
+                       f"(try `lowmem-grpo plot {run_dir}`)")
         return None
     logger.info(f"wrote {path}")
     return path

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Optional
 
 from ..config import REPORT_TARGETS, report_targets
+
+logger = logging.getLogger(__name__)
 
 _PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
@@ -118,4 +120,4 @@ def close_trackers(trackers: list) -> None:
         try:
             t.close()
         except Exception as e:  # noqa: BLE001 - the others must still be closed
-            warnings.warn(f"closing {type(t).__name__} failed: {type(e).__name__}: {e}", stacklevel=2)
+            logger.warning(f"closing {type(t).__name__} failed: {type(e).__name__}: {e}")

@@ -167,7 +167,7 @@ def two_checkpoints(toy_config):
 
 
 @pytest.mark.parametrize("damage", ["truncate weights", "flip a byte of the state", "delete the state"])
-def test_a_damaged_checkpoint_is_named_and_latest_falls_back(two_checkpoints, toy_config, damage):
+def test_a_damaged_checkpoint_is_named_and_latest_falls_back(two_checkpoints, toy_config, damage, logged):
     newest = Path(two_checkpoints) / "checkpoint-2"
     target = newest / ("model.safetensors" if damage == "truncate weights" else ckpt.STATE_FILE)
     if damage == "truncate weights":
@@ -180,7 +180,7 @@ def test_a_damaged_checkpoint_is_named_and_latest_falls_back(two_checkpoints, to
         target.unlink()
     with pytest.raises(CheckpointError, match=re.escape(str(target))):
         resolve_resume(str(newest), two_checkpoints)
-    with pytest.warns(UserWarning, match=rf"skipping checkpoint-2: {re.escape(str(target))}"):
+    with logged(rf"skipping checkpoint-2: {re.escape(str(target))}"):
         resumed = Trainer(toy_config("max_steps=3", "resume_from=latest"))
     assert resumed.step == 1 and resumed.resumed_from.name == "checkpoint-1"
     resumed.train()
@@ -216,7 +216,7 @@ def test_a_checkpoint_holding_pickled_code_is_refused(two_checkpoints, toy_confi
     assert marker.exists()
 
 
-def test_leftover_temporary_folders_are_never_checkpoints_and_are_removed(two_checkpoints, toy_config):
+def test_leftover_temporary_folders_are_never_checkpoints_and_are_removed(two_checkpoints, toy_config, logged):
     out = Path(two_checkpoints)
     leftover = out / ".tmp-checkpoint-9-12345"
     (out / "checkpoint-2").rename(leftover)  # a complete-looking folder that was never renamed into place
@@ -224,7 +224,7 @@ def test_leftover_temporary_folders_are_never_checkpoints_and_are_removed(two_ch
     half.mkdir()
     (half / ckpt.STATE_FILE).write_bytes(b"partial")
     assert [s for s, _ in list_checkpoints(out)] == [1]
-    with pytest.warns(UserWarning, match="skipping checkpoint-5: .* has no manifest.json"):
+    with logged("skipping checkpoint-5: .* has no manifest.json"):
         assert Trainer(toy_config("max_steps=3", "resume_from=latest")).step == 1
     assert not leftover.exists()
 
@@ -350,24 +350,24 @@ def test_call_with_timeout_passes_results_and_errors_through():
 
 
 # ----- a torn last line in the logs -------------------------------------------------------------------
-def test_a_torn_last_log_line_is_dropped_with_a_warning(tmp_path):
+def test_a_torn_last_log_line_is_dropped_with_a_warning(tmp_path, logged):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n{"step": 3, "rew')
-    with pytest.warns(UserWarning, match=r"metrics.jsonl: dropping line 3, which is not complete JSON"):
+    with logged(r"metrics.jsonl: dropping line 3, which is not complete JSON"):
         assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3][:2]
-    with pytest.warns(UserWarning, match="dropping line 3"):
+    with logged("dropping line 3"):
         _truncate_after(path, 2)
     assert path.read_text() == '{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n'
 
 
-def test_resume_after_a_kill_mid_log_line(toy_config):
+def test_resume_after_a_kill_mid_log_line(toy_config, logged):
     cfg = toy_config("max_steps=2", "save_steps=1")
     Trainer(cfg).train()
     out = Path(cfg.output.output_dir)
     for name in ("metrics.jsonl", "completions.jsonl"):
         with open(out / name, "a") as f:
             f.write('{"step": 3, "prompt": [7, 8')  # killed while writing step 3's line
-    with pytest.warns(UserWarning, match="not complete JSON"):
+    with logged("not complete JSON"):
         Trainer(toy_config("max_steps=3", "resume_from=latest")).train()
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert all(json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines())

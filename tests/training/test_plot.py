@@ -52,9 +52,9 @@ def _lines(ax) -> dict:
     return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
 
 
-def test_every_panel_reads_what_was_logged(tmp_path):
+def test_every_panel_reads_what_was_logged(tmp_path, logged):
     run = synthetic_run(tmp_path / "run")
-    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+    with logged("skipped 1 unreadable line"):
         fig = draw_run(run)
     axes = fig.axes[:len(PANELS)]
     assert _lines(axes[0]) == {"reward": ([1, 2, 3, 4], [0.1, 0.3, 0.5, 0.7]),
@@ -92,7 +92,7 @@ def test_no_metrics_is_a_clear_error(tmp_path):
         plot_run(tmp_path)
 
 
-def test_a_failure_to_plot_warns_and_never_raises(tmp_path, monkeypatch):
+def test_a_failure_to_plot_warns_and_never_raises(tmp_path, monkeypatch, logged):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing logged yet (a crash before step 1): nothing to draw, no warning
@@ -102,23 +102,23 @@ def test_a_failure_to_plot_warns_and_never_raises(tmp_path, monkeypatch):
         raise RuntimeError("font cache corrupt")
 
     monkeypatch.setattr(plot_module, "plot_run", broken)
-    with pytest.warns(UserWarning, match="font cache corrupt"):
+    with logged("font cache corrupt"):
         assert save_run_plot(synthetic_run(tmp_path / "run")) is None
 
 
-def test_training_finishes_when_plotting_fails(toy_config, monkeypatch):
+def test_training_finishes_when_plotting_fails(toy_config, monkeypatch, logged):
     monkeypatch.setattr(plot_module, "plot_run", lambda run_dir: 1 / 0)
     from lowmem_grpo.training.trainer import Trainer
-    with pytest.warns(UserWarning, match="ZeroDivisionError"):
+    with logged("ZeroDivisionError"):
         assert Trainer(toy_config("max_steps=1")).train()["step"] == 1
 
 
-def test_cli_plot(tmp_path, capsys):
+def test_cli_plot(tmp_path, capsys, logged):
     run = synthetic_run(tmp_path / "run")
-    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):  # the torn line is reported, not fatal
+    with logged("skipped 1 unreadable line"):  # the torn line is reported, not fatal
         assert main(["plot", str(run)]) == 0
     assert png_size(run / "run.png")[0] > 0 and str(run / "run.png") in capsys.readouterr().out
-    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+    with logged("skipped 1 unreadable line"):
         assert main(["plot", str(run), "--out", str(tmp_path / "x.png")]) == 0 and png_size(tmp_path / "x.png")
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "no metrics.jsonl in" in capsys.readouterr().err
