@@ -1,6 +1,7 @@
 """How a run stops without losing work: Ctrl-C/SIGTERM ask the loop to stop after the current step
-(which then saves and exits), a second signal stops at once, and any error saves what the run has
-before it propagates (an out-of-memory error first names the phase and the cheapest fix)."""
+(which then saves and exits), a second signal stops at once, and so does the first while the step waits
+on code that may never return (the user's reward functions); any error saves what the run has before
+it propagates (an out-of-memory error first names the phase and the cheapest fix)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 import traceback
 from typing import Callable, Iterator, Optional
 
@@ -18,6 +20,9 @@ from ..phases import phase_of
 from .checkpoint import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+# What the main thread is waiting on that may never return, and since when (stop_at_once_inside).
+_waiting_on: list[tuple[str, float]] = []
 
 
 class StopRequest:
@@ -34,6 +39,11 @@ class StopRequest:
         if self.reason is not None:  # second signal: stop now
             raise KeyboardInterrupt
         self.reason = name
+        if _waiting_on:  # the step may never end: stop now, the last completed step is what gets saved
+            what, since = _waiting_on[-1]
+            logger.warning(f"{name} while {what} had run for {time.monotonic() - since:.0f} s: stopping now; this "
+                           "step is abandoned and the last completed one is saved")
+            raise KeyboardInterrupt
         logger.warning(f"{name}: saving a checkpoint after this step, then exiting "
               "(send it again to stop at once)")
 
@@ -48,6 +58,18 @@ class StopRequest:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def stop_at_once_inside(what: str) -> Iterator[None]:
+    """Inside (main thread), the first Ctrl-C/SIGTERM stops at once rather than after the step: the block
+    runs code that may never return (a reward function with no rewards.reward_timeout), so a stop that
+    waits for the step's end would be ignored. Nested blocks name the innermost `what`."""
+    _waiting_on.append((what, time.monotonic()))
+    try:
+        yield
+    finally:
+        _waiting_on.pop()
 
 
 @contextlib.contextmanager

@@ -342,6 +342,41 @@ def test_a_hanging_reward_function_stops_the_run_with_its_name(toy_config):
     assert [s for s, _ in list_checkpoints(cfg.output.output_dir)] == [1]  # what the run had is saved
 
 
+_stuck_calls = []
+
+
+def stuck_reward(prompts, completions, completion_ids, label, **kwargs):
+    """Scores the first generation batch, then never returns (for the driver process)."""
+    _stuck_calls.append(1)
+    if len(_stuck_calls) == 2:
+        print("reward stuck", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(0.05)
+    return [float(sum(t == lab for t in ids)) for ids, lab in zip(completion_ids, label)]
+
+
+def test_one_ctrl_c_stops_a_hung_reward_function_and_saves_the_last_step(tmp_path):
+    # no reward_timeout: the call runs in the main thread and would never end the step the first Ctrl-C waits for
+    train = write_jsonl(tmp_path / "train.jsonl", toy_rows(64))
+    proc = _driver("none", tmp_path / "run", train, "max_steps=4", "save_steps=100", "steps_per_generation=1",
+                   "num_iterations=1", "reward_funcs=[tests.training.test_faults:stuck_reward]")
+    try:
+        lines = []
+        while not lines or lines[-1].strip() != "reward stuck":
+            line = proc.stderr.readline().decode()
+            assert line, f"the driver ended before the reward hung: {''.join(lines)[-2000:]}"
+            lines.append(line)
+        proc.send_signal(signal.SIGINT)  # once
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode != 0 and "SIGINT while the reward functions had run for" in err, err[-2000:]
+    assert "stopping now; this step is abandoned and the last completed one is saved" in err
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1]  # step 1, done before the hang, is kept
+    ckpt.verify(tmp_path / "run" / "checkpoint-1")
+
+
 def test_call_with_timeout_passes_results_and_errors_through():
     assert call_with_timeout(lambda x: x + 1, 5.0, "f", 1) == 2
     assert call_with_timeout(lambda: threading.current_thread().name, None, "f") == threading.current_thread().name
