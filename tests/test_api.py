@@ -197,7 +197,7 @@ def tiny_char_model():
 
 def test_bad_inputs_are_named(tmp_path):
     args = toy_args()
-    with pytest.raises(DataError, match="train_dataset row 1 is a str"):
+    with pytest.raises(DataError, match="train_dataset index 1 is a str"):
         GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, args=args, train_dataset=[toy_rows(1)[0], "x"])
     with pytest.raises(DataError, match="train_dataset has no 'prompt' column"):
         GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, args=args, train_dataset=[{"question": "x"}])

@@ -18,6 +18,7 @@ import numbers
 import os
 import tempfile
 from dataclasses import dataclass, field
+from typing import Optional
 
 SUPPORTED_EXTENSIONS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -26,9 +27,32 @@ class DataError(ValueError):
     """A problem with the prompt data that the user can fix; the message names the file or row and the fix."""
 
 
+class Rows(list):
+    """Data rows (plain dicts) read from a file, and how error messages name each: the file's own line
+    number for JSON lines (what an editor shows), else the row counted from 1. Rows a caller passes as a
+    plain list are named by their 0-based index, as Python indexes them (`Rows.name_of`)."""
+
+    def __init__(self, rows, lines: Optional[list[int]] = None):
+        super().__init__(rows)
+        self.lines = lines if lines is not None and len(lines) == len(self) else None
+
+    def sliced(self, start: int, stop: Optional[int] = None) -> "Rows":
+        """rows[start:stop], keeping each row's name."""
+        return Rows(self[start:stop], None if self.lines is None else self.lines[start:stop])
+
+    def name(self, i: int, source: str) -> str:
+        return f"{source} line {self.lines[i]}" if self.lines is not None else f"{source} row {i + 1}"
+
+    @staticmethod
+    def name_of(rows: list, i: int, source: str) -> str:
+        """How messages name rows[i]: by its line or 1-based row for Rows, by its index for a plain list."""
+        return rows.name(i, source) if isinstance(rows, Rows) else f"{source} index {i}"
+
+
 # ----------------------------------------------------------------------------------------------- loading
 def load_rows(source, name: str | None = None) -> list[dict]:
-    """All rows of a local data file or `datasets` folder, as a list of plain dicts.
+    """All rows of a local data file or `datasets` folder, as plain dicts (`Rows`, which name each row's
+    line or 1-based row in error messages).
 
     From Python, `source` may also be the data itself: a `datasets.Dataset` (or a DatasetDict with a
     'train' split), or a list of dicts. `name` names in-memory data in error messages."""
@@ -62,7 +86,13 @@ def load_rows(source, name: str | None = None) -> list[dict]:
             datasets.enable_progress_bars()
     if not rows:
         raise DataError(f"{path} has no rows")
-    return rows
+    return rows if isinstance(rows, Rows) else Rows(rows, _jsonl_lines(path) if ext == ".jsonl" else None)
+
+
+def _jsonl_lines(path: str) -> list[int]:
+    """The line number of each non-blank line of a JSON-lines file: the rows a parser reads from it."""
+    with open(path, errors="replace") as f:
+        return [n for n, line in enumerate(f, 1) if line.strip()]
 
 
 def _in_memory_rows(data, name: str) -> list[dict]:
@@ -83,7 +113,7 @@ def _in_memory_rows(data, name: str) -> list[dict]:
                         f"of a .jsonl/.json/.csv/.parquet file or save_to_disk folder{hint}")
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
-            raise DataError(f"{name} row {i} is a {type(row).__name__}, not a dict: each row needs a 'prompt' "
+            raise DataError(f"{name} index {i} is a {type(row).__name__}, not a dict: each row needs a 'prompt' "
                             "(or 'prompt_ids') key, e.g. {'prompt': 'What is 2+3?', 'answer': '5'}")
     if not rows:
         raise DataError(f"{name} has no rows")
@@ -120,9 +150,9 @@ def _load_file(path: str) -> list[dict]:
         return ds.to_list()
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _read_jsonl(path: str) -> Rows:
     """JSONL without `datasets`, with the same errors (the file and line that do not parse; no rows)."""
-    rows = []
+    rows, lines = [], []
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
@@ -131,9 +161,10 @@ def _read_jsonl(path: str) -> list[dict]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise DataError(f"could not read {path} as JSON lines: line {i}: {e.msg}") from None
+            lines.append(i)
     if not rows:
         raise DataError(f"{path} has no rows")
-    return rows
+    return Rows(rows, lines)
 
 
 def _load_dir(path: str) -> list[dict]:
@@ -202,15 +233,15 @@ def build_prompt_set(rows: list[dict], tokenizer, data_cfg, max_prompt_length: i
 
     prompts, all_ids, flags = [], [], []
     for i, row in enumerate(rows):
-        value = row.get(key)
-        ids = (_check_ids(value, i, source, vocab_size) if key == "prompt_ids"
-               else _tokenize(value, i, source, tokenizer, data_cfg))
+        value, where = row.get(key), Rows.name_of(rows, i, source)
+        ids = (_check_ids(value, where, vocab_size) if key == "prompt_ids"
+               else _tokenize(value, where, tokenizer, data_cfg))
         if not ids:
-            raise DataError(f"{source} row {i}: the prompt is empty (0 tokens)")
+            raise DataError(f"{where}: the prompt is empty (0 tokens)")
         cut = len(ids) > max_prompt_length
         if cut and data_cfg.prompt_truncation == "error":
             raise DataError(
-                f"{source} row {i}: the prompt is {len(ids)} tokens, longer than generation.max_prompt_length="
+                f"{where}: the prompt is {len(ids)} tokens, longer than generation.max_prompt_length="
                 f"{max_prompt_length}. Raise generation.max_prompt_length, or set data.prompt_truncation=left "
                 f"to keep the last {max_prompt_length} tokens of long prompts.")
         if cut:  # left: the end holds the question and the chat template's generation prompt
@@ -240,10 +271,10 @@ def _is_missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _tokenize(prompt, i: int, source: str, tokenizer, data_cfg) -> list[int]:
+def _tokenize(prompt, where: str, tokenizer, data_cfg) -> list[int]:
     """Token ids of one `prompt` cell: a string, or a list of chat messages."""
     if _is_missing(prompt):
-        raise DataError(f"{source} row {i}: the prompt is missing (empty cell / null): fill it in or drop the row")
+        raise DataError(f"{where}: the prompt is missing (empty cell / null): fill it in or drop the row")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     system = data_cfg.system_prompt
     if isinstance(prompt, str):
@@ -254,23 +285,23 @@ def _tokenize(prompt, i: int, source: str, tokenizer, data_cfg) -> list[int]:
         text = f"{system}\n\n{prompt}" if system else prompt
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        messages = _check_messages(prompt, i, source)
+        messages = _check_messages(prompt, where)
         if not has_template:
-            raise DataError(f"{source} row {i}: the prompt is a chat message list but the tokenizer has no chat "
+            raise DataError(f"{where}: the prompt is a chat message list but the tokenizer has no chat "
                             "template: give plain string prompts, or use a tokenizer with a chat_template")
         if system and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": system}] + messages
         return _apply_template(tokenizer, messages)
     if isinstance(prompt, (list, tuple)) and prompt and all(_is_int(t) for t in prompt):
-        raise DataError(f"{source} row {i}: the prompt is a list of token ids: put them in a 'prompt_ids' column")
-    raise DataError(f"{source} row {i}: the prompt must be a string or a list of chat messages "
+        raise DataError(f"{where}: the prompt is a list of token ids: put them in a 'prompt_ids' column")
+    raise DataError(f"{where}: the prompt must be a string or a list of chat messages "
                     f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}: {str(prompt)[:80]!r}")
 
 
-def _check_messages(messages, i: int, source: str) -> list[dict]:
+def _check_messages(messages, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-            raise DataError(f"{source} row {i}: message {j} must have a string 'role' and a 'content' "
+            raise DataError(f"{where}: message {j} must have a string 'role' and a 'content' "
                             f"(string or list of parts), got {m!r}")
     # Columnar formats give every message every key seen in the column (None where absent): drop those.
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
@@ -289,19 +320,19 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _check_ids(ids, i: int, source: str, vocab_size: int | None) -> list[int]:
+def _check_ids(ids, where: str, vocab_size: int | None) -> list[int]:
     """A `prompt_ids` cell: a non-empty list of ints in [0, vocab_size)."""
     if _is_missing(ids):
-        raise DataError(f"{source} row {i}: prompt_ids is missing (empty cell / null): fill it in or drop the row")
+        raise DataError(f"{where}: prompt_ids is missing (empty cell / null): fill it in or drop the row")
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
-        raise DataError(f"{source} row {i}: prompt_ids must be a list of integers, got {str(ids)[:80]!r} "
+        raise DataError(f"{where}: prompt_ids must be a list of integers, got {str(ids)[:80]!r} "
                         "(CSV cannot hold lists: use .jsonl or .parquet)")
     if not ids:
-        raise DataError(f"{source} row {i}: prompt_ids is empty")
+        raise DataError(f"{where}: prompt_ids is empty")
     bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if bad:
         limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
-        raise DataError(f"{source} row {i}: prompt_ids holds {bad[0]}, outside the model's vocabulary {limit}")
+        raise DataError(f"{where}: prompt_ids holds {bad[0]}, outside the model's vocabulary {limit}")
     return [int(t) for t in ids]
 
 
@@ -312,6 +343,8 @@ def split_eval(rows: list[dict], holdout: int) -> tuple[list[dict], list[dict]]:
     if holdout and holdout >= len(rows):
         raise DataError(f"data.eval_holdout={holdout} leaves no training rows (the data has {len(rows)}): "
                         "lower it, or give a separate data.eval_file")
+    if isinstance(rows, Rows):  # each row keeps its name (line) in error messages
+        return rows.sliced(holdout), rows.sliced(0, holdout)
     return rows[holdout:], rows[:holdout]
 
 

@@ -23,7 +23,7 @@ def test_missing_prompt_column(toy_config, tmp_path):
 
 def test_prompt_longer_than_limit_errors_or_truncates(toy_config, tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [{"prompt_ids": list(range(6, 30)), "label": 6}] * 8)
-    with pytest.raises(DataError, match=r"row 0.*24 tokens.*max_prompt_length.*prompt_truncation=left"):
+    with pytest.raises(DataError, match=r"long.jsonl line 1: the prompt is 24 tokens.*max_prompt_length.*prompt_truncation=left"):
         Trainer(toy_config(f"train_file={path}"))
     trainer = Trainer(toy_config(f"train_file={path}", "prompt_truncation=left"))
     assert trainer.train_set.prompt_ids[0] == list(range(22, 30))

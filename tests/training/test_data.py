@@ -137,7 +137,7 @@ def test_message_list_prompts(tok):
     own = [{"role": "system", "content": "mine"}] + msgs[:1]  # its own system message wins
     assert tok.decode(_build([{"prompt": own}], tok, system_prompt="sys").prompt_ids[0]) == \
         "<system>mine<user>hi<assistant>"
-    with pytest.raises(DataError, match="row 1.*message 0"):
+    with pytest.raises(DataError, match="index 1.*message 0"):
         _build([{"prompt": msgs}, {"prompt": [{"content": "no role"}]}], tok)
     with pytest.raises(DataError, match="no chat template"):
         _build([{"prompt": msgs}], _tokenizer(chat_template=None))
@@ -159,16 +159,16 @@ def test_plain_encoding_without_chat_template(tok):
     assert plain.decode(_build(ROWS[2:], plain, system_prompt="sys").prompt_ids[0]) == "sys\n\nsay hi"
     # data.chat_template=false skips a template the tokenizer has.
     assert tok.decode(_build(ROWS[2:], tok, chat_template=False).prompt_ids[0]) == "say hi"
-    with pytest.raises(DataError, match="row 0.*empty"):
+    with pytest.raises(DataError, match="index 0.*empty"):
         _build([{"prompt": ""}], plain)
 
 
 def test_bad_prompt_values(tok):
-    with pytest.raises(DataError, match="row 1.*missing"):
+    with pytest.raises(DataError, match="index 1.*missing"):
         _build([{"prompt": "a"}, {"prompt": None}], tok)
-    with pytest.raises(DataError, match="row 0.*missing"):
+    with pytest.raises(DataError, match="index 0.*missing"):
         _build([{"prompt": float("nan")}], tok)
-    with pytest.raises(DataError, match="row 0.*prompt_ids"):
+    with pytest.raises(DataError, match="index 0.*prompt_ids"):
         _build([{"prompt": [3, 4]}], tok)
     with pytest.raises(DataError, match="model.tokenizer: none"):
         _build(ROWS, None)
@@ -177,13 +177,13 @@ def test_bad_prompt_values(tok):
 def test_prompt_ids_without_tokenizer():
     ps = _build([{"prompt_ids": [3, 4, 5], "target": 7}, {"prompt_ids": [49], "target": 8}], None)
     assert ps.prompt_ids == [[3, 4, 5], [49]] and ps.columns == {"target": [7, 8]}
-    with pytest.raises(DataError, match=r"row 1.*50.*\[0, 50\)"):
+    with pytest.raises(DataError, match=r"index 1.*50.*\[0, 50\)"):
         _build([{"prompt_ids": [3]}, {"prompt_ids": [3, 50]}], None)
-    with pytest.raises(DataError, match="row 0.*-1"):
+    with pytest.raises(DataError, match="index 0.*-1"):
         _build([{"prompt_ids": [-1]}], None)
-    with pytest.raises(DataError, match="row 0.*empty"):
+    with pytest.raises(DataError, match="index 0.*empty"):
         _build([{"prompt_ids": []}], None)
-    with pytest.raises(DataError, match="row 0.*list of integers"):
+    with pytest.raises(DataError, match="index 0.*list of integers"):
         _build([{"prompt_ids": "[3, 4]"}], None)
 
 
@@ -192,7 +192,7 @@ def test_truncation_error_names_row_lengths_and_fixes():
     with pytest.raises(DataError) as e:
         _build(rows, None, max_len=6)
     msg = str(e.value)
-    for part in ("row 1", "9 tokens", "max_prompt_length=6", "raise generation.max_prompt_length",
+    for part in ("index 1", "9 tokens", "max_prompt_length=6", "raise generation.max_prompt_length",
                  "data.prompt_truncation=left"):
         assert part.lower() in msg.lower(), part
 
@@ -263,3 +263,23 @@ def test_sampler_without_shuffle_and_changed_dataset():
     assert s.next_indices(7) == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(DataError, match="changed"):
         PromptSampler(4, seed=5).load_state_dict(s.state_dict())
+
+
+@needs_datasets
+@pytest.mark.parametrize("with_datasets", [True, False])
+def test_a_bad_row_of_a_file_is_named_by_its_line_or_its_row_from_1(tmp_path, tok, monkeypatch, with_datasets):
+    import pandas as pd
+    if not with_datasets:  # the bare GPU image reads JSON lines without datasets
+        monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": null}\n')  # a blank line 2
+    with pytest.raises(DataError, match=r"train.jsonl line 4: the prompt is missing"):
+        _build(load_rows(str(path)), tok)
+    rows = load_rows(str(path))
+    train, held_out = split_eval(rows, 1)  # the held-out rows move; each keeps its line
+    with pytest.raises(DataError, match=r"line 4: the prompt is missing"):
+        _build(train, tok)
+    if with_datasets:
+        pd.DataFrame({"prompt": ["a", None]}).to_parquet(tmp_path / "t.parquet")
+        with pytest.raises(DataError, match=r"train.jsonl row 2: the prompt is missing"):
+            _build(load_rows(str(tmp_path / "t.parquet")), tok)
