@@ -6,6 +6,7 @@ eval_steps during it (logged as eval_* rows of metrics.jsonl)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import random
@@ -19,6 +20,7 @@ import torch
 from ..config import GenerationConfig
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
+from ..rewards.model import reward_models
 from .context import RolloutContext
 from .metrics import eval_metrics
 
@@ -30,8 +32,8 @@ def evaluate(ctx: RolloutContext, prompt_set, gen_cfg: GenerationConfig, *, batc
     """One greedy completion per held-out prompt, by `ctx.policy`, scored by `ctx.reward_funcs`.
 
     Returns {"samples", "reward" (mean weighted total), "rewards/<name>/mean", "pass_rate/<name>"
-    (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards), "mean_length",
-    "seconds"}. If output_file is given, every completion is written there with its rewards.
+    (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards; not for a reward
+    model, whose score has no pass mark), "mean_length", "seconds"}. If output_file is given, every completion is written there with its rewards.
     """
     with training_rng_untouched(ctx.device):
         return _evaluate(ctx, prompt_set, gen_cfg, batch_size=batch_size, max_samples=max_samples,
@@ -67,11 +69,13 @@ def _evaluate(ctx: RolloutContext, prompt_set, gen_cfg, *, batch_size, max_sampl
     per_func, total = compute_rewards(reward_funcs, subset.prompts, completions, completion_ids, subset.columns,
                                       trainer_state=trainer_state, logs=logs)
     result = {"samples": n, "reward": total.mean().item()}
+    models = {id(m) for m in reward_models(reward_funcs)}
     for j, f in enumerate(reward_funcs):
         col = per_func[:, j]
         valid = ~col.isnan()
         result[f"rewards/{f.name}/mean"] = col[valid].mean().item() if valid.any() else None
-        result[f"pass_rate/{f.name}"] = (col[valid] >= 1.0).float().mean().item() if valid.any() else None
+        if id(inspect.unwrap(f.fn)) not in models:  # a model's score is unbounded: ">= 1" is no pass mark
+            result[f"pass_rate/{f.name}"] = (col[valid] >= 1.0).float().mean().item() if valid.any() else None
     result.update(logs.metric_means())  # what the reward functions logged with log_metric
     result["mean_length"] = keep.sum(1).float().mean().item()
     result["seconds"] = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 import math
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -284,3 +285,20 @@ def test_long_samples_are_truncated():
         compute_rewards([_const(["x"], "t")], [long_prompt], ["c" * 5000], [[1]], {})
     msg = str(ei.value)
     assert "QUESTION" in msg and "[1008 chars]" in msg and "[5000 chars]" in msg and len(msg) < 800
+
+
+def test_evaluation_gives_no_pass_rate_for_a_reward_model(tmp_path):
+    """A reward model's score has no pass mark: evaluation reports its mean, and a pass rate only for the
+    functions (whose >= 1 is accuracy for 0/1 rewards)."""
+    from lowmem_grpo.config import load_config
+    from lowmem_grpo.training.trainer import Trainer
+    from tests.rewards.tiny_reward_models import random_reward_model
+    root = Path(__file__).resolve().parents[2]
+    model, tok = random_reward_model(tmp_path / "rm")
+    cfg = load_config(str(root / "recipes" / "char_e.yaml"), [
+        f"rewards.reward_funcs=['{model}', char_count]", f"rewards.reward_processing_classes=['{tok}', null]",
+        f"output.output_dir={tmp_path / 'run'}", "train.device=cpu"])
+    result = Trainer(cfg, recipe_dir=root / "recipes", training=False).evaluate()
+    names = [k for k in result if k.startswith("rewards/")]
+    assert len(names) == 2 and all(result[k] is not None for k in names)
+    assert [k for k in result if k.startswith("pass_rate/")] == ["pass_rate/char_count"]
