@@ -22,7 +22,7 @@ from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardLogs, compute_rewards
 from ..rewards.model import reward_models
 from .context import RolloutContext
-from .metrics import eval_metrics
+from .metrics import append_metrics_row, eval_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ def evaluate(ctx: RolloutContext, prompt_set, gen_cfg: GenerationConfig, *, batc
 
     Returns {"samples", "reward" (mean weighted total), "rewards/<name>/mean", "pass_rate/<name>"
     (fraction of samples where that function gave >= 1, i.e. accuracy for 0/1 rewards; not for a reward
-    model, whose score has no pass mark), "mean_length", "seconds"}. If output_file is given, every completion is written there with its rewards.
+    model, whose score has no pass mark), "mean_length", "seconds"}. If output_file is given, every
+    completion is written there with its rewards.
     """
     with training_rng_untouched(ctx.device):
         return _evaluate(ctx, prompt_set, gen_cfg, batch_size=batch_size, max_samples=max_samples,
@@ -117,10 +118,14 @@ def evaluation_before(run_eval: Callable[[], dict], output_dir: str | Path, resu
     return result
 
 
-def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, before: Optional[dict]) -> dict:
-    """eval_on_end: evaluate, write eval_end.json and print the before/after table."""
+def evaluation_after(run_eval: Callable[[], dict], output_dir: str | Path, before: Optional[dict], step: int) -> dict:
+    """eval_on_end: evaluate, write eval_end.json (the latest end) and print the before/after table. The
+    result is also this step's eval_* row in metrics.jsonl, unless eval_steps already logged one there, so
+    a resumed run that ends again keeps every earlier end's evaluation (for `plot`, among others)."""
     after = run_eval()
     Path(output_dir, "eval_end.json").write_text(json.dumps(after, indent=2))
+    if step not in evaluated_steps(Path(output_dir, "metrics.jsonl")):
+        append_metrics_row(output_dir, step, eval_metrics(after))
     logger.info("%s", format_comparison(before, after))
     return after
 

@@ -124,6 +124,14 @@ def _clean(value):
     return value
 
 
+def append_metrics_row(output_dir: str | Path, step: int, values: dict) -> dict:
+    """Append {"step": step, **values} (JSON-safe) to output_dir/metrics.jsonl; returns the row."""
+    row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
+    with open(Path(output_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return row
+
+
 class RunLog:
     """Appends to the run's JSONL files; opened in append mode so a resumed run continues them."""
 
@@ -137,9 +145,7 @@ class RunLog:
         self.trackers = open_trackers(report_to, self.dir, run_name, project, config)
 
     def metrics(self, step: int, values: dict) -> None:
-        row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        row = append_metrics_row(self.dir, step, values)
         for tracker in self.trackers:
             tracker.log(step, scalars(row))
 

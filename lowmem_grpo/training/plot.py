@@ -119,11 +119,12 @@ def _eval_file(run_dir: Path, name: str) -> Optional[dict]:
 
 
 def _held_out(ax, run_dir: Path, evals: list[dict], last_step: float) -> None:
-    """eval_* rows as lines; eval_start.json / eval_end.json as markers at step 0 / the last step."""
+    """eval_* rows as lines (eval_on_end logs one too); eval_start.json at step 0, and eval_end.json at the
+    last step where no row is there (runs that logged the end only to that file)."""
     start, end = _eval_file(run_dir, "eval_start.json"), _eval_file(run_dir, "eval_end.json")
     points = [(0, {f"eval_{k}": v for k, v in start.items()})] if start else []
     points += [(row["step"], row) for row in evals]
-    if end:
+    if end and not any(row["step"] == last_step for row in evals):
         points.append((last_step, {f"eval_{k}": v for k, v in end.items()}))
     points.sort(key=lambda p: p[0])
     rows = [{"step": s, **r} for s, r in points]

@@ -525,7 +525,7 @@ class Trainer:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
         if cfg.eval.eval_on_end and not self.world.any(self.stop.reason is not None):
-            result["eval_end"] = self._evaluation_outside_the_loop(evaluation_after, out.output_dir, before)
+            result["eval_end"] = self._evaluation_outside_the_loop(evaluation_after, out.output_dir, before, self.step)
         if main:
             save_run_plot(out.output_dir)
         return result

@@ -153,3 +153,20 @@ def test_resume_neither_repeats_nor_loses_an_evaluation(toy_config, tmp_path):
     assert first.train()["step"] == 2 and _eval_rows(stopped) == []
     Trainer(toy_config(*common, "resume_from=latest", output_dir=stopped)).train()
     assert [{k: v for k, v in r.items() if k not in TIMING} for r in _eval_rows(stopped)] == expected
+
+
+def test_each_end_evaluation_is_kept_when_a_resumed_run_ends_again(toy_config, tmp_path):
+    from lowmem_grpo.training.plot import draw_run
+    out = tmp_path / "ends"
+    first = Trainer(toy_config("max_steps=2", "eval_on_end=true", output_dir=out)).train()["eval_end"]
+    second = Trainer(toy_config("max_steps=4", "eval_on_end=true", "resume_from=latest", output_dir=out))
+    again = second.train()["eval_end"]
+    rows = _eval_rows(out)
+    assert [r["step"] for r in rows] == [2, 4]  # the first end's evaluation survives the second's eval_end.json
+    assert rows[0]["eval_reward"] == pytest.approx(first["reward"]) and rows[1]["eval_reward"] == pytest.approx(
+        again["reward"])
+    held_out = draw_run(out).axes[1]  # PANELS: "held-out score"
+    assert [list(line.get_xdata()) for line in held_out.get_lines() if line.get_label() == "reward"] == [[2, 4]]
+    # with eval_steps landing on the last step, the end adds no second row there
+    Trainer(toy_config("max_steps=2", "eval_steps=2", "eval_on_end=true", output_dir=tmp_path / "both")).train()
+    assert [r["step"] for r in _eval_rows(tmp_path / "both")] == [2]
