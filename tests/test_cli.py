@@ -79,6 +79,22 @@ def test_eval_model_option_is_its_shorthand(recorded):
     assert recorded == [("eval", recipe, ["model=runs/x/checkpoint-3", "eval_max_samples=5"])]
 
 
+def test_eval_of_a_missing_checkpoint_lists_the_ones_there(tmp_path, capsys):
+    from lowmem_grpo.training.checkpoint import MANIFEST
+    run = tmp_path / "run"
+    for step in (10, 2, 30):  # complete checkpoints (a manifest); an unfinished one is not offered
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / MANIFEST).write_text("{}")
+    (run / "checkpoint-40").mkdir()
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    assert main(["eval", recipe, f"model={run}/checkpoint-3", f"output_dir={tmp_path / 'elsewhere'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model={run}/checkpoint-3: no such checkpoint; the checkpoints there are: {run}/checkpoint-2, " \
+           f"{run}/checkpoint-10, {run}/checkpoint-30" in err and "Traceback" not in err
+    assert main(["eval", recipe, f"model={tmp_path}/nothing/checkpoint-3", f"output_dir={tmp_path / 'x'}"]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- shipped recipes
 def test_shipped_recipes_are_the_source_trees_here():
     assert recipes_dir() == ROOT / "recipes"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import load_config
+from ..config import ConfigError, load_config
 
 
 def split_model_override(overrides: list[str]) -> list[str]:
@@ -20,6 +20,24 @@ def split_model_override(overrides: list[str]) -> list[str]:
         else:
             out.append(item)
     return out
+
+
+def check_model_folder(overrides: list[str], output_dir: str) -> None:
+    """`model=PATH` that does not exist, where PATH looks like a checkpoint (or its folder holds some):
+    a ConfigError listing the checkpoints there and in the recipe's output_dir."""
+    from ..training.checkpoint import list_checkpoints
+    given = [item.split("=", 1)[1] for item in overrides if item.startswith("model=")]
+    if not given or Path(given[-1]).exists():
+        return
+    path = Path(given[-1])
+    found = {p for folder in (path.parent, Path(output_dir)) for _, p in list_checkpoints(folder)}
+    if not found and not path.name.startswith("checkpoint-"):
+        return  # a hub id, say: the model loader's message
+    where = ", ".join(str(p) for p in sorted(found, key=lambda p: (str(p.parent), int(p.name.split("-")[1]))))
+    raise ConfigError(f"model={path}: no such checkpoint; "
+                      + (f"the checkpoints there are: {where}" if found else
+                         f"no checkpoint in {path.parent} or in output_dir {output_dir}: train first, or give "
+                         "model=FOLDER of a saved model"))
 
 
 def train(recipe: str, overrides: list[str]) -> int:
@@ -54,6 +72,7 @@ def evaluate(recipe: str, overrides: list[str]) -> int:
     """Greedy evaluation of the recipe's model (or `model=PATH`) on its held-out prompts, printed as JSON."""
     from ..training.trainer import Trainer
     cfg = load_config(recipe, split_model_override(overrides))
+    check_model_folder(overrides, cfg.output.output_dir)
     trainer = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent, training=False)
     print(json.dumps(trainer.evaluate(), indent=2))
     return 0
