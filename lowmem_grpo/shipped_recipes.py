@@ -30,14 +30,19 @@ def shipped_recipes() -> dict[str, Path]:
 
 
 def header(path: Path) -> str:
-    """A recipe's first header line: its leading comment, without the '#'."""
+    """A recipe's description: the first sentence of its leading comment (which may run over several
+    comment lines), without the '#'s, on one line."""
+    words = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
         text = line.lstrip("#").strip()
-        if text:
-            return text
-    return ""
+        if not text and words:
+            break
+        words.append(text)
+    paragraph = " ".join(w for w in words if w)
+    end = re.search(r"[.!?](\s|$)", paragraph)
+    return paragraph[:end.start() + 1] if end else paragraph
 
 
 def find_shipped(name: str) -> Optional[Path]:

@@ -101,12 +101,29 @@ def test_shipped_recipes_are_the_source_trees_here():
     assert set(shipped_recipes()) == {p.stem for p in (ROOT / "recipes").glob("*.yaml")}
 
 
-def test_recipes_lists_each_with_its_header(capsys):
+def test_recipes_lists_each_with_its_whole_description_wrapped_at_words(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "90")
     assert main(["recipes"]) == 0
-    out = capsys.readouterr().out
-    for name, path in shipped_recipes().items():
-        first = next(l for l in path.read_text().splitlines() if l.startswith("# ")).lstrip("# ")
-        assert f"{name}  " in out and first in out, name
+    lines = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert all(len(line) < 90 for line in lines)
+    names = list(shipped_recipes())
+    starts = [i for i, line in enumerate(lines) if line.split(" ")[0] in names] + [len(lines)]
+    assert [lines[i].split(" ")[0] for i in starts[:-1]] == names
+    for (name, path), a, b in zip(shipped_recipes().items(), starts, starts[1:]):
+        comment = " ".join(line.lstrip("#") for line in path.read_text().splitlines()[:10]).split()
+        shown = " ".join(lines[a:b]).split()[1:]  # no word cut in two at a line's end
+        assert shown == comment[:len(shown)] and shown[-1][-1] in ".!?", name  # its first sentence, whole
+
+
+def test_output_into_a_reader_that_stops_early_ends_quietly():
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "lowmem_grpo", "--help-config"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err
 
 
 def test_train_accepts_a_shipped_recipe_name(recorded, tmp_path, monkeypatch, capsys):

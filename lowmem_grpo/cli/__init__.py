@@ -102,6 +102,16 @@ def _normalize(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """The `lowmem-grpo` command; returns the exit status. Output piped into a reader that stops early
+    (`lowmem-grpo recipes | head`) ends quietly, as other command-line tools do."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141  # 128 + SIGPIPE, as a shell reports a command killed by it
+
+
+def _main(argv=None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help-config" in argv[:argv.index("--") if "--" in argv else len(argv)]:
@@ -130,6 +140,8 @@ def main(argv=None) -> int:
             if args.recipes_command == "cp":
                 return copy_recipe(args.name, args.dest, args.force)
             return list_recipes()
+        except BrokenPipeError:
+            raise  # the reader stopped reading (`| head`): main's caller
         except (ConfigError, OSError) as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2

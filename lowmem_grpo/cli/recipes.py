@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -31,8 +32,10 @@ def list_recipes() -> int:
         print("lowmem-grpo: error: no recipes found beside the package (a broken install?)", file=sys.stderr)
         return 2
     width = max(map(len, recipes))
-    for name, path in recipes.items():
-        print(f"{name:<{width}}  {header(path)}")
+    columns = max(shutil.get_terminal_size((100, 24)).columns, width + 40)
+    for name, path in recipes.items():  # each description wrapped at words, under its own column
+        print(textwrap.fill(header(path), columns - 1, initial_indent=f"{name:<{width}}  ",
+                            subsequent_indent=" " * (width + 2), break_long_words=False, break_on_hyphens=False))
     print(f"\n({recipes_dir()})\nRun one with `lowmem-grpo train NAME`; copy one to edit with "
           "`lowmem-grpo recipes cp NAME [DEST]`.")
     return 0
