@@ -13,6 +13,11 @@ Design notes: docs/planner.md ("The profiler")
 from __future__ import annotations
 
 import bisect
+import contextlib
+import os
+import re
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -176,7 +181,8 @@ class MemoryProfile:
         self._hooks = [p.register_post_accumulate_grad_hook(lambda p: mark_gradient(p.grad))
                        for p in self.params if p.requires_grad]
         self._prof = profile(activities=list(ACTIVITIES), profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_profiler_lines():
+            self._prof.__enter__()
         with record_function(PREFIX + "start"):
             pass
         return self
@@ -185,7 +191,8 @@ class MemoryProfile:
         dev = self.cuda_device
         if dev is not None:
             torch.cuda.synchronize(dev)
-        self._prof.__exit__(*exc)
+        with _quiet_profiler_lines():
+            self._prof.__exit__(*exc)
         for h in self._hooks:
             h.remove()
         extra = {}
@@ -475,3 +482,27 @@ def device_equivalent(prof: MemoryProfile, trainer) -> tuple[str, dict]:
         excluded += ["optimizer states", "weights copy", "gradient buffer"]
     excluded.append("activations (offloaded)")  # host RAM on any device (the planner's host categories)
     return "host", result.devices["host"].summary(exclude=excluded)
+
+
+# The profiler's own C++ lines on stderr ("STAGE:... Completed Stage: Warm Up", "USDT:... profiler_start"),
+# printed whatever KINETO_LOG_LEVEL says: `lowmem-grpo profile`'s output is the report, not them.
+_PROFILER_LINE = re.compile(rb"^(STAGE|USDT|INFO|WARNING|ERROR):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _quiet_profiler_lines():
+    """Inside, what is written to file descriptor 2 is held back, then passed on to stderr without the
+    profiler's own lines (only the profiler's start and stop run inside: nothing else is delayed)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True) if not _PROFILER_LINE.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))

@@ -108,6 +108,23 @@ def test_fused_head_workspace_is_the_loss_head_and_in_backward_gradients_are_gra
     assert _at_end(prof.result, "gradients") == 0
 
 
+def test_the_profilers_own_lines_stay_out_of_stderr_and_nothing_else_does(capfd):
+    import os
+    model = nn.Linear(8, 8)
+    with MemoryProfile(list(model.parameters())):
+        with phase("forward"):
+            model(torch.randn(4, 8)).sum().backward()
+    os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err and "SyncActivityProfiler" not in err, err
+    assert err.endswith("after\n")
+    from lowmem_grpo.memory.profile import _quiet_profiler_lines
+    with _quiet_profiler_lines():  # a line of anyone else's written while the profiler starts is passed on
+        os.write(2, b"USDT:2026-11-28 01:32:59 24882:24882 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a user's warning\n")
+    assert capfd.readouterr().err == "a user's warning\n"
+
+
 def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
     from pathlib import Path
     from lowmem_grpo.cli import main
