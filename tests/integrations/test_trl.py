@@ -14,7 +14,7 @@ FAST = {("dapo", 0.04), ("grpo", 0.0)}  # the rest of the matrix is `slow` (~25 
 CASES = [pytest.param(t, b, marks=() if (t, b) in FAST else pytest.mark.slow) for t in LOSS_TYPES for b in (0.0, 0.04)]
 
 
-def _train(trainer_cls, tmp_path, loss_type, beta):
+def _train(trainer_cls, tmp_path, loss_type, beta, bf16=False):
     from datasets import Dataset
     from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
     from trl import GRPOConfig
@@ -43,7 +43,7 @@ def _train(trainer_cls, tmp_path, loss_type, beta):
                       num_generations=4, max_completion_length=6, max_steps=2, learning_rate=1e-2,
                       loss_type=loss_type, beta=beta, epsilon_high=5.0 if loss_type == "cispo" else 0.2,
                       num_iterations=2, report_to="none", logging_steps=1, save_strategy="no", seed=0,
-                      use_cpu=True, bf16=False, model_init_kwargs={"dtype": torch.float32})
+                      use_cpu=True, bf16=bf16, model_init_kwargs={"dtype": torch.float32})
     dataset = Dataset.from_dict({"prompt": ["12+7=", "3*4=", "9-5=", "8+8="] * 4})
     trainer = trainer_cls(model=str(model), reward_funcs=[reward], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[KeepGrads()])
@@ -68,6 +68,22 @@ def test_two_steps_give_trls_losses_and_gradients(tmp_path, loss_type, beta):
             scale = theirs[name].abs().max().clamp(min=1e-12)
             err = (ours[name] - theirs[name]).abs().max() / scale
             assert err <= 1e-5, f"{name}: gradient differs by {err:.2e} of its largest entry"
+
+
+def test_at_trls_default_bf16_the_two_agree_to_bf16_rounding(tmp_path):
+    """bf16=True (TRL's default; autocast on the CPU): both trainers compute in bf16 and round differently,
+    so the fp32 test's 1e-5 does not hold; the bounds here are bf16's (docs/trl.md states the measured gap)."""
+    import trl
+
+    from lowmem_grpo.integrations.trl import GRPOTrainer
+
+    trl_losses, trl_grads = _train(trl.GRPOTrainer, tmp_path, "dapo", 0.04, bf16=True)
+    our_losses, our_grads = _train(GRPOTrainer, tmp_path, "dapo", 0.04, bf16=True)
+    torch.testing.assert_close(torch.tensor(our_losses), torch.tensor(trl_losses), rtol=2e-2, atol=1e-6)
+    first_ours, first_trl = our_grads[0], trl_grads[0]  # the second step starts from weights that differ
+    for name in first_trl:
+        err = (first_ours[name] - first_trl[name]).abs().max() / first_trl[name].abs().max().clamp(min=1e-12)
+        assert err <= 5e-2, f"{name}: first-step gradient differs by {err:.2e} of its largest entry"
 
 
 def test_the_drop_in_runs_our_head(tmp_path, monkeypatch):
