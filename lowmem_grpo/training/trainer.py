@@ -34,6 +34,7 @@ from ..policy.reference import Reference
 from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
                             load_model, load_tokenizer)
+from ..policy.limits import check_run_limits
 from ..policy.packing import Packing
 from ..policy.batch import Batch
 from ..rewards import ModelSettings, load_reward_functions
@@ -137,6 +138,7 @@ class Trainer:
         self.reward_funcs = with_timeout(
             load_reward_functions(r.reward_funcs if reward_funcs is None else reward_funcs, r.reward_weights,
                                   base_dir=recipe_dir, models=models), r.reward_timeout)
+        check_run_limits(m, cfg.generation, self.tokenizer, model)  # before the weights load
         self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
