@@ -66,3 +66,12 @@ def test_eval_steps_set_before_the_eval_dataset_is_given(tmp_path):
     with pytest.raises(ConfigError, match="eval_steps=1 evaluates on held-out prompts"):
         GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, train_dataset=toy_rows(24),
                     args=toy_args(eval_steps=1, output_dir=str(tmp_path)))
+
+
+def test_docs_list_every_trl_name():
+    from pathlib import Path
+
+    from lowmem_grpo.config.trl_names import TRL_NAMES
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    missing = [name for name in TRL_NAMES if f"| `{name}` |" not in doc]
+    assert not missing, f"docs/trl.md's table lacks {missing}"
