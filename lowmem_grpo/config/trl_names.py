@@ -7,7 +7,8 @@ use instead. Four kinds: renamed (the same setting under our name), translated (
 settings: optim, eval_strategy, save_strategy, model_init_kwargs, ...), ignored (only HF Trainer internals
 or a setting that matters only with another one that is refused: nothing a user observes changes), and
 accepted at TRL's default only (anything else is refused). `TRL_VALUES` translates TRL-only values of
-keys we share (max_steps=-1, save_total_limit=None, a fractional warmup_steps, output_dir=None). docs/trl.md has the table.
+keys we share (max_steps=-1, save_total_limit=None, a fractional warmup_steps, output_dir=None).
+docs/trl.md has the table.
 """
 
 from __future__ import annotations
