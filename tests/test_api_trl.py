@@ -22,6 +22,18 @@ def _weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def test_train_resume_from_checkpoint_loads_the_checkpoint(tmp_path):
+    first = _trainer(tmp_path, "run", max_steps=1, save_steps=1)
+    first.train()
+    for how in (True, str(tmp_path / "run" / "checkpoint-1")):
+        resumed = _trainer(tmp_path, "run", max_steps=1)  # nothing left to train: the checkpoint's weights
+        assert resumed.train(resume_from_checkpoint=how)["step"] == 1
+        assert resumed.resumed_from == tmp_path / "run" / "checkpoint-1"
+        got, want = _weights(resumed.model), _weights(first.model)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"resume_from_checkpoint={how!r}"
+
+
+@pytest.mark.slow
 def test_train_resume_from_checkpoint_true_or_a_path_continues_the_run(tmp_path):
     straight = _trainer(tmp_path, "straight", max_steps=4)
     straight.train()
