@@ -141,6 +141,6 @@ def check_run_limits(cfg: ModelConfig, generation, tokenizer, model=None) -> Non
     """The start-up check of a run (training or evaluation): `model` (a loaded one) or the config `cfg`
     names against the tokenizer and generation's max_prompt_length + max_completion_length."""
     config = model.config if model is not None else source_config(cfg)
-    name = cfg.name_or_path or f"the {getattr(config, 'model_type', '')} model.config".replace("the  ", "the ")
+    name = cfg.name_or_path or f"the model ({getattr(config, 'model_type', None) or type(config).__name__})"
     check_model_limits(config, tokenizer, generation.max_prompt_length, generation.max_completion_length,
                        model=model, name=name)
