@@ -60,7 +60,8 @@ $(FLOOR)/.installed: pyproject.toml Makefile
 COMPARE := .venv-compare
 COMPARE_TESTS := tests/integrations tests/kernels/test_liger_dropin.py tests/kernels/test_fused_linear_grpo.py \
 	tests/kernels/test_compare_heads.py tests/training/test_loss_variants_vs_trl.py tests/training/test_trl_semantics.py \
-	tests/rewards/test_reward_model_vs_trl.py
+	tests/rewards/test_reward_model_vs_trl.py \
+	tests/training/test_trl_config_names.py
 test-compare: $(COMPARE)/.installed
 	LOWMEM_GRPO_REQUIRE_PEERS=1 $(COMPARE)/bin/python -m pytest -q $(COMPARE_TESTS)
 

@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import Optional
 
 from .config import Config, ConfigError, apply_mapping, describe, did_you_mean, key_index, load_config, \
-    section_classes, set_value, validate
+    section_classes, validate
+from .config.loading import set_named
+from .config.trl_names import TRL_NAMES
 from .policy.model import ModelError, build_head, disable_dropout, weights_dtype
 from .rewards.loading import spec_record
 from .shipped_recipes import find_shipped
+from .training import checkpoint as ckpt
 from .training.callbacks import TrainerCallback
 from .training.trainer import Trainer
 
@@ -95,16 +98,18 @@ class GRPOConfig:
             return getattr(getattr(self._cfg, index[name]), name)
         if name in section_classes():  # args.train.max_steps also works
             return getattr(self._cfg, name)
+        if name in TRL_NAMES and TRL_NAMES[name].kind == "renamed":  # TRL's name for one of ours
+            key = TRL_NAMES[name].key
+            return getattr(getattr(self._cfg, index[key]), key)
+        if name in TRL_NAMES:
+            raise AttributeError(f"GRPOConfig keeps no {name!r}: TRL's {name} is {TRL_NAMES[name].note}")
         raise AttributeError(f"GRPOConfig has no setting {name!r}{did_you_mean(name, list(index))}")
 
     def __setattr__(self, name: str, value) -> None:
         if name in GRPOConfig.__slots__:  # copy and pickle restore these
             object.__setattr__(self, name, value)
             return
-        index = key_index()
-        if name not in index:
-            raise ConfigError(f"unknown config key {name!r}{did_you_mean(name, list(index))}")
-        set_value(self._cfg, index[name], name, value)
+        set_named(self._cfg, name, value, " in GRPOConfig")  # a key, or a TRL name (config/trl_names.py)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, GRPOConfig) and self._cfg == other._cfg
@@ -128,6 +133,8 @@ def _check_settings(cfg: Config) -> None:
         probe.model.name_or_path = _PLACEHOLDER
     if not probe.rewards.reward_funcs:
         probe.rewards.reward_funcs = [_PLACEHOLDER] * len(probe.rewards.reward_weights or [None])
+    if probe.eval.eval_steps and not probe.data.eval_file and not probe.data.eval_holdout:
+        probe.data.eval_file = _PLACEHOLDER  # GRPOTrainer(eval_dataset=...) may give it (checked there)
     validate(probe)
 
 
@@ -213,6 +220,33 @@ class GRPOTrainer(Trainer):
     def processing_class(self):
         """The tokenizer (TRL's name); None for token-id tasks."""
         return self.tokenizer
+
+    def train(self, resume_from_checkpoint: Optional[bool | str | os.PathLike] = None, trial=None,
+              ignore_keys_for_eval=None) -> dict:
+        """Train (TRL's / transformers' signature). resume_from_checkpoint: True = the newest complete checkpoint
+        in output_dir, a path = that checkpoint folder (weights, optimizer, scheduler, prompt order, RNG and the
+        unfinished generation batch), None / False = as the config says (resume_from)."""
+        if trial is not None or ignore_keys_for_eval is not None:
+            raise ConfigError("train(trial=...) and train(ignore_keys_for_eval=...) are hyperparameter-search and "
+                              "prediction-loop arguments of transformers' Trainer, not built here: call train() or "
+                              "train(resume_from_checkpoint=...)")
+        if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+            self._resume_from_checkpoint("latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
+        return super().train()
+
+    def _resume_from_checkpoint(self, where: str) -> None:
+        """What Trainer's set-up does for resume_from, on a trainer that is built and has not trained yet."""
+        if self.step or self.resumed_from is not None:
+            raise ConfigError(f"train(resume_from_checkpoint=...) on a trainer at step {self.step}"
+                              f"{f' (resumed from {self.resumed_from})' if self.resumed_from else ''}: resume with a "
+                              "new GRPOTrainer, or GRPOConfig(resume_from_checkpoint=...) before building it")
+        if self.world.fsdp:
+            raise ConfigError("strategy=fsdp shards the weights when the trainer is built: pass "
+                              "GRPOConfig(resume_from_checkpoint=...) (or resume_from=) instead of train(...)")
+        path = ckpt.resolve_resume(where, self.cfg.output.output_dir)
+        self.cfg.output.resume_from = str(path)
+        ckpt.load_weights(self.policy, path)
+        self._resume(path)  # the optimizer refreshes its host copies; vLLM syncs before the next rollout
 
     def save_model(self, output_dir: Optional[str | os.PathLike] = None) -> Path:
         """save_pretrained the model (and tokenizer) into `output_dir` (default: the config's output_dir)."""

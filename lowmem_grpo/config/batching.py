@@ -3,13 +3,15 @@
 `batch_plan(cfg, world_size)` derives a `BatchPlan` from train.per_device_train_batch_size,
 gradient_accumulation_steps, steps_per_generation or generation_batch_size, num_iterations and
 generation.num_generations, or raises a ConfigError naming the setting to change. With several ranks
-(torchrun) the generation batch spans them all and each rank generates whole groups.
+(torchrun) the generation batch spans them all and each rank generates whole groups. `steps_for_epochs`
+counts the optimizer steps of num_train_epochs.
 
 Design notes: docs/config.md
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import ConfigError
@@ -67,3 +69,15 @@ def batch_plan(cfg: Config, world_size: int = 1) -> BatchPlan:
                           f"({t.gradient_accumulation_steps})")
     steps = (spg // t.gradient_accumulation_steps) * t.num_iterations
     return BatchPlan(gbs, gbs // g.num_generations, spg, steps, steps > 1, world_size)
+
+
+def steps_for_epochs(epochs: float, plan: BatchPlan, num_prompts: int) -> int:
+    """Optimizer steps in `epochs` passes over `num_prompts` training prompts, counted as TRL (transformers'
+    Trainer over TRL's RepeatSampler) does: whole generation batches per epoch (a last, partial one is not
+    drawn), each giving plan.steps_per_generation_batch optimizer steps; ceil of the product."""
+    batches = num_prompts // plan.prompts_per_generation
+    if batches == 0:
+        raise ConfigError(f"num_train_epochs={epochs}: {num_prompts} training prompts do not fill one generation "
+                          f"batch ({plan.prompts_per_generation} prompts); add prompts, lower the generation batch "
+                          "(per_device_train_batch_size, steps_per_generation) or set max_steps")
+    return max(1, math.ceil(epochs * batches * plan.steps_per_generation_batch))

@@ -26,6 +26,7 @@ import yaml
 
 from .errors import ConfigError, did_you_mean
 from .schema import Config, key_index, section_classes
+from .trl_names import TRL_NAMES, TRL_VALUES, order, trl_settings
 from .validation import check_field_rules, validate
 from .yaml_loader import parse_yaml, plain_values, yaml_problem
 
@@ -49,12 +50,32 @@ def _unknown(name: str, where: str) -> ConfigError:
     """The error for a key that does not exist, suggesting the closest real one."""
     index = key_index()
     key = name.rsplit(".", 1)[-1]
-    match = difflib.get_close_matches(key, list(index), n=1, cutoff=0.5)  # the key part matters most
-    if match:
+    # the key part matters most; TRL's names are candidates too (save_stratgy is save_strategy, not strategy)
+    match = difflib.get_close_matches(key, list(index) + list(TRL_NAMES), n=1, cutoff=0.5)
+    if match and match[0] not in index:
+        hint = f"; did you mean {match[0]!r} (TRL's name)?"
+    elif match:
         hint = f"; did you mean {f'{index[match[0]]}.{match[0]}' if '.' in name else match[0]!r}?"
     else:
         hint = did_you_mean(name, [f"{s}.{k}" for k, s in index.items()] + list(section_classes()))
     return ConfigError(f"unknown config key {name!r}{where}{hint}")
+
+
+def set_named(cfg: Config, name: str, value: Any, where: str = "") -> None:
+    """Set a setting by name: 'section.key', a bare key, or a TRL / transformers name (trl_names.py), which
+    sets what it stands for here or raises a ConfigError saying what to use instead."""
+    key = name.rsplit(".", 1)[-1]
+    if key in TRL_NAMES and key not in key_index():
+        for k, v in trl_settings(key, value, cfg).items():
+            try:
+                set_value(cfg, key_index()[k], k, v)
+            except ConfigError as e:
+                raise ConfigError(f"{key} (TRL's name; here {k}): {e}") from None
+        return
+    section, key = resolve_key(name, where)
+    settings = trl_settings(key, value, cfg) if key in TRL_VALUES else {key: value}
+    for k, v in settings.items():
+        set_value(cfg, key_index()[k], k, v)
 
 
 def set_value(cfg: Config, section: str, key: str, value: Any) -> None:
@@ -151,16 +172,17 @@ def apply_mapping(cfg: Config, data: dict, where: str = "") -> Config:
     """Apply a nested {section: {key: value}} mapping (the YAML recipe form); bare top-level keys allowed."""
     if not isinstance(data, dict):
         raise ConfigError(f"a recipe must be a mapping of sections{where}, got {type(data).__name__}")
+    items = []  # (name, value), in the order trl_names.order() gives their keys
     for top, value in data.items():
-        if top in section_classes():
+        if top in section_classes() and not (top in TRL_NAMES and not isinstance(value, dict)):  # TRL's optim=
             if not isinstance(value, dict):
                 raise ConfigError(f"section {top!r}{where} must be a mapping, got {value!r}")
-            for key, v in value.items():
-                section, key = resolve_key(f"{top}.{key}", where)
-                set_value(cfg, section, key, v)
+            items += [(f"{top}.{key}", v) for key, v in value.items()]
         else:
-            section, key = resolve_key(str(top), where)
-            set_value(cfg, section, key, value)
+            items.append((str(top), value))
+    ranked = order([name.rsplit(".", 1)[-1] for name, _ in items])
+    for name, value in sorted(items, key=lambda item: ranked.index(item[0].rsplit(".", 1)[-1])):
+        set_named(cfg, name, value, where)
     return cfg
 
 
@@ -170,14 +192,15 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. train.max_steps=10 or learning_rate=1e-5)")
         name, raw = item.split("=", 1)
-        section, key = resolve_key(name.strip(), " on the command line")
+        if name.strip() not in TRL_NAMES:
+            resolve_key(name.strip(), " on the command line")  # an unknown name before its value's YAML
         try:
             value = parse_yaml(raw) if raw.strip() else None
         except yaml.YAMLError as e:
             quote = f"; if it is text, quote it: '{name}=\"{raw}\"'" if '"' not in raw and "'" not in raw else ""
             raise ConfigError(f"the value of {name} on the command line is not valid YAML: {raw!r}, "
                               f"{yaml_problem(e)}{quote}") from None
-        set_value(cfg, section, key, value)
+        set_named(cfg, name.strip(), value, " on the command line")
     return cfg
 
 

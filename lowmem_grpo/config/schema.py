@@ -185,7 +185,14 @@ class RewardsConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = setting(100, "Optimizer steps to run.", check=POSITIVE)
+    max_steps: int = setting(100, "Optimizer steps to run. TRL's max_steps=-1 sets num_train_epochs (3.0 unless "
+                                  "given) instead.", check=POSITIVE)
+    num_train_epochs: Optional[float] = setting(None, "Passes over the training prompts (TRL's name); when set, the "
+                                                      "run's optimizer steps are computed from it at start-up: "
+                                                      "ceil(epochs x (prompts // prompts per generation batch) x "
+                                                      "optimizer steps per generation batch), as TRL counts them. "
+                                                      "Setting max_steps afterwards (or in the same mapping) clears "
+                                                      "it: max_steps > 0 overrides it, as in TRL.", check=POSITIVE)
     per_device_train_batch_size: int = setting(8, "Completions per micro-batch (forward/backward): activation memory "
                                                   "scales with it.", check=POSITIVE)
     gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step.", check=POSITIVE)

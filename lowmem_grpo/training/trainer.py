@@ -29,11 +29,13 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan, rollout_engine
+from ..config.batching import steps_for_epochs
 from ..optim.optimizers import build_optimizer, build_scheduler
 from ..policy.reference import Reference
 from ..phases import phase
 from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
                             load_model, load_tokenizer)
+from ..policy.limits import check_run_limits
 from ..policy.packing import Packing
 from ..policy.batch import Batch
 from ..rewards import ModelSettings, load_reward_functions
@@ -137,9 +139,12 @@ class Trainer:
         self.reward_funcs = with_timeout(
             load_reward_functions(r.reward_funcs if reward_funcs is None else reward_funcs, r.reward_weights,
                                   base_dir=recipe_dir, models=models), r.reward_timeout)
+        check_run_limits(m, cfg.generation, self.tokenizer, model)  # before the weights load
         self.policy = load_model(m, t.seed) if model is None else model
         self.eos_ids, self.pad_id = self._special_ids()
         self.train_set, self.eval_set = self._load_data(train_data, eval_data)
+        if t.num_train_epochs is not None:  # TRL's epochs: the step count follows from the prompts
+            t.max_steps = steps_for_epochs(t.num_train_epochs, self.plan, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
         self.step = 0  # optimizer steps done (also what an evaluation-only trainer reports)
         self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
