@@ -31,7 +31,7 @@ test-slow: setup
 # torch (torch's own floor, 2.6, has no CPU wheel here: see pyproject.toml), running the tests of the
 # version-sensitive code: optim (bitsandbytes' optimizer internals), the kernels' torch.library
 # registration, model loading, the trainer and the API (transformers), reward models (their loading in
-# the checkpoint's dtype, placements, a run that learns from one), config, data (datasets), the
+# the checkpoint's dtype, placements; not the 20-step learning run, minutes here), config, data (datasets), the
 # planner (transformers' configs and the one-layer probe), packing and sampling. `time make test-floor`
 # from no venv, 2026-11-24, 2 cores shared with other jobs (load ~5): 7m57s (venv 2m34s, tests 5m23s:
 # 219 passed, 13 skipped; before the reward-model tests joined), 4m54s of CPU time (docs/testing.md).
@@ -44,7 +44,8 @@ FLOOR_TESTS := tests/optim tests/kernels/test_library.py tests/kernels/test_impo
 	tests/training/test_trainer.py::test_smoke_two_steps_change_every_parameter \
 	tests/training/test_trainer.py::test_resume_gives_identical_parameters_and_metrics
 test-floor: $(FLOOR)/.installed
-	$(FLOOR)/bin/python -m pytest -q $(FLOOR_TESTS)
+	$(FLOOR)/bin/python -m pytest -q $(FLOOR_TESTS) \
+	  --deselect tests/rewards/test_reward_model.py::test_a_run_learns_from_a_streamed_reward_model
 
 $(FLOOR)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR)
