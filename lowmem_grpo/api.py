@@ -169,7 +169,8 @@ class GRPOTrainer(Trainer):
         (name_or_path or a random-weights `config`).
     reward_funcs: one or a list of: Python callables with TRL's signature f(prompts, completions,
         **kwargs) -> list[float | None], built-in names ('numeric_answer', ...), dicts {name: ..., <options>},
-        'module:function' or 'path/file.py:function' strings. None = the config's reward_funcs.
+        'module:function' or 'path/file.py:function' strings, reward models (a folder, a hub id or a loaded
+        sequence-classification model). None = the config's reward_funcs.
     Each argument given replaces the config's setting (a recipe's model, data or rewards).
     args: a GRPOConfig (default: all defaults).
     train_dataset / eval_dataset: a datasets.Dataset, a list of dicts, or the path of a data file or

@@ -147,6 +147,36 @@ def test_reward_specs_are_recorded_as_json():
     assert spec_record({"name": label_reward, "pattern": re.compile("a+"), "tag": "answer"}) == \
         {"name": "tests.training.conftest:label_reward", "pattern": "re.compile('a+')", "tag": "answer"}
     assert spec_record("numeric_answer") == "numeric_answer"
+    assert spec_record("org/reward-model") == "org/reward-model"  # a hub id is a name, not a loaded model
+
+
+def test_reward_model_as_folder_object_or_missing_folder(tmp_path, monkeypatch):
+    """reward_funcs may name a reward model's folder (absolute, or relative to the current folder) or give
+    the loaded model, as the CLI's recipes do; a folder that is not there is named in the error."""
+    from transformers import AutoModelForSequenceClassification
+    from lowmem_grpo.policy.char_tokenizer import char_tokenizer
+    from lowmem_grpo.rewards import RewardError
+    from lowmem_grpo.rewards.model import reward_models
+    from tests.rewards.tiny_reward_models import random_reward_model
+    folder, tok = random_reward_model(tmp_path / "rm")
+    monkeypatch.chdir(tmp_path)
+
+    def trainer(reward_funcs, classes):
+        return GRPOTrainer(model=tiny_char_model(), reward_funcs=reward_funcs, processing_class=char_tokenizer(),
+                           reward_processing_classes=classes, train_dataset=[{"prompt": "1+1="}] * 2,
+                           args=GRPOConfig(num_generations=2, per_device_train_batch_size=2, device="cpu",
+                                           output_dir=str(tmp_path / "run")))
+
+    loaded = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    made = trainer([str(folder), "rm/model", loaded, "numeric_answer"], [str(tok), str(tok), str(tok), None])
+    models = reward_models(made.reward_funcs)
+    assert len(models) == 3 and models[2].model is loaded
+    scores = [m(["1+1="], ["2"]) for m in models]
+    assert scores[0] == scores[1] == pytest.approx(scores[2], abs=1e-6)
+    assert made.cfg.rewards.reward_funcs == [str(folder), "rm/model", str(folder), "numeric_answer"]
+    for missing in (str(tmp_path / "no-such-model"), "rm/no/such-model"):
+        with pytest.raises(RewardError, match=f"reward_funcs\\[0\\]: no reward model folder '{missing}'"):
+            trainer([missing], None)
 
 
 # ------------------------------------------------------------------------------------- inputs

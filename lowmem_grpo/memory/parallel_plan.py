@@ -13,6 +13,9 @@ from __future__ import annotations
 from .plan import Arch
 
 STRATEGIES = ("ddp", "fsdp")
+# The phases run inside distributed.full_weights, every FSDP unit gathered: the rollout and the reward scoring
+# (one generation batch, Trainer.new_generation_batch), the log-prob passes outside the loss, evaluation.
+GATHERED_PHASES = ("rollout", "rewards", "old log-probs", "reference log-probs", "evaluation")
 
 
 def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: int = 1) -> dict:
@@ -41,9 +44,9 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
             cats["optimizer states"] = cats.get("optimizer states", 0) // nproc
             if "gradients" in cats:
                 cats["gradients"] = cats["gradients"] // nproc
-            if phase in ("rollout", "old log-probs", "reference log-probs", "evaluation"):
+            if phase in GATHERED_PHASES:
                 cats["weights"] = shards + gathered * arch.params
-            elif phase in ("optimizer", "rewards"):  # (no policy forward runs while rewards are scored)
+            elif phase == "optimizer":
                 cats["weights"] = shards
             else:
                 cats["weights"] = shards + root + 2 * layer

@@ -50,7 +50,7 @@ def spec_record(spec):
     Python callable as 'module:qualname', which reloads when the callable is importable from there."""
     if isinstance(spec, dict):
         return {k: spec_record(v) if k == "name" else _json_or_repr(v) for k, v in spec.items()}
-    if looks_like_model(spec):  # a loaded reward model: where it was loaded from
+    if not isinstance(spec, str) and looks_like_model(spec):  # a loaded reward model: where it was loaded from
         return getattr(spec.config, "_name_or_path", None) or type(spec).__name__
     if callable(spec) and not isinstance(spec, str):
         fn = spec.func if isinstance(spec, functools.partial) else spec

@@ -15,6 +15,7 @@ dtype's rounding (tests/rewards/test_reward_model.py).
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,19 +143,28 @@ def last_token_index(input_ids: Tensor, pad_token_id: int) -> Tensor:
 
 def looks_like_model(spec, base_dir=None) -> bool:
     """Whether a reward_funcs entry names a reward model: a loaded model (an nn.Module with a config), a
-    folder (from the current folder or the recipe's) or a hub id 'org/name' (a string with no ':')."""
+    folder (from the current folder or the recipe's), a hub id 'org/name', or any other path (a string with
+    a path separator and no ':'; loading it names the folders looked at)."""
     if isinstance(spec, nn.Module):
         return hasattr(spec, "config")
     if not isinstance(spec, str) or ":" in spec:
         return False
-    return model_folder(spec, base_dir) is not None or bool(_HUB_ID.match(spec))
+    return model_folder(spec, base_dir) is not None or bool(_HUB_ID.match(spec)) or _is_path(spec)
+
+
+def _is_path(spec: str) -> bool:
+    return "/" in spec or os.sep in spec or spec.startswith("~")
+
+
+def _candidates(spec: str, base_dir=None) -> list[Path]:
+    """Where a folder named `spec` is looked for: as given if absolute, else the current folder, then the recipe's."""
+    path = Path(spec).expanduser()
+    return [path] if path.is_absolute() else [Path.cwd() / path] + ([Path(base_dir) / path] if base_dir else [])
 
 
 def model_folder(spec: str, base_dir=None) -> Optional[Path]:
     """The local folder a reward-model spec names (tried from the current folder, then the recipe's), else None."""
-    path = Path(spec).expanduser()
-    tried = [path] if path.is_absolute() else [Path.cwd() / path] + ([Path(base_dir) / path] if base_dir else [])
-    return next((p.resolve() for p in tried if (p / "config.json").is_file()), None)
+    return next((p.resolve() for p in _candidates(spec, base_dir) if (p / "config.json").is_file()), None)
 
 
 def load_reward_model(spec, tokenizer=None, *, base_dir=None, settings: Optional[ModelSettings] = None,
@@ -167,10 +177,16 @@ def load_reward_model(spec, tokenizer=None, *, base_dir=None, settings: Optional
     dtype, source = settings.dtype, spec
     if isinstance(spec, str):
         folder = model_folder(spec, base_dir)
+        if folder is None and not _HUB_ID.match(spec):
+            raise RewardError(f"{where}: no reward model folder {spec!r} (a folder with config.json; looked at "
+                              f"{', '.join(str(p) for p in _candidates(spec, base_dir))}). Give the folder of a "
+                              f"sequence-classification model, relative to the current folder or the recipe's, "
+                              f"or a hub id 'org/name'")
         source = str(folder) if folder is not None else spec
-        kwargs = {} if dtype == "auto" else {"dtype": getattr(torch, dtype)}
+        # "auto" said outright: transformers 4.x loads fp32 unless told, 5.x the checkpoint's dtype
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, **kwargs)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=1, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         except (OSError, ValueError) as e:
             raise RewardError(f"{where}: cannot load the reward model {spec!r} ({type(e).__name__}: {e}). Give the "
                               f"folder of a sequence-classification model (config.json and weights) or a hub id "

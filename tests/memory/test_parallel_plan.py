@@ -51,6 +51,22 @@ def test_fsdp_shards_states_and_weights_and_gathers_the_model_for_rollouts():
     assert four["phases"]["optimizer"] < two["phases"]["optimizer"]
 
 
+def test_fsdp_scores_rewards_with_the_gathered_model(tmp_path):
+    """The trainer scores rewards inside full_weights (Trainer.new_generation_batch): every unit is gathered
+    then, as in the rollout, so the rewards phase holds the shard and the whole model."""
+    from tests.rewards.tiny_reward_models import random_reward_model
+    folder, _ = random_reward_model(tmp_path)
+    cfg, arch, _ = _setup("precision=bf16_sr", "optimizer=adamw_8bit", f"rewards.reward_funcs=['{folder}']",
+                          "rewards.model_placement=stream")
+    one = plan(cfg, arch)
+    two = per_rank(one, cfg, arch, 2, "fsdp")
+    weights = 2 * arch.params  # bf16
+    rewards = two["phase_categories"]["rewards"]
+    assert rewards["weights"] == weights // 2 + weights  # the shard + the gathered model
+    assert rewards["reward buffers"] == one["phase_categories"]["rewards"]["reward buffers"] > 0
+    assert two["phases"]["rewards"] > two["phases"]["optimizer"]
+
+
 def test_plan_cli_per_rank_and_refusals(capsys):
     from lowmem_grpo.cli.plan import run
     assert run(None, "Qwen2.5-0.5B", "8GiB", ["optimizer=adamw_8bit", "per_device_train_batch_size=8"], False,

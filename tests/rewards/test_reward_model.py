@@ -173,6 +173,24 @@ def test_the_planner_counts_each_placement(random_rm):
         "host_categories"]["reward models"] == weights  # auto on the CPU: cpu
 
 
+def test_model_dtype_auto_loads_the_checkpoints_dtype_as_planned(tmp_path):
+    """model_dtype auto is the checkpoint's dtype on every supported transformers version (4.x loads fp32
+    unless told): a bf16 checkpoint loads in bf16, as the planner counts it; a dtype given wins."""
+    from transformers import AutoModelForSequenceClassification
+    from lowmem_grpo.memory.reward_plan import reward_archs
+    model, tok = random_reward_model(tmp_path / "fp32")
+    AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).to(torch.bfloat16).save_pretrained(
+        tmp_path / "bf16")
+    for dtype, want in (("auto", torch.bfloat16), ("float32", torch.float32), ("float16", torch.float16)):
+        rm = load_reward_model(str(tmp_path / "bf16"), str(tok), settings=ModelSettings(dtype=dtype))
+        assert {p.dtype for p in rm.model.parameters()} == {want}, dtype
+        cfg = load_config(None, ["name_or_path=m", f"rewards.reward_funcs=['{tmp_path / 'bf16'}']",
+                                 f"rewards.model_dtype={dtype}"], check=False)
+        assert reward_archs(cfg)[0].weight_bytes == want.itemsize, dtype
+    fp32 = load_reward_model(str(model), str(tok), settings=ModelSettings(dtype="auto"))
+    assert {p.dtype for p in fp32.model.parameters()} == {torch.float32}
+
+
 def test_auto_placement_goes_on_the_gpu_where_the_plan_fits(random_rm, monkeypatch):
     from lowmem_grpo.memory import fit
     from lowmem_grpo.memory.plan import Arch, margin_bytes, plan
