@@ -1,10 +1,8 @@
-// Fused CPU kernels for the offloaded optimizer's host step (loader, semantics and tests: host_adamw.py).
+// Fused CPU kernel for the offloaded optimizer's 8-bit host step (loader, semantics and tests: host_adamw.py).
 // adamw8bit_step: bitsandbytes' 8-bit blockwise AdamW, one pass over each 256-element block while it is in
 //   cache (dequantize, clip scale, Adam in fp32, weight fp32 or bf16 with stochastic rounding, re-quantize).
-// adamw_step: torch's fused CPU AdamW on fp32 masters, reading a bf16 or fp32 gradient, optionally writing
-//   the new master rounded to bf16 into an upload buffer in the same pass.
-// Plain C ABI (ctypes releases the GIL); threads: host_pool.cpp; the norm: host_grad_norm.cpp. Built with
-// -ffp-contract=off: fused multiply-adds are spelled out (std::fma) exactly where torch's kernels fuse.
+// fp32 AdamW: host_adamw_fp32.cpp. Plain C ABI (ctypes releases the GIL); threads: host_pool.cpp; the norm:
+// host_grad_norm.cpp. Built with -ffp-contract=off: multiply-adds are fused only where spelled out.
 // Operation order, memory traffic and where results may differ by an ulp: docs/memory-modes.md.
 
 #include <algorithm>
@@ -31,6 +29,16 @@ constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (el
 constexpr int64_t kSerialBlocks = 64;    // 8-bit step: tensors of up to this many blocks on the caller alone
 constexpr int64_t kChunkBlocks = 32;     // 8-bit step: blocks per work item (8192 elements)
 
+// The quantisation table (build_quantize_lut): bitsandbytes' 65536 codes, 4 bytes of padding (the AVX2
+// path's 32-bit gathers), then the same map as a threshold tree for the AVX-512 path, uint16 words:
+// levels 0-5 of the binary search at word 32 * level, level 6 at 192, level 7 at 256 (12 registers of 32
+// words), the base code at 384; then the code itself as four 256-byte planes, byte b of every code value in
+// plane b (kPlanesOffset: the AVX-512 VBMI path's dequantization by byte permutes).
+constexpr int64_t kSearchOffset = 65536 + 64;  // bytes
+constexpr int64_t kSearchBase = 384;           // words
+constexpr int64_t kPlanesOffset = kSearchOffset + 2 * (kSearchBase + 32);  // bytes
+constexpr int64_t kTableBytes = kPlanesOffset + 4 * 256;
+
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float load(const float* x, int64_t i) { return x[i]; }
@@ -55,13 +63,6 @@ inline void store(uint16_t* p, int64_t i, float x, int stochastic, uint32_t key0
   const uint32_t add = stochastic ? noise16(i, key0, key1) : 0x7fffU + ((bits >> 16) & 1U);
   const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
   p[i] = static_cast<uint16_t>(nan ? (bits | 0x00400000U) >> 16 : (bits + add) >> 16);
-}
-
-// fp32 -> bf16 bits, round to nearest even (NaN stays NaN), as store() without stochastic rounding.
-inline uint16_t bf16_nearest(float x) {
-  const uint32_t bits = float_to_bits(x);
-  const bool nan = (bits & 0x7fffffffU) > 0x7f800000U;
-  return static_cast<uint16_t>(nan ? (bits | 0x00400000U) >> 16 : (bits + 0x7fffU + ((bits >> 16) & 1U)) >> 16);
 }
 
 // |x| as bits, NaN as 0: integer order of non-negative floats is their float order. (bitsandbytes'
@@ -116,48 +117,6 @@ inline void quantize_scalar(int64_t from, int64_t to, const float* x, float inv,
   for (int64_t i = from; i < to; ++i) out[i] = lut_code(x[i] * inv, lut);
 }
 
-// torch's fused CPU AdamW on an fp32 master: its constants, rounded from doubles to fp32 as that kernel does
-// (host_adamw.py computes the doubles as torch does).
-struct AdamW32 {
-  float beta2, one_minus_beta2;
-  float lerp_coeff;            // exp_avg.lerp_(grad, w), w = 1 - beta1: w where |w| < 0.5, else w - 1
-  int lerp_from_m;             // |w| < 0.5: m + w (g - m); else g + (w - 1)(g - m) (torch's two lerp forms)
-  float correction2, eps;      // sqrt(1 - beta2^t), eps
-  float neg_step_size, decay;  // -lr / (1 - beta1^t), 1 - lr * wd
-  int decay_on;                // wd != 0
-  float grad_scale;            // the clip coefficient
-  int scale_on;                // grad_scale != 1
-  int simd;
-};
-
-inline float scaled(float g, const AdamW32& k, const float*) { return g * k.grad_scale; }
-// A bf16 gradient is scaled in fp32 and rounded back to bf16: what the in-place clip of the bf16 gradient
-// buffer (grad.mul_(coef), offload.py) leaves for the step to read.
-inline float scaled(float g, const AdamW32& k, const uint16_t*) {
-  return bits_to_float(static_cast<uint32_t>(bf16_nearest(g * k.grad_scale)) << 16);
-}
-
-// Elements [from, to): the update of torch's fused kernel, op for op (its vector loop: the lerp as one fma,
-// v * beta2 + (1 - beta2) * g * g contracted to one fma, correctly rounded sqrt and divisions).
-template <typename G>
-inline void adamw_scalar(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
-                         const AdamW32& k) {
-  for (int64_t i = from; i < to; ++i) {
-    float gi = load(g, i);
-    if (k.scale_on) gi = scaled(gi, k, g);
-    float pi = p[i];
-    if (k.decay_on) pi = pi * k.decay;                                                // decoupled weight decay
-    const float mi = std::fma(k.lerp_coeff, gi - m[i], k.lerp_from_m ? m[i] : gi);   // exp_avg.lerp_(grad, w)
-    const float vi = std::fma(k.one_minus_beta2 * gi, gi, v[i] * k.beta2);           // v * beta2 + (1 - beta2) g g
-    const float denom = std::sqrt(vi) / k.correction2 + k.eps;
-    pi = pi + k.neg_step_size * mi / denom;
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if (out != nullptr) out[i] = bf16_nearest(pi);  // after g[i] was read: out may be the gradient's buffer
-  }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The same arithmetic, 16 lanes at a time (gcc does not vectorise the table look-ups well by itself).
 constexpr int64_t kLanes = 16;
@@ -203,24 +162,53 @@ inline __m512i abs_bits16(__m512 x) {
   return _mm512_maskz_mov_epi32(_mm512_cmple_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), a);  // NaN -> 0
 }
 
+#if defined(__AVX512VBMI__)
+// qmap[c] of 64 codes by byte permutes (a 256-entry table as four 256-byte planes, build_quantize_lut): the
+// same bits as four gathers, which cost more than the rest of the step on Zen 4 and on Intel.
+struct BytePlanes {
+  __m512i plane[4][4];  // plane[b][r]: byte b of code values 64 r .. 64 r + 63
+
+  explicit BytePlanes(const uint8_t* lut) {
+    for (int b = 0; b < 4; ++b)
+      for (int r = 0; r < 4; ++r) plane[b][r] = _mm512_loadu_si512(lut + kPlanesOffset + 256 * b + 64 * r);
+  }
+
+  void values(const uint8_t* c, __m512 out[4]) const {  // out[r]: the values of codes c[16 r .. 16 r + 15]
+    // dwords transposed 4 x 4 so that the in-lane unpacks below leave the values in order
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i idx = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(c));
+    const __mmask64 upper = _mm512_movepi8_mask(idx);  // codes 128-255
+    __m512i byte[4];
+    for (int b = 0; b < 4; ++b)
+      byte[b] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(plane[b][0], idx, plane[b][1]),
+                                       _mm512_permutex2var_epi8(plane[b][2], idx, plane[b][3]));
+    const __m512i lo01 = _mm512_unpacklo_epi8(byte[0], byte[1]), hi01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(byte[2], byte[3]), hi23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23));
+  }
+};
+#endif
+
 template <typename P, typename G>
 inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const uint8_t* c1, const uint8_t* c2,
-                           float scale1, float scale2, const float* qmap1, const float* qmap2, const Adam& k,
-                           float* m, float* v, uint32_t& max1, uint32_t& max2) {
+                           float scale1, float scale2, [[maybe_unused]] const float* qmap1,
+                           [[maybe_unused]] const float* qmap2, [[maybe_unused]] const uint8_t* lut1,
+                           [[maybe_unused]] const uint8_t* lut2,
+                           const Adam& k, float* m, float* v, uint32_t& max1, uint32_t& max2) {
   const __m512 s1 = _mm512_set1_ps(scale1), s2 = _mm512_set1_ps(scale2), gs = _mm512_set1_ps(k.grad_scale);
   const __m512 b1 = _mm512_set1_ps(k.beta1), ob1 = _mm512_set1_ps(k.one_minus_beta1);
   const __m512 b2 = _mm512_set1_ps(k.beta2), ob2 = _mm512_set1_ps(k.one_minus_beta2);
   const __m512 c2v = _mm512_set1_ps(k.correction2), eps = _mm512_set1_ps(k.eps);
   const __m512 step = _mm512_set1_ps(k.step_size), decay = _mm512_set1_ps(k.decay);
   __m512i mx1 = _mm512_setzero_si512(), mx2 = _mm512_setzero_si512();
-  const int64_t end = len - len % kLanes;
-  for (int64_t i = 0; i < end; i += kLanes) {
+  const auto update = [&](int64_t i, __m512 code1, __m512 code2) {  // elements i .. i + 15, their code values
     const int64_t j = start + i;
     const __m512 gi = _mm512_mul_ps(load16(g + j), gs);
-    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + i)));
-    const __m512i i2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c2 + i)));
-    __m512 mi = _mm512_mul_ps(_mm512_i32gather_ps(i1, qmap1, 4), s1);
-    __m512 vi = _mm512_mul_ps(_mm512_i32gather_ps(i2, qmap2, 4), s2);
+    __m512 mi = _mm512_mul_ps(code1, s1);
+    __m512 vi = _mm512_mul_ps(code2, s2);
     mi = _mm512_fmadd_ps(gi, ob1, _mm512_mul_ps(mi, b1));
     vi = _mm512_fmadd_ps(_mm512_mul_ps(ob2, gi), gi, _mm512_mul_ps(vi, b2));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c2v), eps);
@@ -232,62 +220,80 @@ inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const u
     _mm512_storeu_ps(v + i, vi);
     mx1 = _mm512_max_epu32(mx1, abs_bits16(mi));
     mx2 = _mm512_max_epu32(mx2, abs_bits16(vi));
+  };
+  const int64_t end = len - len % kLanes;
+#if defined(__AVX512VBMI__)
+  const BytePlanes map1(lut1), map2(lut2);
+  for (int64_t i = 0; i < end; i += 4 * kLanes) {
+    __m512 code1[4], code2[4];
+    if (i + 4 * kLanes <= len) {
+      map1.values(c1 + i, code1);
+      map2.values(c2 + i, code2);
+    } else {  // under 64 codes left: their values from zero-padded copies
+      alignas(64) uint8_t pad1[4 * kLanes] = {}, pad2[4 * kLanes] = {};
+      std::memcpy(pad1, c1 + i, len - i);
+      std::memcpy(pad2, c2 + i, len - i);
+      map1.values(pad1, code1);
+      map2.values(pad2, code2);
+    }
+    for (int r = 0; r < 4 && i + r * kLanes < end; ++r) update(i + r * kLanes, code1[r], code2[r]);
   }
+#else
+  for (int64_t i = 0; i < end; i += kLanes) {
+    const __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c1 + i)));
+    const __m512i i2 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c2 + i)));
+    update(i, _mm512_i32gather_ps(i1, qmap1, 4), _mm512_i32gather_ps(i2, qmap2, 4));
+  }
+#endif
   max1 = std::max(max1, static_cast<uint32_t>(_mm512_reduce_max_epu32(mx1)));
   max2 = std::max(max2, static_cast<uint32_t>(_mm512_reduce_max_epu32(mx2)));
   return end;
 }
 
-inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
-  const __m512 iv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
-  const __m512 half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(65535.0f);
-  const int64_t end = len - len % kLanes;
-  for (int64_t i = 0; i < end; i += kLanes) {
-    __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
-    t = _mm512_min_ps(_mm512_max_ps(t, minus_one), one);  // max_ps(NaN, -1) = -1, as in the scalar path
-    t = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(t, one), half), top), half);
-    const __m512i q = _mm512_i32gather_epi32(_mm512_cvttps_epi32(t), lut, 1);  // 4 bytes from each entry
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(q));  // keep the low byte
-  }
-  return end;
-}
-inline __m512i bf16_nearest16(__m512 x) {  // bf16_nearest of 16 lanes: the bf16 bits in each 32-bit lane
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i out = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
-  out = _mm512_mask_mov_epi32(out, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
-  return _mm512_srli_epi32(out, 16);
-}
-inline __m512 scaled16(__m512 g, __m512 s, const float*) { return _mm512_mul_ps(g, s); }
-inline __m512 scaled16(__m512 g, __m512 s, const uint16_t*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_nearest16(_mm512_mul_ps(g, s)), 16));
+inline __m512i grid_index16(const float* x, __m512 iv) {
+  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
+  __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x), iv);
+  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-1.0f)), one);  // max_ps(NaN, -1) = -1, as in lut_code
+  t = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(t, one), half), _mm512_set1_ps(65535.0f)), half);
+  return _mm512_cvttps_epi32(t);  // in [0, 65535]
 }
 
-template <typename G>
-inline int64_t adamw_vector(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
-                            const AdamW32& k) {
-  const __m512 scale = _mm512_set1_ps(k.grad_scale), decay = _mm512_set1_ps(k.decay);
-  const __m512 coeff = _mm512_set1_ps(k.lerp_coeff), b2 = _mm512_set1_ps(k.beta2);
-  const __m512 ob2 = _mm512_set1_ps(k.one_minus_beta2), c2 = _mm512_set1_ps(k.correction2);
-  const __m512 eps = _mm512_set1_ps(k.eps), step = _mm512_set1_ps(k.neg_step_size);
-  const int64_t end = from + (to - from) / kLanes * kLanes;
-  for (int64_t i = from; i < end; i += kLanes) {
-    __m512 gi = load16(g + i);
-    if (k.scale_on) gi = scaled16(gi, scale, g);
-    __m512 pi = _mm512_loadu_ps(p + i);
-    if (k.decay_on) pi = _mm512_mul_ps(pi, decay);
-    const __m512 m0 = _mm512_loadu_ps(m + i);
-    const __m512 mi = _mm512_fmadd_ps(coeff, _mm512_sub_ps(gi, m0), k.lerp_from_m ? m0 : gi);
-    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(ob2, gi), gi, _mm512_mul_ps(_mm512_loadu_ps(v + i), b2));
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), c2), eps);
-    pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(step, mi), denom));
-    _mm512_storeu_ps(p + i, pi);
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
-    if (out != nullptr)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bf16_nearest16(pi)));
+// build_quantize_lut's threshold tree in registers: lut[t] of 32 grid indices t at a time without touching
+// the 64 KiB table (8 compares against thresholds picked by permutes, a binary search).
+struct SearchTree {
+  __m512i level[12];  // levels 0-5 one register each, level 6 two, level 7 four
+  __m512i base;
+
+  explicit SearchTree(const uint8_t* lut) {
+    const auto words = reinterpret_cast<const uint16_t*>(lut + kSearchOffset);
+    for (int r = 0; r < 12; ++r) level[r] = _mm512_loadu_si512(words + 32 * r);
+    base = _mm512_set1_epi16(static_cast<int16_t>(words[kSearchBase]));
+  }
+
+  __m256i codes(__m512i t) const {  // t: 32 grid indices in 16-bit lanes; the codes as bytes
+    const __m512i one = _mm512_set1_epi16(1);
+    __m512i j = _mm512_setzero_si512();
+    const auto descend = [&](__m512i threshold) {  // j = 2 j + (t > threshold)
+      j = _mm512_add_epi16(j, j);
+      j = _mm512_mask_add_epi16(j, _mm512_cmpgt_epu16_mask(t, threshold), j, one);
+    };
+    for (int r = 0; r < 6; ++r) descend(_mm512_permutexvar_epi16(j, level[r]));
+    descend(_mm512_permutex2var_epi16(level[6], j, level[7]));
+    const __m512i low = _mm512_permutex2var_epi16(level[8], j, level[9]);
+    const __m512i high = _mm512_permutex2var_epi16(level[10], j, level[11]);
+    descend(_mm512_mask_blend_epi16(_mm512_test_epi16_mask(j, _mm512_set1_epi16(64)), low, high));
+    return _mm512_cvtepi16_epi8(_mm512_add_epi16(j, base));
+  }
+};
+
+inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uint8_t* lut, uint8_t* out) {
+  const __m512 iv = _mm512_set1_ps(inv);
+  const SearchTree tree(lut);
+  const int64_t end = len - len % (2 * kLanes);
+  for (int64_t i = 0; i < end; i += 2 * kLanes) {
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(grid_index16(x + i, iv))),
+                                         _mm512_cvtepi32_epi16(grid_index16(x + i + kLanes, iv)), 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), tree.codes(t));
   }
   return end;
 }
@@ -348,8 +354,8 @@ inline uint32_t reduce_max8(__m256i x) {
 
 template <typename P, typename G>
 inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const uint8_t* c1, const uint8_t* c2,
-                           float scale1, float scale2, const float* qmap1, const float* qmap2, const Adam& k,
-                           float* m, float* v, uint32_t& max1, uint32_t& max2) {
+                           float scale1, float scale2, const float* qmap1, const float* qmap2, const uint8_t*,
+                           const uint8_t*, const Adam& k, float* m, float* v, uint32_t& max1, uint32_t& max2) {
   const __m256 s1 = _mm256_set1_ps(scale1), s2 = _mm256_set1_ps(scale2), gs = _mm256_set1_ps(k.grad_scale);
   const __m256 b1 = _mm256_set1_ps(k.beta1), ob1 = _mm256_set1_ps(k.one_minus_beta1);
   const __m256 b2 = _mm256_set1_ps(k.beta2), ob2 = _mm256_set1_ps(k.one_minus_beta2);
@@ -399,60 +405,14 @@ inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uin
   }
   return end;
 }
-inline __m256i bf16_nearest8(__m256 x) {  // bf16_nearest of 8 lanes: the bf16 bits in each 32-bit lane
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i out = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-  const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
-  out = _mm256_blendv_epi8(out, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)), nan);
-  return _mm256_srli_epi32(out, 16);
-}
-inline __m256 scaled8(__m256 g, __m256 s, const float*) { return _mm256_mul_ps(g, s); }
-inline __m256 scaled8(__m256 g, __m256 s, const uint16_t*) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_nearest8(_mm256_mul_ps(g, s)), 16));
-}
-
-template <typename G>
-inline int64_t adamw_vector(int64_t from, int64_t to, float* p, const G* g, float* m, float* v, uint16_t* out,
-                            const AdamW32& k) {
-  const __m256 scale = _mm256_set1_ps(k.grad_scale), decay = _mm256_set1_ps(k.decay);
-  const __m256 coeff = _mm256_set1_ps(k.lerp_coeff), b2 = _mm256_set1_ps(k.beta2);
-  const __m256 ob2 = _mm256_set1_ps(k.one_minus_beta2), c2 = _mm256_set1_ps(k.correction2);
-  const __m256 eps = _mm256_set1_ps(k.eps), step = _mm256_set1_ps(k.neg_step_size);
-  const int64_t end = from + (to - from) / kLanes * kLanes;
-  for (int64_t i = from; i < end; i += kLanes) {
-    __m256 gi = load8(g + i);
-    if (k.scale_on) gi = scaled8(gi, scale, g);
-    __m256 pi = _mm256_loadu_ps(p + i);
-    if (k.decay_on) pi = _mm256_mul_ps(pi, decay);
-    const __m256 m0 = _mm256_loadu_ps(m + i);
-    const __m256 mi = _mm256_fmadd_ps(coeff, _mm256_sub_ps(gi, m0), k.lerp_from_m ? m0 : gi);
-    const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(ob2, gi), gi, _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c2), eps);
-    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(step, mi), denom));
-    _mm256_storeu_ps(p + i, pi);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-    if (out != nullptr) {
-      const __m256i h = bf16_nearest8(pi);
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // 8 x u16, low half
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
-    }
-  }
-  return end;
-}
 #else
 template <typename P, typename G>
 inline int64_t adam_vector(int64_t, int64_t, P*, const G*, const uint8_t*, const uint8_t*, float, float,
-                           const float*, const float*, const Adam&, float*, float*, uint32_t&, uint32_t&) {
+                           const float*, const float*, const uint8_t*, const uint8_t*, const Adam&, float*, float*,
+                           uint32_t&, uint32_t&) {
   return 0;  // neither AVX-512 nor AVX2: the scalar loop (vectorised by the compiler as it can) does it all
 }
 inline int64_t quantize_vector(int64_t, const float*, float, const uint8_t*, uint8_t*) { return 0; }
-template <typename G>
-inline int64_t adamw_vector(int64_t from, int64_t, float*, const G*, float*, float*, uint16_t*, const AdamW32&) {
-  return from;
-}
 #endif
 
 // bitsandbytes' quantize_blockwise for one block of `len` fp32 values whose largest |x| (NaN ignored) has the
@@ -483,7 +443,7 @@ void adam8bit_block(int64_t block, int64_t n, P* p, const G* g, uint8_t* s1, uin
   uint8_t* c2 = s2 + start;
   uint32_t max1 = 0, max2 = 0;
   const int64_t done =
-      k.simd ? adam_vector(start, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2) : 0;
+      k.simd ? adam_vector(start, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, lut1, lut2, k, m, v, max1, max2) : 0;
   adam_scalar(start, done, len, p, g, c1, c2, scale1, scale2, qmap1, qmap2, k, m, v, max1, max2);
   absmax1[block] = quantize_block(len, m, max1, lut1, c1, k.simd);
   absmax2[block] = quantize_block(len, v, max2, lut2, c2, k.simd);
@@ -502,25 +462,13 @@ void adam8bit(int64_t n, P* p, const G* g, uint8_t* s1, uint8_t* s2, float* absm
   });
 }
 
-constexpr int64_t kAdamWChunk = 1 << 14;  // elements per work item (64 KiB of each fp32 stream)
-
-// Chunks are whole vectors, so only the tensor's last n % lanes elements take the scalar loop (as in torch).
-template <typename G>
-void adamw32(int64_t n, float* p, const G* g, float* m, float* v, uint16_t* out, const AdamW32& k, int threads) {
-  parallel_for((n + kAdamWChunk - 1) / kAdamWChunk, threads, [&](int64_t c) {
-    const int64_t from = c * kAdamWChunk, to = std::min(n, from + kAdamWChunk);
-    const int64_t done = k.simd ? adamw_vector(from, to, p, g, m, v, out, k) : from;
-    adamw_scalar(done, to, p, g, m, v, out, k);
-  });
-}
-
 }  // namespace
 
 extern "C" {
 
 // Builds bitsandbytes' CPU quantisation table for a sorted 256-entry code (its build_quantize_lut):
-// entry i is the code nearest to -1 + 2i / 65535, the lower one on a tie.
-// `lut` holds 65536 + 4 bytes: the vector path reads 4 bytes at an entry (a 32-bit gather) and keeps one.
+// entry i is the code nearest to -1 + 2i / 65535, the lower one on a tie. `lut` holds table_bytes():
+// those 65536 codes, padding, and the threshold tree that computes the same codes by search (kSearchOffset).
 void build_quantize_lut(const float* code, uint8_t* lut) {
   float midpoints[255];
   for (int i = 0; i < 255; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
@@ -530,8 +478,32 @@ void build_quantize_lut(const float* code, uint8_t* lut) {
     while (idx < 255 && midpoints[idx] < val) ++idx;
     lut[i] = static_cast<uint8_t>(idx);
   }
-  std::memset(lut + 65536, 0, 4);
+  std::memset(lut + 65536, 0, kTableBytes - 65536);
+  // lut is non-decreasing, so lut[t] = base + #{k : t > after[k]}, base = lut[0], after[k] the last t whose
+  // code is at most base + k (65535 where no t has a larger code: never passed).
+  const int base = lut[0];
+  uint16_t after[255];
+  for (int k = 0, t = 0; k < 255; ++k) {
+    while (t < 65536 && lut[t] <= base + k) ++t;
+    after[k] = static_cast<uint16_t>(t - 1);  // t >= 1: lut[0] = base
+  }
+  uint16_t tree[kSearchBase + 1];
+  std::memset(tree, 0, sizeof(tree));
+  for (int level = 0; level < 8; ++level) {  // node j of a level: the middle of its range of `after`
+    const int at = level < 6 ? 32 * level : level == 6 ? 192 : 256;
+    for (int j = 0; j < (1 << level); ++j) tree[at + j] = after[((2 * j + 1) << (7 - level)) - 1];
+  }
+  tree[kSearchBase] = static_cast<uint16_t>(base);
+  std::memcpy(lut + kSearchOffset, tree, sizeof(tree));
+  for (int i = 0; i < 256; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, code + i, 4);
+    for (int b = 0; b < 4; ++b) lut[kPlanesOffset + 256 * b + i] = static_cast<uint8_t>(bits >> (8 * b));
+  }
 }
+
+// Bytes of the table build_quantize_lut fills.
+int64_t quantize_table_bytes() { return kTableBytes; }
 
 // bitsandbytes' quantize_blockwise (fp32 input, 256-element blocks) with this file's quantizer: what the
 // optimizer step does to its states, exposed for the tests to compare with bitsandbytes' own.
@@ -544,7 +516,8 @@ void quantize_blockwise(int64_t n, const float* x, const uint8_t* lut, uint8_t* 
   }
 }
 
-// p_kind / g_kind: 0 = fp32, 1 = bf16. Returns 0, or -1 for a dtype pair it does not handle.
+// p_kind / g_kind: 0 = fp32, 1 = bf16; lut1 / lut2: build_quantize_lut of qmap1 / qmap2. Returns 0, or -1 for a
+// dtype pair it does not handle.
 int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, uint8_t* s1, uint8_t* s2,
                    float* absmax1, float* absmax2, const float* qmap1, const float* qmap2, const uint8_t* lut1,
                    const uint8_t* lut2, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2,
@@ -561,21 +534,6 @@ int adamw8bit_step(int64_t n, void* p, int p_kind, const void* g, int g_kind, ui
   else if (pair == 1) adam8bit(n, pf, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
   else if (pair == 2) adam8bit(n, ph, gf, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
   else if (pair == 3) adam8bit(n, ph, gh, s1, s2, absmax1, absmax2, qmap1, qmap2, lut1, lut2, k, threads);
-  else return -1;
-  return 0;
-}
-
-// torch's fused CPU AdamW step on fp32 weights `p` with fp32 states m, v; g_kind: 0 = fp32, 1 = bf16 gradient;
-// `out`: a bf16 buffer for the new weights rounded to nearest even (may be the gradient's own buffer), or null.
-// Returns 0, or -1 for a gradient dtype it does not handle.
-int adamw_step(int64_t n, float* p, const void* g, int g_kind, float* m, float* v, uint16_t* out, float beta2,
-               float one_minus_beta2, float lerp_weight, float correction2, float eps, float neg_step_size,
-               float decay, int decay_on, float grad_scale, int simd, int threads) {
-  const bool small = std::fabs(lerp_weight) < 0.5f;  // torch's lerp: the form that is exact at its end
-  const AdamW32 k{beta2, one_minus_beta2, small ? lerp_weight : lerp_weight - 1.0f, small, correction2, eps,
-                  neg_step_size, decay, decay_on, grad_scale, grad_scale != 1.0f, simd};
-  if (g_kind == 0) adamw32(n, p, static_cast<const float*>(g), m, v, out, k, threads);
-  else if (g_kind == 1) adamw32(n, p, static_cast<const uint16_t*>(g), m, v, out, k, threads);
   else return -1;
   return 0;
 }

@@ -1,5 +1,5 @@
 """Fused CPU kernels for the offloaded optimizer's host step, loaded with ctypes (sources: host_adamw.cpp,
-host_grad_norm.cpp, host_pool.cpp; compiled on first use by torch.utils.cpp_extension).
+host_adamw_fp32.cpp, host_grad_norm.cpp, host_pool.cpp; compiled on first use by torch.utils.cpp_extension).
 
 `host_adamw8bit_class()`: bitsandbytes' AdamW8bit (via sr_adamw.py) whose CPU tensors with 8-bit states step
 in one pass per 256-element block; states equal bitsandbytes' bitwise, state_dicts load either way.
@@ -29,7 +29,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("host_grad_norm.cpp"), SOURCE.with_name("host_pool.cpp")]  # kernels; threads
+SOURCES = [SOURCE, SOURCE.with_name("host_adamw_fp32.cpp"), SOURCE.with_name("host_grad_norm.cpp"),
+           SOURCE.with_name("host_pool.cpp")]  # kernels; threads
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI
@@ -81,6 +82,8 @@ def _build(march: str = "native") -> ctypes.CDLL:
     p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
     lib.build_quantize_lut.argtypes = [p, p]
     lib.build_quantize_lut.restype = None
+    lib.quantize_table_bytes.argtypes = []
+    lib.quantize_table_bytes.restype = i64
     lib.adamw8bit_step.argtypes = [i64, p, i32, p, i32, p, p, p, p, p, p, p, p,  # sizes and data pointers
                                    f32, f32, f32, f32, f32, f32, f32, f32, i32, f32,  # Adam constants
                                    i32, u32, u32, i32, i32]  # rounding, seed, SIMD, threads
@@ -166,13 +169,13 @@ def kernel_status(require: bool = False) -> KernelStatus:
 
 
 def _lut(qmap: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' CPU quantisation table for a 256-entry code (65536 codes + 4 bytes of padding for the
-    kernel's 32-bit gathers), built once per code."""
+    """bitsandbytes' CPU quantisation table for a 256-entry code (65536 codes) and the forms of the code the
+    kernel's vector loops read (host_adamw.cpp, build_quantize_lut), built once per code."""
     key = qmap.detach().float().cpu().contiguous().numpy().tobytes()
     table = _luts.get(key)
     if table is None:
         code = torch.frombuffer(bytearray(key), dtype=torch.float32)
-        table = torch.empty(65536 + 4, dtype=torch.uint8)
+        table = torch.empty(library().quantize_table_bytes(), dtype=torch.uint8)
         library().build_quantize_lut(code.data_ptr(), table.data_ptr())
         _luts[key] = table
     return table

@@ -36,7 +36,9 @@ def cpu_flags() -> set[str]:
 
 
 # The kernel's code paths besides the native build: -march, the lanes its loops take, the CPU flags it needs.
-BUILDS = {"avx2": ("x86-64-v3", 8, {"avx2", "fma", "bmi2"}), "baseline": ("x86-64", 1, set())}
+# "avx512": AVX-512 without VBMI (Skylake-X): the 8-bit step dequantizes by gathers, not byte permutes.
+BUILDS = {"avx512": ("x86-64-v4", 16, {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+          "avx2": ("x86-64-v3", 8, {"avx2", "fma", "bmi2"}), "baseline": ("x86-64", 1, set())}
 _built: dict[str, object] = {}
 
 
@@ -55,11 +57,12 @@ def build_for(level: str):
     return lib
 
 
-@pytest.fixture(params=["native", "avx2", "baseline", "scalar"])
+@pytest.fixture(params=["native", "avx512", "avx2", "baseline", "scalar"])
 def simd(request, monkeypatch, kernel):
     """The kernel's code paths: the native build (this CPU's: AVX-512 loops where it has them, AVX2 on most
-    desktop CPUs), the AVX2 loops (built for -march=x86-64-v3), the scalar loops compiled without AVX
-    (-march=x86-64: what a CPU without AVX2 or an ARM CPU runs), and the native build's scalar loops."""
+    desktop CPUs), the AVX-512 loops without VBMI (-march=x86-64-v4), the AVX2 loops (-march=x86-64-v3),
+    the scalar loops compiled without AVX (-march=x86-64: what a CPU without AVX2 or an ARM CPU runs), and
+    the native build's scalar loops."""
     if request.param in BUILDS:
         monkeypatch.setattr(host_adamw, "_library", build_for(request.param))
     monkeypatch.setattr(host_adamw, "SIMD", request.param != "scalar")

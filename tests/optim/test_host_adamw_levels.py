@@ -1,7 +1,8 @@
-"""The host kernel's code paths compute the same bits (optim/host_adamw.py): AVX-512 loops, AVX2 loops,
-scalar loops compiled without AVX, and the native build's scalar loops, on every entry point: the 8-bit AdamW
-step (each weight and gradient dtype, stochastic and nearest rounding, a gradient scale), the fp32 AdamW step
-with its rounded copy, the quantizer and the gradient's sum of squares. So a run's numbers do not depend on
+"""The host kernel's code paths compute the same bits (optim/host_adamw.py): AVX-512 loops (with VBMI where
+the CPU has it, and without), AVX2 loops, scalar loops compiled without AVX, and the native build's scalar
+loops, on every entry point: the 8-bit AdamW step (each weight and gradient dtype, stochastic and nearest
+rounding, a gradient scale), the fp32 AdamW step with its rounded copy, the quantizer and the gradient's sum
+of squares. So a run's numbers do not depend on
 which instruction set the CPU has (the tests against bitsandbytes and torch run on each path as well:
 conftest.py `simd`)."""
 
@@ -15,7 +16,7 @@ from tests.optim.conftest import build_for, cpu_flags
 
 bnb = pytest.importorskip("bitsandbytes")
 
-LEVELS = ["native", "avx2", "baseline", "scalar"]
+LEVELS = ["native", "avx512", "avx2", "baseline", "scalar"]
 
 
 def eight_bit_state(n: int) -> dict:
@@ -68,7 +69,7 @@ def _outputs(n: int) -> dict[str, list[torch.Tensor]]:
 def test_every_code_path_computes_the_same_bits(kernel, monkeypatch, n):
     results = {}
     for level in LEVELS:
-        library = build_for(level) if level in ("avx2", "baseline") else kernel
+        library = build_for(level) if level in ("avx512", "avx2", "baseline") else kernel
         monkeypatch.setattr(host_adamw, "_library", library)
         monkeypatch.setattr(host_adamw, "SIMD", level != "scalar")
         results[level] = _outputs(n)
