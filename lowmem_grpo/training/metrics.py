@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from .output_dir import cannot_write
 from .trackers import close_trackers, open_trackers, scalars
 
 
@@ -134,17 +135,23 @@ class RunLog:
                 _truncate_after(self.dir / name, resume_step)
         self.trackers = open_trackers(report_to, self.dir, run_name, project, config)
 
+    def _append(self, name: str, text: str) -> None:
+        """Append to output_dir/name; a full disk or an unwritable folder is an OutputDirError naming the fix."""
+        try:
+            with open(self.dir / name, "a") as f:
+                f.write(text)
+        except OSError as e:
+            raise cannot_write(self.dir, name, e) from None
+
     def metrics(self, step: int, values: dict) -> None:
         row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        self._append("metrics.jsonl", json.dumps(row) + "\n")
         for tracker in self.trackers:
             tracker.log(step, scalars(row))
 
     def completions(self, step: int, samples: list[dict]) -> None:
-        with open(self.dir / "completions.jsonl", "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n")
+        self._append("completions.jsonl", "".join(
+            json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n" for s in samples))
 
     def close(self) -> None:
         close_trackers(self.trackers)
