@@ -110,7 +110,9 @@ class Trainer:
     def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True, *,
                  model=None, tokenizer=None, reward_funcs: Optional[list] = None, train_data=None, eval_data=None,
                  callbacks: Optional[list] = None, reward_processing_classes: Optional[list] = None):
-        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only).
+        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only). Training
+        first claims output_dir (output_dir.py: OutputDirError for another run's folder, a live run's, or one
+        it cannot write) and verifies resume_from's checkpoint, before anything loads.
 
         From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
         tokenizer, reward functions (callables and loaded reward models mixed with what a recipe names) and
