@@ -167,10 +167,11 @@ def _main(argv=None) -> int:
     # heavy imports (torch, transformers) only when needed
     from ..policy.model import ModelError
     from ..rewards import RewardError
+    from ..training.checkpoint import CheckpointError
     from ..training.data import DataError
     from ..training.distributed import PeerFailure
     from ..training.trainer import TrainingStopped
-    user_errors = (ConfigError, DataError, ModelError, RewardError, FileNotFoundError, ImportError)
+    user_errors = (ConfigError, DataError, ModelError, RewardError, CheckpointError, FileNotFoundError, ImportError)
     try:
         args.recipe = resolve_recipe(args.recipe)
         if args.command in ("eval", "profile") and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -22,11 +22,17 @@ from ..memory.profile import device_equivalent, format_bytes, format_table, plot
 
 def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Optional[str]) -> int:
     """Profile `cfg` (the recipe loaded with `overrides`, as the command line gave them)."""
+    from ..training.checkpoint import resolve_resume
     from ..training.trainer import Trainer  # torch/transformers only when profiling
     if steps < 1:
         raise ConfigError(f"--steps {steps}: profile at least one step")
     out = Path(out_dir or Path(cfg.output.output_dir) / "profile")
     out.mkdir(parents=True, exist_ok=True)
+    # The profiled trainer writes no run files: it owns the profile folder, not output_dir, which may hold a
+    # run (a resume_from=latest there still names that run's newest checkpoint).
+    if cfg.output.resume_from == "latest":
+        cfg.output.resume_from = str(resolve_resume("latest", cfg.output.output_dir))
+    cfg.output.output_dir = str(out)
     trainer = Trainer(cfg, recipe_dir=Path(recipe).resolve().parent)
     snapshot = str(out / "cuda_snapshot.pickle") if trainer.device.type == "cuda" else None
     print(f"[lowmem-grpo] profiling {steps} step(s) of {recipe} on {trainer.device}")

@@ -354,6 +354,9 @@ class OutputConfig:
                               check=NON_NEGATIVE)
     save_total_limit: int = setting(2, "Keep the last K checkpoints.", check=POSITIVE)
     resume_from: Optional[str] = setting(None, "Continue from a checkpoint folder, or 'latest' in output_dir.")
+    overwrite_output_dir: bool = setting(False, "Start over in an output_dir that holds another run: DELETES that "
+                                                "run's checkpoints and logs (each is logged). Without it such a "
+                                                "folder is refused, unless resume_from continues it.")
     report_to: Optional[Union[str, list]] = setting("none", "Where metrics also go (TRL/transformers semantics): none "
                                                             "| tensorboard | wandb | trackio | all (every one of those "
                                                             "installed), or a list, e.g. [tensorboard, wandb]. wandb "

@@ -84,6 +84,66 @@ def check_local_folder(path: str, key: str) -> str:
     return str(folder)
 
 
+def hub_reachable(timeout_s: float = 5.0) -> bool:
+    """Whether the Hugging Face hub ($HF_ENDPOINT) answers within `timeout_s` (any HTTP status counts);
+    urllib honours the proxy variables, as the hub client does."""
+    import urllib.error
+    import urllib.request
+    from huggingface_hub import constants
+    try:
+        urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):  # URLError, timeouts and refused connections are OSErrors
+        return False
+    return True
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.HF_HUB_OFFLINE or any(f.upper() in ("1", "ON", "YES", "TRUE") for f in flags)
+
+
+def check_hub_model(repo_id: str, key: str = "model.name_or_path") -> None:
+    """A hub id not in the local cache needs the hub: ModelError at once when offline (HF_HUB_OFFLINE) or
+    when the hub does not answer, instead of transformers' retries (about a minute) and traceback."""
+    from huggingface_hub import try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    why = "HF_HUB_OFFLINE is set" if _offline() else None if hub_reachable() else "no answer from the hub"
+    if why:
+        raise ModelError(f"model {repo_id} ({key}) is not in the local cache and the hub cannot be reached ({why}): "
+                         f"connect this machine (or unset HF_HUB_OFFLINE), copy the model into the cache "
+                         f"(`hf download {repo_id}` on a connected machine), or give a local model folder")
+
+
+def check_model_source(path: str, gguf: Optional[str]) -> str:
+    """model.name_or_path checked before anything loads; returns it (~ expanded). ModelError names the fix
+    for a .gguf file given as the path, a missing one, a file or folder that is not a model, and a hub id
+    that is neither cached nor reachable."""
+    given = Path(os.path.expanduser(path))
+    if path.lower().endswith(".gguf") and not gguf:
+        if given.is_file():
+            raise ModelError(f"model.name_or_path={path} is a GGUF file: give its folder and its name, "
+                             f"model.name_or_path={given.parent} model.gguf_file={given.name}")
+        raise ModelError(f"no such GGUF file: {path}; a GGUF model is given as its folder and file name, "
+                         "model.name_or_path=FOLDER model.gguf_file=NAME.gguf")
+    path = check_local_folder(path, "model.name_or_path")
+    folder = Path(path)
+    if folder.is_file():
+        raise ModelError(f"model.name_or_path={path} is a file, not a model folder: give the folder that holds "
+                         "config.json and the weights (a .gguf file: its folder and model.gguf_file=NAME.gguf)")
+    if folder.is_dir() and not gguf and not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        fix = (f"for its GGUF file set model.gguf_file={ggufs[0]}" if ggufs else "give a save_pretrained folder "
+               "(config.json and weights, e.g. OUTPUT_DIR/checkpoint-N) or a hub id")
+        raise ModelError(f"model.name_or_path={path} is not a model folder (it has no config.json): {fix}")
+    if not folder.exists() and not gguf:
+        check_hub_model(path)
+    return path
+
+
 def resolve_source(cfg: ModelConfig) -> tuple[str, Optional[str]]:
     """(path or hub id, gguf file name or None) that transformers can load."""
     path, gguf = cfg.name_or_path, cfg.gguf_file
@@ -92,14 +152,15 @@ def resolve_source(cfg: ModelConfig) -> tuple[str, Optional[str]]:
         if file_name.endswith(".gguf"):
             gguf = file_name
     else:
-        path = check_local_folder(path, "model.name_or_path")
+        path = check_model_source(path, gguf)
     return path, gguf
 
 
 def _gguf_cache_dir(cfg: ModelConfig, folder: str, gguf: str) -> Path:
     f = Path(folder) / gguf
     if not f.is_file():
-        raise ModelError(f"GGUF file {str(f)!r} not found")
+        raise ModelError(f"no such GGUF file: {f} (model.gguf_file={gguf} in model.name_or_path={folder}): "
+                         "model.gguf_file names a .gguf file inside the model.name_or_path folder")
     st = f.stat()
     key = hashlib.sha256(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return Path(os.path.expanduser(cfg.cache_dir)) / "models" / f"{f.stem}-{key}"

@@ -19,7 +19,7 @@ from typing import Callable
 
 from .base import RewardError, RewardFunction
 from .builtins import BUILTINS
-from .model import ModelSettings, load_reward_model, looks_like_model
+from .model import ModelSettings, load_reward_model, looks_like_model, missing_folder_error
 
 
 def load_reward_functions(specs: list, weights: list | None = None, base_dir: str | Path | None = None,
@@ -117,12 +117,14 @@ def _load_one(spec, base_dir, where: str, models: ModelSettings, tokenizer) -> t
     if ":" in spec:
         fn = _load_user_function(spec, base_dir, where)
         return label or getattr(fn, "__name__", spec), functools.partial(fn, **kwargs) if kwargs else fn
-    return label or spec, _build_builtin(spec, kwargs, where)
+    return label or spec, _build_builtin(spec, kwargs, where, base_dir)
 
 
-def _build_builtin(name: str, kwargs: dict, where: str) -> Callable:
+def _build_builtin(name: str, kwargs: dict, where: str, base_dir=None) -> Callable:
 
     if name not in BUILTINS:
+        if (missing := missing_folder_error(name, base_dir, where)) is not None:
+            raise missing
         close = difflib.get_close_matches(name, list(BUILTINS), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise RewardError(f"{where}: unknown built-in reward '{name}'.{hint} Built-ins: {', '.join(BUILTINS)}. "

@@ -167,6 +167,21 @@ def model_folder(spec: str, base_dir=None) -> Optional[Path]:
     return next((p.resolve() for p in _candidates(spec, base_dir) if (p / "config.json").is_file()), None)
 
 
+def missing_folder_error(spec: str, base_dir, where: str) -> Optional[RewardError]:
+    """For a spec that names a folder (one that exists, or one that can only be a path: it starts with / ./ ../
+    or ~, or has two slashes) but holds no model: the error that says so and where it looked; else None."""
+    path = Path(spec).expanduser()
+    tried = [path] if path.is_absolute() else [Path.cwd() / path] + ([Path(base_dir) / path] if base_dir else [])
+    found = next((p for p in tried if p.is_dir()), None)
+    path_only = spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or "\\" in spec
+    if found is None and not path_only:
+        return None
+    what = (f"{found} has no config.json, so it is not a reward model" if found else
+            f"no reward model folder {spec!r} (looked at {', '.join(str(p.resolve()) for p in tried)})")
+    return RewardError(f"{where}: {what}: give the folder of a sequence-classification model (config.json and "
+                       "weights), a hub id 'org/name', or a built-in reward")
+
+
 def load_reward_model(spec, tokenizer=None, *, base_dir=None, settings: Optional[ModelSettings] = None,
                       where: str = "reward_funcs") -> RewardModel:
     """A RewardModel from a spec (a loaded model, a folder or a hub id) and an optional tokenizer (an object,
@@ -188,6 +203,8 @@ def load_reward_model(spec, tokenizer=None, *, base_dir=None, settings: Optional
             model = AutoModelForSequenceClassification.from_pretrained(
                 source, num_labels=1, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         except (OSError, ValueError) as e:
+            if folder is None and (missing := missing_folder_error(spec, base_dir, where)) is not None:
+                raise missing from None
             raise RewardError(f"{where}: cannot load the reward model {spec!r} ({type(e).__name__}: {e}). Give the "
                               f"folder of a sequence-classification model (config.json and weights) or a hub id "
                               f"this machine can download") from e

@@ -15,7 +15,6 @@ Design notes: docs/training.md
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -29,6 +28,8 @@ from typing import Optional
 
 import numpy as np
 import torch
+
+from .output_dir import disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +137,18 @@ def resolve_resume(resume_from: str, output_dir: str | Path) -> Path:
             return path
         why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
         raise FileNotFoundError(f"resume_from=latest but {output_dir} has no complete checkpoint-<step> folder{why}")
-    path = Path(resume_from)
+    path = Path(resume_from).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"resume_from={resume_from!r} is not a checkpoint folder (no such folder); give a "
                                 f"checkpoint-<step> folder or 'latest', or leave it unset (null) to start fresh")
-    verify(path)
+    try:
+        verify(path)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(f"{path / STATE_FILE} is missing")
+    except CheckpointError as e:
+        raise CheckpointError(f"resume_from={resume_from}: {e}; resume from another checkpoint-<step> folder "
+                              "(resume_from=latest picks the newest complete one), or start a new run from its "
+                              f"weights with model.name_or_path={resume_from}") from None
     return path
 
 
@@ -195,12 +203,6 @@ def _write_manifest(folder: Path) -> None:
     _fsync_dir(folder)
 
 
-def _disk_full(e: BaseException) -> bool:
-    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    return "No space left on device" in str(e) or "os error 28" in str(e)  # safetensors / torch wrap the OSError
-
-
 def _discard(folder: Path, out: Path, tag: str) -> None:
     """Rename `folder` to a temporary name (atomic: it stops being a checkpoint), then delete it."""
     doomed = out / f"{TMP_PREFIX}{tag}-{os.getpid()}"
@@ -253,7 +255,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model, tokenizer, state: 
     except BaseException as e:
         free = shutil.disk_usage(out).free if out.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and _disk_full(e):
+        if isinstance(e, Exception) and disk_full(e):
             previous = list_checkpoints(out)
             kept = f"; the previous checkpoint {previous[-1][1]} is intact" if previous else ""
             raise CheckpointError(
@@ -294,7 +296,8 @@ def load_weights(model, path: str | Path) -> None:
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {path}")
+        raise CheckpointError(f"no .safetensors weights in {path}: it is not a lowmem-grpo checkpoint; resume from a "
+                              "checkpoint-<step> folder (or resume_from=latest)")
     state = {}
     for f in files:
         try:
@@ -307,8 +310,8 @@ def load_weights(model, path: str | Path) -> None:
     loaded_ptrs = {current[k].data_ptr() for k in state if k in current}
     missing = [k for k in missing if current[k].data_ptr() not in loaded_ptrs]
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing {missing[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+        raise CheckpointError(f"checkpoint {path} does not match the model: missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}; resume with the model.name_or_path (or model.config) that wrote it")
 
 
 def load_rank_file(path: str | Path, name: str):

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from .output_dir import cannot_write
 from .trackers import close_trackers, open_trackers, scalars
 
 logger = logging.getLogger(__name__)
@@ -124,11 +125,19 @@ def _clean(value):
     return value
 
 
+def _append(folder: Path, name: str, text: str) -> None:
+    """Append to folder/name; a full disk or an unwritable folder is an OutputDirError naming the fix."""
+    try:
+        with open(folder / name, "a") as f:
+            f.write(text)
+    except OSError as e:
+        raise cannot_write(folder, name, e) from None
+
+
 def append_metrics_row(output_dir: str | Path, step: int, values: dict) -> dict:
     """Append {"step": step, **values} (JSON-safe) to output_dir/metrics.jsonl; returns the row."""
     row = {"step": step, **{k: _clean(v) for k, v in values.items()}}
-    with open(Path(output_dir) / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    _append(Path(output_dir), "metrics.jsonl", json.dumps(row) + "\n")
     return row
 
 
@@ -144,15 +153,17 @@ class RunLog:
                 _truncate_after(self.dir / name, resume_step)
         self.trackers = open_trackers(report_to, self.dir, run_name, project, config)
 
+    def _append(self, name: str, text: str) -> None:
+        _append(self.dir, name, text)
+
     def metrics(self, step: int, values: dict) -> None:
         row = append_metrics_row(self.dir, step, values)
         for tracker in self.trackers:
             tracker.log(step, scalars(row))
 
     def completions(self, step: int, samples: list[dict]) -> None:
-        with open(self.dir / "completions.jsonl", "a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n")
+        self._append("completions.jsonl", "".join(
+            json.dumps({"step": step, **{k: _clean(v) for k, v in s.items()}}, default=str) + "\n" for s in samples))
 
     def close(self) -> None:
         close_trackers(self.trackers)

@@ -42,6 +42,7 @@ from ..rewards import ModelSettings, load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from . import distributed
+from . import output_dir
 from .callbacks import as_callback, notify
 from .context import RolloutContext
 from .data import PromptSampler, build_prompt_set, load_rows, split_eval
@@ -107,10 +108,13 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
+    @output_dir.released_on_error
     def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True, *,
                  model=None, tokenizer=None, reward_funcs: Optional[list] = None, train_data=None, eval_data=None,
                  callbacks: Optional[list] = None, reward_processing_classes: Optional[list] = None):
-        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only).
+        """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only). Training
+        first claims output_dir (output_dir.py: OutputDirError for another run's folder, a live run's, or one
+        it cannot write) and verifies resume_from's checkpoint, before anything loads.
 
         From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
         tokenizer, reward functions (callables and loaded reward models mixed with what a recipe names) and
@@ -123,6 +127,10 @@ class Trainer:
         self.world, rank_device = (distributed.start(cfg.train.strategy, cfg.train.device, cfg.train.ddp_timeout)
                                    if training else (distributed.World(), None))
         distributed.check_supported(cfg, self.world)
+        # output_dir first: checked and locked (rank 0) before anything loads; the checkpoint to resume, verified
+        self.output_lock = output_dir.claim(cfg.output, self.world) if training else None
+        out = cfg.output
+        resume = ckpt.resolve_resume(out.resume_from, out.output_dir) if out.resume_from and training else None
         self.plan = batch_plan(cfg, self.world.size)
         self.device = pick_device(rank_device or cfg.train.device)
         seed_everything(cfg.train.seed)
@@ -169,7 +177,6 @@ class Trainer:
         g = cfg.generation
         self.pack = Packing.resolve(t.pack_prompts, self.policy,
                                     max_length=g.max_prompt_length + g.max_completion_length)
-        resume = ckpt.resolve_resume(cfg.output.resume_from, cfg.output.output_dir) if cfg.output.resume_from else None
         if resume is not None:  # whole weights, before FSDP2 shards them (the rest of the state: _resume)
             ckpt.load_weights(self.policy, resume)
         # The loss as a module, made data-parallel under torchrun (FSDP2 shards the weights here, so
@@ -479,6 +486,8 @@ class Trainer:
             raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: "
                               "set data.eval_file or data.eval_holdout")
         main = self.world.is_main  # under torchrun only rank 0 writes files, logs and evaluates
+        if self.output_lock is not None:
+            self.output_lock.acquire()  # released at the end of train(), held again by another train()
         log = (RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
                       run_name=out.run_name, project=out.project, config=cfg.to_dict()) if main else NullLog())
         if main:
@@ -526,6 +535,8 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+            if self.output_lock is not None:
+                self.output_lock.release()
         if self.stop.reason is not None:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}

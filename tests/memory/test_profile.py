@@ -131,6 +131,8 @@ def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
 
     recipe = Path(__file__).parents[2] / "recipes" / "toy_tokens.yaml"
     out = tmp_path / "profile"
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')  # a run there: profiling may still look
     code = main(["profile", str(recipe), "--steps", "2", "--out", str(out), f"output_dir={tmp_path / 'run'}",
                  "progress_bar=false", "device=cpu"])  # the host tables; the CUDA profile has its own test
     assert code == 0
@@ -150,7 +152,8 @@ def test_profile_command_writes_table_json_and_png(tmp_path, capsys):
     png = (out / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # profiling saves nothing
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("checkpoint-*"))
+    assert not any((tmp_path / "run").glob("checkpoint-*"))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # the run's log untouched
 
 
 @pytest.mark.cuda

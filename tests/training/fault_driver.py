@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
     if kill_at != "none":
         point, n = kill_at.split(":")
         _kill_at(point, int(n))
-    resume = ["resume_from=latest"] if ckpt.list_checkpoints(output_dir) else []
+    # killed before its first checkpoint: the logs of the steps before it are the killed run's, start over
+    resume = ["resume_from=latest"] if ckpt.list_checkpoints(output_dir) else ["overwrite_output_dir=true"]
     Trainer(load_config(None, toy_overrides(output_dir, train_file, *extra, *resume))).train()
 
 

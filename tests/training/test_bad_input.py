@@ -139,3 +139,66 @@ def test_only_paths_that_look_local_are_checked_as_folders(tmp_path):
     from lowmem_grpo.policy.model import load_tokenizer
     with pytest.raises(ModelError, match=r"no such folder: ./tok \(.*/tok\), given as model.tokenizer"):
         load_tokenizer(ModelConfig(name_or_path="gpt2", tokenizer="./tok"))
+
+
+# ----- a model or reward-model source that cannot load: one line, before the weights ------------------------
+def _train_one_line(tmp_path, toy_config, capsys, *overrides) -> str:
+    """`lowmem-grpo train` on the toy recipe with `overrides`: exit code 2 and the one line it printed."""
+    import yaml
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(toy_config().to_dict()))
+    assert main(["train", str(recipe), *overrides]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "lowmem-grpo" in line]
+    assert len(lines) == 1 and lines[0].startswith("lowmem-grpo: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def _hub_model(name: str) -> list[str]:
+    return ["model.config=null", "model.tokenizer=null", f"model.name_or_path={name}"]
+
+
+def test_a_hub_model_neither_cached_nor_reachable_is_one_line_at_once(tmp_path, toy_config, capsys, monkeypatch):
+    import time
+    from lowmem_grpo.policy import model
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("lowmem-grpo-tests/not-cached"))
+    assert "model lowmem-grpo-tests/not-cached (model.name_or_path) is not in the local cache and the hub cannot " \
+           "be reached (HF_HUB_OFFLINE is set): connect this machine" in line
+    assert time.monotonic() - start < 10  # not transformers' retries
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(model, "hub_reachable", lambda timeout_s=5.0: False)  # a machine with no network
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("lowmem-grpo-tests/not-cached"))
+    assert "the hub cannot be reached (no answer from the hub)" in line
+
+
+def test_gguf_paths_and_folders_that_are_not_models_are_one_line(tmp_path, toy_config, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").write_bytes(b"GGUF" + bytes(60))
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model(str(tmp_path / "models" / "m.gguf")))
+    assert f"is a GGUF file: give its folder and its name, model.name_or_path={tmp_path / 'models'} " \
+           "model.gguf_file=m.gguf" in line
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("./models/missing.gguf"))
+    assert "no such GGUF file: ./models/missing.gguf; a GGUF model is given as its folder and file name, " \
+           "model.name_or_path=FOLDER model.gguf_file=NAME.gguf" in line
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("./models"), "model.gguf_file=other.gguf")
+    assert "no such GGUF file" in line and "model.gguf_file names a .gguf file inside the model.name_or_path" in line
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("./models"))
+    assert "model.name_or_path=" in line and "is not a model folder (it has no config.json): for its GGUF file " \
+           "set model.gguf_file=m.gguf" in line
+    (tmp_path / "empty").mkdir()
+    line = _train_one_line(tmp_path, toy_config, capsys, *_hub_model("./empty"))
+    assert "is not a model folder (it has no config.json): give a save_pretrained folder" in line
+
+
+@pytest.mark.parametrize("spec", ["./reward-model", "/no/such/reward-model", "models/rm/v2"])
+def test_a_missing_reward_model_folder_is_not_an_unknown_builtin(tmp_path, toy_config, capsys, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)
+    line = _train_one_line(tmp_path, toy_config, capsys, f"reward_funcs=[{spec}]")
+    assert f"no reward model folder '{spec}' (looked at " in line and "unknown built-in" not in line
+    assert "give the folder of a sequence-classification model" in line
+    (tmp_path / "reward-model").mkdir()
+    line = _train_one_line(tmp_path, toy_config, capsys, "reward_funcs=[./reward-model]")
+    assert "reward-model has no config.json, so it is not a reward model" in line
