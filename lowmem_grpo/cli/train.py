@@ -23,21 +23,18 @@ def split_model_override(overrides: list[str]) -> list[str]:
 
 
 def check_model_folder(overrides: list[str], output_dir: str) -> None:
-    """`model=PATH` that does not exist, where PATH looks like a checkpoint (or its folder holds some):
-    a ConfigError listing the checkpoints there and in the recipe's output_dir."""
+    """`model=PATH` that does not exist where checkpoints do (in PATH's folder or the recipe's output_dir): a
+    ConfigError listing them. With none there, the model loader's "no such folder" says it."""
     from ..training.checkpoint import list_checkpoints
     given = [item.split("=", 1)[1] for item in overrides if item.startswith("model=")]
     if not given or Path(given[-1]).exists():
         return
     path = Path(given[-1])
     found = {p for folder in (path.parent, Path(output_dir)) for _, p in list_checkpoints(folder)}
-    if not found and not path.name.startswith("checkpoint-"):
-        return  # a hub id, say: the model loader's message
+    if not found:
+        return
     where = ", ".join(str(p) for p in sorted(found, key=lambda p: (str(p.parent), int(p.name.split("-")[1]))))
-    raise ConfigError(f"model={path}: no such checkpoint; "
-                      + (f"the checkpoints there are: {where}" if found else
-                         f"no checkpoint in {path.parent} or in output_dir {output_dir}: train first, or give "
-                         "model=FOLDER of a saved model"))
+    raise ConfigError(f"model={path}: no such checkpoint; the checkpoints there are: {where}")
 
 
 def train(recipe: str, overrides: list[str]) -> int:

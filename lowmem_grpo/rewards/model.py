@@ -167,13 +167,13 @@ def model_folder(spec: str, base_dir=None) -> Optional[Path]:
     return next((p.resolve() for p in _candidates(spec, base_dir) if (p / "config.json").is_file()), None)
 
 
-def missing_folder_error(spec: str, base_dir, where: str) -> Optional[RewardError]:
-    """For a spec that names a folder (one that exists, or one that can only be a path: it starts with / ./ ../
-    or ~, or has two slashes) but holds no model: the error that says so and where it looked; else None."""
-    path = Path(spec).expanduser()
-    tried = [path] if path.is_absolute() else [Path.cwd() / path] + ([Path(base_dir) / path] if base_dir else [])
+def missing_folder_error(spec: str, base_dir, where: str, is_path: bool = False) -> Optional[RewardError]:
+    """For a spec that names a folder (one that exists, one that can only be a path: it starts with / ./ ../
+    or ~, or has two slashes, or any spec when `is_path`) but holds no model: the error that says so and
+    where it looked; else None."""
+    tried = _candidates(spec, base_dir)
     found = next((p for p in tried if p.is_dir()), None)
-    path_only = spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or "\\" in spec
+    path_only = is_path or spec.startswith(("/", "./", "../", "~")) or spec.count("/") > 1 or "\\" in spec
     if found is None and not path_only:
         return None
     what = (f"{found} has no config.json, so it is not a reward model" if found else
@@ -192,11 +192,8 @@ def load_reward_model(spec, tokenizer=None, *, base_dir=None, settings: Optional
     dtype, source = settings.dtype, spec
     if isinstance(spec, str):
         folder = model_folder(spec, base_dir)
-        if folder is None and not _HUB_ID.match(spec):
-            raise RewardError(f"{where}: no reward model folder {spec!r} (a folder with config.json; looked at "
-                              f"{', '.join(str(p) for p in _candidates(spec, base_dir))}). Give the folder of a "
-                              f"sequence-classification model, relative to the current folder or the recipe's, "
-                              f"or a hub id 'org/name'")
+        if folder is None and not _HUB_ID.match(spec):  # neither a model folder nor a hub id
+            raise missing_folder_error(spec, base_dir, where, is_path=True)
         source = str(folder) if folder is not None else spec
         # "auto" said outright: transformers 4.x loads fp32 unless told, 5.x the checkpoint's dtype
         try:
