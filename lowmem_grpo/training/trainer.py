@@ -20,7 +20,7 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -193,25 +193,37 @@ class Trainer:
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
         self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack,
                                              engine=self._vllm_engine())
+        self.engine_closed = False  # close_engine() stopped vLLM: the next rollout starts it again
 
     def _rollout_context(self, **training_parts) -> RolloutContext:
         """What rollouts and evaluations use (context.py); the training-only parts: head, reference, pack."""
         return RolloutContext(self.policy, self.tokenizer, self.reward_funcs, self.eos_ids, self.pad_id, self.device,
                               self.autocast, world=self.world, **training_parts)
 
+    def open_engine(self):
+        """generation.engine=vllm: the engine, started again on the current weights where close_engine()
+        closed it; None with the native engine."""
+        if self.engine_closed:
+            self.step_mode.synchronize()  # it starts from the weights as they are saved now
+            self.rollout, self.engine_closed = replace(self.rollout, engine=self._vllm_engine()), False
+        return self.rollout.engine
+
+    def close_engine(self) -> None:
+        """Stop the vLLM engine and free what it holds (its share of the card, its process group, its weights
+        folder); train() calls it when it ends, normally or not. The next rollout starts another."""
+        if self.rollout.engine is not None:
+            engine, self.rollout = self.rollout.engine, replace(self.rollout, engine=None)
+            self.engine_closed = True
+            engine.close()
+
     def _vllm_engine(self):
         """generation.engine=vllm: vLLM in this process on a copy of the policy's weights (policy/vllm_engine.py)."""
-        g = self.cfg.generation
-        if rollout_engine(g) != "vllm":
+        if rollout_engine(self.cfg.generation) != "vllm":
             return None
         if self.world.distributed:
             raise ConfigError("generation.engine=vllm runs in one process; under torchrun use generation.engine=native")
-        from ..policy.vllm_engine import VLLMEngine, engine_dtype, engine_sizes
-        sizes = engine_sizes(self.cfg)
-        return VLLMEngine(self.policy, g, device=self.device, seed=self.cfg.train.seed,
-                          gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_model_length=sizes.max_model_len,
-                          cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib, max_num_seqs=sizes.max_num_seqs,
-                          dtype=engine_dtype(next(self.policy.parameters()).dtype, self.autocast, self.device))
+        from ..policy.vllm_engine import engine_for_run
+        return engine_for_run(self.cfg, self.policy, self.device, self.autocast)
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:
@@ -363,8 +375,11 @@ class Trainer:
         drawn = self.sampler.next_indices(self.plan.prompts_per_generation)
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
-        engine = self.rollout.engine
+        engine = self.open_engine()
         if engine is not None and engine.synced_step != self.step:  # vLLM samples with the weights being trained
+            # vLLM reads the weights outside a forward: wait for the last update (offload: the update thread;
+            # CUDA: vLLM copies on this thread's stream, now after the uploads) and its RNG (vLLM's seed draws).
+            self.step_mode.synchronize()
             engine.sync(self.policy, self.step)
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
             gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
@@ -521,6 +536,7 @@ class Trainer:
         finally:
             bar.close()
             log.close()
+            self.close_engine()  # vLLM's memory, graphs and process group do not outlive the run
         if self.stop.reason is not None:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}
