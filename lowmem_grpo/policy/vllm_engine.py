@@ -166,6 +166,9 @@ class VLLMEngine:
                 from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
                 destroy_model_parallel()
                 destroy_distributed_environment()
+            # vLLM logs a failure of its start-up (the chat template warm-up, with no tokenizer) with the
+            # traceback, whose frames hold the LLM: a log handler that keeps records keeps it. Empty it.
+            vars(llm).clear()
             del llm
             gc.collect()  # vLLM's objects refer to each other: free its weights and KV cache now
             if self.device.type == "cuda":

@@ -79,15 +79,15 @@ def test_with_the_offloaded_optimizer_vllm_holds_each_steps_updated_weights(tmp_
 
 
 def test_two_trainers_run_one_after_the_other(tmp_path):
-    """train() closes vLLM: its model and KV cache are freed, its process group and weights folder gone."""
+    """train() closes vLLM: its engine (model, KV cache) is freed, its process group and weights folder gone."""
     first = Trainer(char_e_config(tmp_path / "first", "train.max_steps=1"), recipe_dir=RECIPES)
     engine = first.rollout.engine
-    llm, policy, folder = weakref.ref(engine.llm), weakref.ref(first.policy), Path(engine.folder)
+    core, folder = weakref.ref(engine.llm.llm_engine), Path(engine.folder)
     first.train()
     assert first.rollout.engine is None and not folder.exists()
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
     del first, engine
     gc.collect()
-    assert llm() is None and policy() is None  # nothing of vLLM's (or its import's) holds them any more
+    assert core() is None  # nothing holds vLLM's engine any more: its model and KV cache are freed
     second = Trainer(char_e_config(tmp_path / "second", "train.max_steps=1"), recipe_dir=RECIPES)
     assert second.train()["step"] == 1
