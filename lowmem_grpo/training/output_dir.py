@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import weakref
 from pathlib import Path
 from typing import IO, Optional
 
@@ -63,21 +64,41 @@ def cannot_write(folder: Path, what: str, e: OSError) -> OutputDirError:
                           "folder this user can write to (it is created if missing)")
 
 
+# This process's locks by folder: a Trainer built for a folder takes it over from an earlier Trainer of
+# this process that is not training (a notebook cell run again), never from one inside train().
+_HELD: "weakref.WeakValueDictionary[str, OutputLock]" = weakref.WeakValueDictionary()
+
+
 class OutputLock:
     """An exclusive flock on output_dir/.lowmem-grpo.lock; acquire() and release() may be repeated."""
 
     def __init__(self, folder: Path):
         self.folder = folder
+        self.running = False  # inside train(): no other Trainer of this process may take the lock over
+        self.taken_over = False  # a Trainer built later for the folder took it: this one may not train there
         self._file: Optional[IO[str]] = None
 
     @property
     def held(self) -> bool:
         return self._file is not None
 
-    def acquire(self) -> None:
-        """Take the lock (a no-op while held); OutputDirError if another process or Trainer holds it."""
-        if self._file is not None:
-            return
+    def acquire(self, running: bool = False, take_over: bool = False) -> None:
+        """Take the lock (a no-op while held); OutputDirError if another process holds it, or another Trainer
+        of this process. With `take_over` (a Trainer being built), an earlier Trainer of this process that is
+        not training gives it up for good: the folder's check was made for the new one."""
+        if self.taken_over:
+            raise OutputDirError(f"output_dir {self.folder} was claimed by a Trainer built after this one: train "
+                                 "that one, or build a new Trainer (resume_from=latest continues the folder's run)")
+        if self._file is None:
+            self._take(take_over)
+        self.running = running
+
+    def _take(self, take_over: bool) -> None:
+        key = str(self.folder.resolve())
+        earlier = _HELD.get(key)
+        if take_over and earlier is not None and earlier is not self and not earlier.running:
+            earlier.release()
+            earlier.taken_over = True
         path = self.folder / LOCK_FILE
         try:
             f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
@@ -92,7 +113,7 @@ class OutputLock:
                 here = holder == _me()
                 raise OutputDirError(
                     f"output_dir {self.folder} is in use by another lowmem-grpo run ({holder}"
-                    f"{', another Trainer in this process' if here else ''}): wait for it to finish or stop it"
+                    f"{', a Trainer of this process that is training' if here else ''}): wait for it to finish or stop it"
                     f"{' (or let its train() finish)' if here else ''}, or set output_dir to another folder"
                 ) from None
         try:
@@ -104,9 +125,11 @@ class OutputLock:
             f.close()
             raise cannot_write(self.folder, LOCK_FILE, e) from None
         self._file = f
+        _HELD[key] = self
 
     def release(self) -> None:
         """Drop the lock (closing the file drops the flock); the file stays, holding no one's name."""
+        self.running = False
         f, self._file = self._file, None
         if f is not None:
             try:
@@ -176,7 +199,7 @@ def _claim(out: OutputConfig) -> OutputLock:
     except OSError as e:
         raise cannot_write(folder.parent if not disk_full(e) else folder, f"the folder {folder.name}", e) from None
     lock = OutputLock(folder)
-    lock.acquire()
+    lock.acquire(take_over=True)
     try:
         check_previous_run(folder, out)
     except BaseException:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import re
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -53,6 +52,7 @@ from .micro_batch import computed_tokens, plan_micro_batch, step_completion_toke
 from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory, step_means, trl_names
 from .plot import save_run_plot
 from .step_modes import make_step_mode
+from .setup import pick_device, reward_model_placement, seed_everything
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 logger = logging.getLogger(__name__)
@@ -73,38 +73,6 @@ class StepTotals:
 
 class TrainingStopped(RuntimeError):
     """The run stopped early on purpose (non-finite steps); a checkpoint was saved."""
-
-
-def pick_device(name: str) -> torch.device:
-    """The training device. A CUDA device also becomes the current one: Triton kernels, bitsandbytes
-    and the side streams of the memory modes run on the current device, not on their tensors'."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"train.device={name} but this torch build sees no CUDA GPU; set train.device=cpu")
-        index = torch.cuda.current_device() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise RuntimeError(f"train.device={name} but this machine has {torch.cuda.device_count()} CUDA "
-                               f"device(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-        torch.cuda.set_device(index)
-        device = torch.device("cuda", index)
-    return device
-
-
-def reward_model_placement(setting: str, device: torch.device) -> str:
-    """Where reward models run: the setting, or for auto, cpu on a CPU run and stream on a GPU (`lowmem-grpo
-    train` resolves auto before this, to gpu where the planner finds room: memory/fit.py)."""
-    if setting != "auto":
-        return setting
-    return "cpu" if device.type == "cpu" else "stream"
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -205,25 +173,37 @@ class Trainer:
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
         self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack,
                                              engine=self._vllm_engine())
+        self.engine_closed = False  # close_engine() stopped vLLM: the next rollout starts it again
 
     def _rollout_context(self, **training_parts) -> RolloutContext:
         """What rollouts and evaluations use (context.py); the training-only parts: head, reference, pack."""
         return RolloutContext(self.policy, self.tokenizer, self.reward_funcs, self.eos_ids, self.pad_id, self.device,
                               self.autocast, world=self.world, **training_parts)
 
+    def open_engine(self):
+        """generation.engine=vllm: the engine, started again on the current weights where close_engine()
+        closed it; None with the native engine."""
+        if self.engine_closed:
+            self.step_mode.synchronize()  # it starts from the weights as they are saved now
+            self.rollout, self.engine_closed = replace(self.rollout, engine=self._vllm_engine()), False
+        return self.rollout.engine
+
+    def close_engine(self) -> None:
+        """Stop the vLLM engine and free what it holds (its share of the card, its process group, its weights
+        folder); train() calls it when it ends, normally or not. The next rollout starts another."""
+        if self.rollout.engine is not None:
+            engine, self.rollout = self.rollout.engine, replace(self.rollout, engine=None)
+            self.engine_closed = True
+            engine.close()
+
     def _vllm_engine(self):
         """generation.engine=vllm: vLLM in this process on a copy of the policy's weights (policy/vllm_engine.py)."""
-        g = self.cfg.generation
-        if rollout_engine(g) != "vllm":
+        if rollout_engine(self.cfg.generation) != "vllm":
             return None
         if self.world.distributed:
             raise ConfigError("generation.engine=vllm runs in one process; under torchrun use generation.engine=native")
-        from ..policy.vllm_engine import VLLMEngine, engine_dtype, engine_sizes
-        sizes = engine_sizes(self.cfg)
-        return VLLMEngine(self.policy, g, device=self.device, seed=self.cfg.train.seed,
-                          gpu_memory_utilization=g.vllm_gpu_memory_utilization, max_model_length=sizes.max_model_len,
-                          cpu_kv_cache_gib=g.vllm_cpu_kv_cache_gib, max_num_seqs=sizes.max_num_seqs,
-                          dtype=engine_dtype(next(self.policy.parameters()).dtype, self.autocast, self.device))
+        from ..policy.vllm_engine import engine_for_run
+        return engine_for_run(self.cfg, self.policy, self.device, self.autocast)
 
     # ----- setup -------------------------------------------------------------------------------
     def _special_ids(self) -> tuple[list[int], int]:
@@ -375,8 +355,11 @@ class Trainer:
         drawn = self.sampler.next_indices(self.plan.prompts_per_generation)
         n, r = self.plan.prompts_per_rank, self.world.rank
         prompts = self.train_set.select(drawn[r * n:(r + 1) * n])
-        engine = self.rollout.engine
+        engine = self.open_engine()
         if engine is not None and engine.synced_step != self.step:  # vLLM samples with the weights being trained
+            # vLLM reads the weights outside a forward: wait for the last update (offload: the update thread;
+            # CUDA: vLLM copies on this thread's stream, now after the uploads) and its RNG (vLLM's seed draws).
+            self.step_mode.synchronize()
             engine.sync(self.policy, self.step)
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
             gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
@@ -480,14 +463,25 @@ class Trainer:
 
     # ----- the loop ----------------------------------------------------------------------------
     def train(self) -> dict:
-        cfg, out = self.cfg, self.cfg.output
-        eval_steps = cfg.eval.eval_steps
+        """Train to max_steps (or a stop), saving on the way; evaluations and the run's plot as configured.
+        output_dir stays locked to this run, and a vLLM engine open, only while it runs."""
+        eval_steps = self.cfg.eval.eval_steps
         if eval_steps and self.eval_set is None:
             raise ConfigError(f"eval_steps={eval_steps} needs held-out prompts: "
                               "set data.eval_file or data.eval_holdout")
-        main = self.world.is_main  # under torchrun only rank 0 writes files, logs and evaluates
         if self.output_lock is not None:
-            self.output_lock.acquire()  # released at the end of train(), held again by another train()
+            self.output_lock.acquire(running=True)  # held again by a later train() of this trainer
+        try:
+            return self._train()
+        finally:
+            self.close_engine()  # vLLM's memory, graphs and process group do not outlive the run
+            if self.output_lock is not None:
+                self.output_lock.release()
+
+    def _train(self) -> dict:
+        cfg, out = self.cfg, self.cfg.output
+        eval_steps = cfg.eval.eval_steps
+        main = self.world.is_main  # under torchrun only rank 0 writes files, logs and evaluates
         log = (RunLog(out.output_dir, out.report_to, resume_step=self.step if self.resumed_from else None,
                       run_name=out.run_name, project=out.project, config=cfg.to_dict()) if main else NullLog())
         if main:
@@ -535,8 +529,6 @@ class Trainer:
         finally:
             bar.close()
             log.close()
-            if self.output_lock is not None:
-                self.output_lock.release()
         if self.stop.reason is not None:
             logger.info(f"stopped by {self.stop.reason} at step {self.step}")
         result = {"step": self.step, "last": last, "stopped_by": self.stop.reason}

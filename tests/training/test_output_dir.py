@@ -125,10 +125,30 @@ def test_a_live_run_holds_the_folder_and_a_killed_one_leaves_no_lock(toy_config,
 
 def test_two_trainers_in_one_process_do_not_share_a_folder(toy_config):
     first = Trainer(toy_config())
-    with pytest.raises(ConfigError, match="in use by another lowmem-grpo run .*another Trainer in this process"):
-        Trainer(toy_config())
-    first.train()  # its train() ends: the folder holds its run, which a resume continues
+    second = Trainer(toy_config())  # a notebook cell run again: the later Trainer takes the folder over
+    with pytest.raises(ConfigError, match="was claimed by a Trainer built after this one"):
+        first.train()  # never into the folder that the later one's check was made for
+    second.train()  # its train() ends: the folder holds its run, which a resume continues
     assert Trainer(toy_config("max_steps=3", "resume_from=latest")).step == 2
+    with pytest.raises(ConfigError, match="was claimed by a Trainer built after this one"):
+        first.train()
+
+
+def test_a_trainer_that_is_training_keeps_its_folder(toy_config):
+    from lowmem_grpo.training.callbacks import TrainerCallback
+    refused = []
+
+    class BuildAnother(TrainerCallback):
+        def on_step_end(self, trainer, step, metrics):
+            with pytest.raises(ConfigError, match="in use by another lowmem-grpo run .*a Trainer of this process "
+                                                  "that is training"):
+                Trainer(toy_config("max_steps=4"))
+            refused.append(step)
+
+    trainer = Trainer(toy_config())
+    trainer.add_callback(BuildAnother())
+    trainer.train()
+    assert refused == [1, 2]
 
 
 def test_a_failed_setup_releases_the_folder(toy_config, tmp_path):

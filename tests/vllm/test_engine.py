@@ -107,7 +107,8 @@ def test_a_run_with_vllm_learns_and_logs_the_correction(tmp_path):
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 1.0, rewards
     ratio = [r["sampling/importance_sampling_ratio/mean"] for r in rows if "reward" in r]
     assert len(ratio) == 20 and all(0.5 < x < 1.5 for x in ratio), ratio
-    engine = trainer.rollout.engine
+    assert trainer.rollout.engine is None  # train() closed it; a new one starts on the trained weights
+    engine = trainer.open_engine()
     engine.sync(trainer.policy, trainer.step)
     prompts = [trainer.train_set.prompt_ids[i] for i in range(4)]
     batch, _ = engine.generate(prompts, eos_ids=trainer.eos_ids, pad_id=trainer.pad_id, greedy=True)
@@ -115,6 +116,7 @@ def test_a_run_with_vllm_learns_and_logs_the_correction(tmp_path):
                     dataclasses.replace(trainer.cfg.generation, fast_rollout=False), eos_ids=trainer.eos_ids,
                     pad_id=trainer.pad_id, device=CPU, greedy=True)
     assert torch.equal(batch.completion_ids, want.completion_ids)
+    trainer.close_engine()
 
 
 def test_the_generation_batch_carries_the_correction(tmp_path):
@@ -143,3 +145,4 @@ def test_the_generation_batch_carries_the_correction(tmp_path):
     close = (b.old_logp - b.sampling_logp)[b.completion_mask & keep[:, None]].abs()
     assert close.max() < 1e-3  # fp32 on both sides: the engines agree to rounding
     assert gb.info["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-2)
+    trainer.close_engine()
