@@ -23,19 +23,19 @@ first, in this order:
   trainer-1.5b  two steps of the 1.5B recipe on random weights at full lengths (prompt 256, completion 512)
                 under an 8 GiB cap, compiled decode (the recipe's default): peaks, pinned host memory
                 against the plan, time split into generation, training and host update (trainer_step.py)
+  decode        tokens/s of the 1.5B recipe's rollout (the 0.5B's was measured in the second GPU run), the
+                static step eager vs compiled with CUDA graphs, weights read per second against the card's
+                bandwidth, graphed tokens against eager's (decode_speed.py)
   head-memory   the fused loss head against plain torch at N = 8192: peak
 second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
-  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); tokens/s of the 1.5B recipe's
-  rollout, the static step eager vs compiled with CUDA graphs, weights read per second against the card's
-  bandwidth, graphed tokens against eager's (decode_speed.py; the 0.5B's was measured in the second GPU
-  run); the fused head's time against plain torch; trainer steps of the 1.5B 4096-token recipe, the 3B
-  recipe and the 0.5B GSM8K recipe at their full lengths under an 8 GiB cap (decode and each trainer step
-  need 2 to 2.5 minutes: after the other cuda tests, a call of their own).
+  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
+  plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
+  full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
 Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter;
-kernel-tests and decode have not run as such on a GPU: their timeouts are estimates, with more to spare
-(RESULTS.md, "GPU session rehearsal").
+kernel-tests: what it took on an H200 from a cold Triton cache, plus a half; decode, the 1.5B shape alone:
+an estimate (RESULTS.md, "GPU session rehearsal").
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -88,9 +88,8 @@ CUDA_TEST_FILES = [
     "tests/kernels/test_cuda_large.py",
 ]
 # Every op test's CUDA cases: the kernels' `device` fixture (tests/kernels/conftest.py) makes a cuda-torch and a
-# cuda-triton case of each, marked `cuda`. 399 cases, never run on a GPU; estimated at about 110 s on an H100
-# (123 Triton specializations compiled once each, ~0.4 s, and 18 launchers built, ~1.5 s; the cases
-# themselves ~30 ms each on the card): RESULTS.md, "GPU session rehearsal".
+# cuda-triton case of each, marked `cuda`. 399 cases: 39 s on an H200 from a cold Triton cache (123 kernel
+# specializations compiled once each), 15 s warm (RESULTS.md, "GPU session rehearsal").
 KERNEL_TEST_FILES = [
     "tests/kernels/test_linear_loss.py",
     "tests/kernels/test_grpo_loss.py",
@@ -158,9 +157,10 @@ def first_call(tiny: bool, out: Path) -> list[Step]:
              [PY, "benchmarks/gpu_session.py", "--check-env"], 30),
         _test_step("cuda-tests", "the cuda tests most likely to break", CUDA_TEST_FILES, 130,
                    out / "first-junit.xml"),
-        _test_step("kernel-tests", "every op test on CUDA tensors, torch and Triton", KERNEL_TEST_FILES, 160,
+        _test_step("kernel-tests", "every op test on CUDA tensors, torch and Triton", KERNEL_TEST_FILES, 60,
                    out / "first-kernels-junit.xml"),
         _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny),
+        _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 130),
         Step("head-memory", "fused loss head vs plain torch: peak",
              [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
     ]
@@ -174,7 +174,6 @@ def second_call(tiny: bool, out: Path) -> list[Step]:
     return [
         _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 80,
                    out / "second-other-junit.xml"),
-        _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 140),
         Step("head-speed", "fused loss head vs plain torch: time",
              [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
         _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
