@@ -17,12 +17,15 @@ first, in this order:
   cuda-tests    the cuda tests most likely to break (CUDA_TEST_FILES), verbose, each under a per-test
                 timeout (pytest-timeout), a JUnit report (first-junit.xml, written when pytest ends) and
                 a line per test as it starts and ends (gpu_session_pytest.py, into first.jsonl)
+  kernel-tests  every op test's CUDA cases (KERNEL_TEST_FILES: the kernels' `device` fixture's cuda-torch
+                and cuda-triton, ~400 cases: the loss variants, the real-vocabulary heads), the same way
+                (first-kernels-junit.xml)
   trainer-1.5b  two steps of the 1.5B recipe on random weights at full lengths (prompt 256, completion 512)
                 under an 8 GiB cap, compiled decode (the recipe's default): peaks, pinned host memory
                 against the plan, time split into generation, training and host update (trainer_step.py)
-  decode        tokens/s of the 0.5B and 1.5B recipes' rollouts, the static step eager vs compiled with
-                CUDA graphs, weights read per second against the card's bandwidth, graphed tokens against
-                eager's (decode_speed.py)
+  decode        tokens/s of the 1.5B recipe's rollout (the 0.5B's was measured in the second GPU run), the
+                static step eager vs compiled with CUDA graphs, weights read per second against the card's
+                bandwidth, graphed tokens against eager's (decode_speed.py)
   head-memory   the fused loss head against plain torch at N = 8192: peak
 second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
@@ -30,7 +33,9 @@ second: the first call's steps that did not finish on this machine (not started,
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
   plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
   full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
-Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter.
+Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter;
+kernel-tests: what it took on an H200 from a cold Triton cache, plus a half; decode, the 1.5B shape alone:
+an estimate (RESULTS.md, "GPU session rehearsal").
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -71,7 +76,7 @@ KILL_GRACE_S = 5
 # The cuda tests most likely to break on first contact, in the order they run: the offloaded optimizer and
 # its tied-head split (and its update thread), activation offload, the host arena, the streamed reference,
 # the decode step's CUDA graphs, the memory profiler, then the kernels at Qwen sizes (> 2^31 logits, the fused
-# head at the 1.5B's width: the largest tensors). 41 tests, 105 s on an H100.
+# head at the 1.5B's width: the largest tensors). 30 tests, 105 s on an H100 (second GPU run).
 CUDA_TEST_FILES = [
     "tests/optim/test_offload_cuda.py",
     "tests/optim/test_offload_update_thread.py",
@@ -82,13 +87,23 @@ CUDA_TEST_FILES = [
     "tests/memory/test_profile.py",
     "tests/kernels/test_cuda_large.py",
 ]
-# Every other file of cuda tests (the second call's): 19 tests, about 65 s on an H100.
+# Every op test's CUDA cases: the kernels' `device` fixture (tests/kernels/conftest.py) makes a cuda-torch and a
+# cuda-triton case of each, marked `cuda`. 399 cases: 39 s on an H200 from a cold Triton cache (123 kernel
+# specializations compiled once each), 15 s warm (RESULTS.md, "GPU session rehearsal").
+KERNEL_TEST_FILES = [
+    "tests/kernels/test_linear_loss.py",
+    "tests/kernels/test_grpo_loss.py",
+    "tests/kernels/test_one_formula.py",
+    "tests/kernels/test_logprobs.py",
+    "tests/kernels/test_linear.py",
+    "tests/kernels/test_mask_count.py",
+]
+# Every other file of cuda tests (the second call's): 14 tests; 65 s on an H100 with test_mask_count.py's too.
 OTHER_CUDA_TEST_FILES = [
     "tests/optim/test_optimizer_in_backward_cuda.py",
     "tests/optim/test_sr_adamw.py",
     "tests/optim/test_host_adamw.py",
     "tests/policy/test_packing.py",
-    "tests/kernels/test_mask_count.py",
     "tests/memory/test_fit.py",
     "tests/training/test_step_metrics.py",
     "tests/test_trainer_step.py",
@@ -142,9 +157,10 @@ def first_call(tiny: bool, out: Path) -> list[Step]:
              [PY, "benchmarks/gpu_session.py", "--check-env"], 30),
         _test_step("cuda-tests", "the cuda tests most likely to break", CUDA_TEST_FILES, 130,
                    out / "first-junit.xml"),
+        _test_step("kernel-tests", "every op test on CUDA tensors, torch and Triton", KERNEL_TEST_FILES, 60,
+                   out / "first-kernels-junit.xml"),
         _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny),
-        _decode_step(["Qwen2.5-0.5B:recipes/qwen2.5-0.5b_gsm8k_8gb.yaml",
-                      "Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 190),
+        _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 130),
         Step("head-memory", "fused loss head vs plain torch: peak",
              [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
     ]
@@ -429,6 +445,15 @@ def _end_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _second_junit(arg: str) -> str:
+    """A test step's `--junitxml=DIR/first-NAME` as the second call writes it, DIR/second-NAME; any other
+    argument as it is."""
+    if not arg.startswith("--junitxml="):
+        return arg
+    path = Path(arg.split("=", 1)[1])
+    return f"--junitxml={path.with_name('second-' + path.name.removeprefix('first-'))}"
+
+
 def second_steps(tiny: bool, out: Path, state: Path = STATE, redo: Optional[list[str]] = None) -> list[Step]:
     """Device call 2: the first call's steps that did not finish on this machine (`unfinished`, from the
     first call's record in `state`; `redo`: these steps of it instead, whole), then `second_call`'s own."""
@@ -438,8 +463,7 @@ def second_steps(tiny: bool, out: Path, state: Path = STATE, redo: Optional[list
               "--redo KEY ... names steps of the first call to run again", flush=True)
         again = []
     else:
-        again = [dataclasses.replace(s, argv=[a.replace("first-junit.xml", "second-junit.xml")
-                                              for a in s.argv])
+        again = [dataclasses.replace(s, argv=[_second_junit(a) for a in s.argv])
                  for s in unfinished(first_call(tiny, out), records or [], redo)]
     return again + second_call(tiny, out)
 

@@ -8,9 +8,9 @@ model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the
 LOWMEM_GRPO_REQUIRE_PEERS=1 (make test-compare) makes a missing TRL or Liger-Kernel an error instead of
 the skips of the tests that compare with them; LOWMEM_GRPO_REQUIRE_VLLM=1 (make test-vllm), a missing vLLM.
 
-Tests marked `cuda` are about a CUDA-only path and are skipped on a machine without a GPU; every other
-test pins its own device (the CPU unless it says otherwise), so the suite means the same on a GPU
-machine (benchmarks/gpu_session.sh runs it there).
+Tests marked `cuda` run on a CUDA device (a CUDA-only path, or a device parametrization's CUDA case, as the
+kernels' cuda-torch and cuda-triton) and are skipped on a machine without a GPU; every other test pins the
+CPU, so the suite means the same on a GPU machine (benchmarks/gpu_session.sh runs the `cuda` ones there).
 """
 
 import contextlib
@@ -46,7 +46,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (benchmarks/gpu_session.sh cuda-tests runs it)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (benchmarks/gpu_session.sh's test steps run it)")
     for item in items:
         # the marker, not `"cuda" in item.keywords`: keywords hold the names of the folders above the test too,
         # so a checkout in a folder named cuda skipped every test

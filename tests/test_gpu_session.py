@@ -4,18 +4,22 @@ started, names the test a stopped test step was running, and the second call tak
 not finish; the test step selects every area it is meant to on a GPU machine; the rehearsal of both calls
 at toy sizes passes."""
 
+import functools
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.cuda_names import cuda_parameters
+
 ROOT = Path(__file__).resolve().parents[1]
-FIRST = ["env", "cuda-tests", "trainer-1.5b", "decode", "head-memory"]
+FIRST = ["env", "cuda-tests", "kernel-tests", "trainer-1.5b", "decode", "head-memory"]
 SECOND = ["other-cuda-tests", "head-speed", "trainer-1.5b-4096", "trainer-3b",
           "trainer-0.5b-gsm8k"]  # in order of importance
 
@@ -144,28 +148,41 @@ def test_the_second_call_takes_up_what_the_first_did_not_finish(tmp_path):
     # no record of the first call on this machine (a fresh one): its own steps only
     assert [s.key for s in gs.second_steps(False, tmp_path, state)] == own
     # named instead: those, whole
-    assert [s.key for s in gs.second_steps(False, tmp_path, state, redo=["decode"])] == ["decode", *own]
+    assert [s.key for s in gs.second_steps(False, tmp_path, state, redo=["trainer-1.5b"])] == ["trainer-1.5b",
+                                                                                                 *own]
     state.mkdir()
     lines = [{"event": "call", "call": "first"},
              {"event": "step", "key": "env", "status": "ok"},
-             {"event": "collected", "step": "cuda-tests", "tests": ["t::a", "t::b"]},
-             {"event": "end", "step": "cuda-tests", "test": "t::a", "outcome": "failed"},
-             {"event": "step", "key": "cuda-tests", "status": "timed out after 110 s"},
+             {"event": "step", "key": "cuda-tests", "status": "ok"},
+             {"event": "collected", "step": "kernel-tests", "tests": ["t::a", "t::b"]},
+             {"event": "end", "step": "kernel-tests", "test": "t::a", "outcome": "failed"},
+             {"event": "step", "key": "kernel-tests", "status": "timed out after 160 s"},
              {"event": "step", "key": "trainer-1.5b", "status": "failed (exit 1)"},  # a result: not again
-             {"event": "step", "key": "decode", "status": "timed out after 140 s",  # the 0.5B measured
-              "result": {"shapes": [{"arch": "Qwen2.5-0.5B"}]}},
+             {"event": "step", "key": "decode", "status": "ok", "result": {"shapes": []}},
              {"event": "step", "key": "head-memory", "status": "not started: needs 25 s, 3 s left"}]
     (state / "first.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     steps = gs.second_steps(False, tmp_path, state)
-    assert [s.key for s in steps] == ["cuda-tests", "decode", "head-memory", *own]
+    assert [s.key for s in steps] == ["kernel-tests", "head-memory", *own]
     tests = steps[0]
     assert tests.selection == ["t::b"] and tests.argv[-1] == "t::b"
-    assert any(a.endswith("second-junit.xml") for a in tests.argv)
-    assert not any("first-junit" in a for s in steps for a in s.argv)
-    decode = steps[1]
-    assert decode.shapes == ["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"]
-    assert decode.argv == first[3].argv[:2] + ["--shape", decode.shapes[0], "--device", "cuda"]
-    assert steps[2].argv == first[4].argv
+    assert any(a.endswith("second-kernels-junit.xml") for a in tests.argv)
+    assert not any("first-" in a for s in steps for a in s.argv)
+    assert steps[1].argv == first[5].argv
+    assert any(a.endswith("second-junit.xml") for a in gs.second_steps(False, tmp_path, state,
+                                                                       redo=["cuda-tests"])[0].argv)
+
+
+def test_a_decode_step_stopped_at_its_timeout_comes_back_with_the_shapes_it_did_not_measure(tmp_path):
+    gs = _gpu_session()
+    shapes = ["Qwen2.5-0.5B:recipes/qwen2.5-0.5b_gsm8k_8gb.yaml", "Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"]
+    step = gs._decode_step(shapes, False, 140)
+    records = [{"event": "step", "key": "decode", "status": "timed out after 140 s",  # the 0.5B measured
+                "result": {"shapes": [{"arch": "Qwen2.5-0.5B"}]}}]
+    (again,) = gs.unfinished([step], records)
+    assert again.shapes == shapes[1:]
+    assert again.argv == step.argv[:2] + ["--shape", shapes[1], "--device", "cuda"]
+    records[0]["result"]["shapes"].append({"arch": "Qwen2.5-1.5B"})  # both measured: nothing again
+    assert gs.unfinished([step], records) == []
 
 
 # ----- the environment ----------------------------------------------------------------------------------
@@ -233,13 +250,72 @@ def test_the_test_step_selects_every_area_it_is_for_on_a_gpu_machine(tmp_path):
         assert any(part in t for t in selected), f"the test step runs no test of the {area} ({part})"
 
 
-def test_the_test_step_runs_every_cuda_test_file():
-    """A file of cuda tests left out of CUDA_TEST_FILES would never run on a GPU (the calls run no other)."""
+def test_the_kernel_step_runs_every_op_test_on_cuda_tensors_with_torch_and_triton(tmp_path):
     gs = _gpu_session()
-    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
-              if "mark.cuda" in p.read_text() and p.name != "test_gpu_session.py"}  # (this file names it)
-    both = set(gs.CUDA_TEST_FILES) | set(gs.OTHER_CUDA_TEST_FILES)
-    assert marked <= both, sorted(marked - both)
+    (step,) = [s for s in gs.first_call(False, tmp_path) if s.key == "kernel-tests"]
+    assert step.argv[-len(step.selection):] == step.selection
+    assert {"-v", "-rfEs", "--timeout", "gpu_session_pytest"} <= set(step.argv)
+    selected = [t["test"] for t in _collected_on_a_gpu_machine()  # what `-m cuda` selects of its files
+                if t["cuda_marked"] and t["test"].split("::")[0] in step.selection]
+    areas = {"loss variants at real vocabularies": "test_linear_loss.py::test_variants_at_real_vocabulary_sizes",
+             "the per-token loss": "test_grpo_loss.py::test_matches_reference",
+             "the Triton copy of the formula": "test_one_formula.py::test_triton_copy_matches_torch_copy",
+             "log-probabilities": "test_logprobs.py::test_real_vocab_sizes",
+             "the fused linear head": "test_linear.py::test_real_vocab_sizes"}
+    for area, part in areas.items():
+        for path in ("cuda-torch", "cuda-triton"):
+            if area == "the Triton copy of the formula":
+                path = "cuda"  # (its own parameter: one Triton path)
+            assert any(part in t and path in t for t in selected), f"the kernel step runs no {path} test of " \
+                f"{area} ({part})"
+    assert not any("[cpu" in t or "-cpu" in t for t in selected)  # (the CPU cases run on every CI machine)
+
+
+@functools.cache
+def _collected_on_a_gpu_machine() -> tuple[dict, ...]:
+    """Every test of the suite, slow ones too, as a GPU machine collects it (CUDA faked): for each, its node
+    id, whether it is marked `cuda` and what in its parameters names a CUDA device (fake_cuda_plugin)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "collected.json"
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+               "-p", "tests.fake_cuda_plugin", "-m", "", "tests"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "FAKE_CUDA_COLLECTED": str(dump)})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return tuple(json.loads(dump.read_text()))
+
+
+def test_cuda_is_named_by_a_cuda_device_in_a_parameter_or_its_id():
+    import torch
+    assert cuda_parameters({"device": ("cuda", "triton")}, ["cuda-triton"]) == ["device=('cuda', 'triton')",
+                                                                              "id cuda-triton"]
+    assert cuda_parameters({"dev": torch.device("cuda", 0), "d": {"x": "cuda:1"}}, ["dev0", "d0"]) == [
+        "dev=device(type='cuda', index=0)", "d={'x': 'cuda:1'}"]
+    assert cuda_parameters({"on": True}, ["bf16_cuda"]) == ["id bf16_cuda"]
+    # a test's name, a path through a folder named after CUDA, a CPU device: none names one
+    assert cuda_parameters({"device": torch.device("cpu"), "recipe": "/w/wt-cuda-markers/r.yaml",
+                            "what": "cudagraphs"}, ["cpu-triton", "/w/wt-cuda-markers/r.yaml", "cudagraphs"]) == []
+
+
+def test_every_test_whose_parameters_name_a_cuda_device_is_marked_cuda():
+    """The GPU session runs `-m cuda`: a case on a CUDA device without the marker never runs on a GPU (and
+    would not be skipped on a machine without one)."""
+    collected = _collected_on_a_gpu_machine()
+    on_cuda = [t for t in collected if t["names_cuda"]]
+    assert any(t["test"].endswith("[cuda-triton]") for t in on_cuda)  # the kernels' device fixture
+    unmarked = [f"{t['test']} ({', '.join(t['names_cuda'])})" for t in on_cuda if not t["cuda_marked"]]
+    assert not unmarked, f"{len(unmarked)} of {len(on_cuda)} test cases on a CUDA device are not marked " \
+        "cuda (pytest.param(..., marks=pytest.mark.cuda)):\n" + "\n".join(unmarked[:30])
+
+
+def test_the_test_steps_run_every_file_of_cuda_tests():
+    """A file of cuda tests left out of the test steps' lists would never run on a GPU (the calls run no
+    other), and one listed twice would run twice."""
+    gs = _gpu_session()
+    marked = {t["test"].split("::")[0] for t in _collected_on_a_gpu_machine() if t["cuda_marked"]}
+    lists = gs.CUDA_TEST_FILES + gs.KERNEL_TEST_FILES + gs.OTHER_CUDA_TEST_FILES
+    assert marked <= set(lists), sorted(marked - set(lists))
+    assert len(lists) == len(set(lists))
 
 
 def test_the_decode_step_compares_graphed_tokens_with_eagers_row_by_row():
@@ -268,3 +344,29 @@ def test_rehearsal_of_both_calls_at_toy_sizes(tmp_path):
         steps = _steps(_records(tmp_path / "out" / f"{call}.jsonl"))
         assert list(steps) == keys and all(s["status"] == "ok" for s in steps.values())
     assert (tmp_path / "out" / "first-junit.xml").is_file()
+
+
+def test_a_triton_specialization_is_keyed_as_tritons_jit_keys_its_compiled_kernels():
+    """benchmarks/triton_specializations.py, which counts the kernel-tests step's compiles: a new int value
+    compiles again only if it is 1 or changes its divisibility by 16, a new constexpr value always; a new
+    dtype also builds a new launcher."""
+    import torch
+    import triton.language as tl
+    spec = importlib.util.spec_from_file_location("triton_specializations",
+                                                  ROOT / "benchmarks" / "triton_specializations.py")
+    ts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ts)
+
+    def kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
+        pass
+    names = ["x_ptr", "n", "scale", "BLOCK"]
+    x = torch.zeros(64)
+
+    def key(tensor=x, n=3, block=128, warps=4):
+        return ts.specialization(kernel, names, (tensor, n, 0.5), {"BLOCK": block, "num_warps": warps})
+    assert key(n=3) == key(n=5) != key(n=16) == key(n=32)
+    assert key(n=1) != key(n=3) and key(n=2**31) != key(n=5)
+    assert key(block=64) != key() and ts.launcher(key(block=64)) == ts.launcher(key())
+    assert key(warps=8) != key() and key(tensor=x[1:]) != key()  # (4 bytes in: not 16-aligned)
+    assert ts.launcher(key(tensor=x.double())) != ts.launcher(key())
+    assert ts.launcher(key(n=1)) != ts.launcher(key())  # 1 is a constant: not an argument of the launcher

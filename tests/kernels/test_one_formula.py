@@ -14,6 +14,11 @@ from lowmem_grpo.kernels.grpo_loss import Variant, term_params
 LOSS_TYPES = ["grpo", "cispo", "sapo", "vespo"]  # one per variant (bnpo, dapo, dr_grpo, luspo share grpo's)
 needs_triton = pytest.mark.skipif(not (HAS_TRITON and interpreter_enabled()) and not torch.cuda.is_available(),
                                   reason="the Triton copy runs under TRITON_INTERPRET=1 on the CPU, or on a GPU")
+# where the Triton copy runs: CPU tensors through the interpreter, CUDA ones compiled (marked `cuda`: the GPU
+# session's `-m cuda` selects them)
+TRITON_DEVICES = [pytest.param("cpu")] if HAS_TRITON and interpreter_enabled() else []
+if HAS_TRITON and torch.cuda.is_available():
+    TRITON_DEVICES.append(pytest.param("cuda", marks=pytest.mark.cuda))
 
 
 def _token_inputs(n=257, seed=0, rows=1):
@@ -103,10 +108,10 @@ def test_vespo_phi_is_one_at_ratio_one_and_smaller_away_from_it():
 
 
 @needs_triton
+@pytest.mark.parametrize("dev", TRITON_DEVICES)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("delta, bias_kl, weighted", [(None, False, False), (1.5, True, True)])
-def test_triton_copy_matches_torch_copy(loss_type, delta, bias_kl, weighted):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+def test_triton_copy_matches_torch_copy(loss_type, delta, bias_kl, weighted, dev):
     logp, old, ref, adv = (t.to(dev) for t in _token_inputs(n=1500, rows=2))  # > one TOKEN_BLOCK
     is_ratio = torch.rand(2, 1500, device=dev) + 0.5 if weighted else None
     kwargs = dict(old_logp=old, ref_logp=ref, epsilon_low=0.1, epsilon_high=1.3 if loss_type == "cispo" else 0.28,
