@@ -83,7 +83,8 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
             specs.append(_spec(lp, "logits_grad_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("bias_ptr", "*fp32"), ("lse_ptr", "*fp32"),
                 ("grad_ptr", "*fp32"), ("ent_ptr", "*fp32"), ("grad_ent_ptr", "*fp32"), ("stride_row", "i32"),
-                ("n_cols", "i32"), ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"), ("inv_temp", "fp32"),
+                ("n_cols", "i32"), ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"),
+                ("inv_temp", "fp32"),
             ], [("HAS_ENT_GRAD", ent), ("BLOCK_V", block)], warps))
         for has_mask, has_old, has_ref, has_weight in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS):
             specs.append(_spec(gl, "grpo_row_kernel", [

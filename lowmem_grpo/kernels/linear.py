@@ -3,9 +3,8 @@
     linear_token_logprobs(hidden (N, H), weight (V, H), ids (N,)) -> logp (N,)
         = log_softmax(cap(hidden @ weight.T + bias) / T).gather(ids),  cap(z) = c tanh(z / c) or z
 
-Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N
-tokens into a reused [N, chunk] workspace, followed by a row kernel over it that adds the bias in fp32
-and applies the soft cap (so the bias is not rounded into the GEMM's dtype):
+Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N tokens
+into a reused [N, chunk] workspace, then a row kernel over it that adds the bias in fp32 and soft-caps:
   forward   logits_s = h @ W_s^T; merge the slice into online-softmax statistics (m, s, t, x_y).
             Saves only lse (and entropy): N floats each.
   backward  recompute logits_s, turn it into dlogits_s in place, then

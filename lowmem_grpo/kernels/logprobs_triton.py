@@ -132,6 +132,7 @@ def logits_grad_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < n_cols
         x = load_x(row_ptr, bias_ptr + col_offset, cols, valid, has_bias, 0.0, 1.0)  # z + bias
+        dcap = tl.full([BLOCK_V], 1.0, tl.float32)  # d cap(u) / du
         if softcap > 0.0:  # tanh(a / 2) = 2 sigmoid(a) - 1, d/du c tanh(u / c) = 4 sigmoid(a) sigmoid(-a)
             a = 2.0 * x / softcap
             sig = tl.sigmoid(a)
@@ -142,9 +143,7 @@ def logits_grad_kernel(
         dx = tl.where(cols == y, g, 0.0) - g * p
         if HAS_ENT_GRAD:  # dH/dx_j = -p_j * (log p_j + H)
             dx -= g_ent * p * tl.where(p > 0, x - lse + ent, 0.0)
-        dx *= inv_temp
-        if softcap > 0.0:
-            dx *= dcap
+        dx *= inv_temp * dcap
         tl.store(row_ptr + cols, dx.to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=valid)
 
 
