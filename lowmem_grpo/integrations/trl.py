@@ -6,12 +6,13 @@ passes without) from `model(..., labels=..., fused_lm_head=True)`, a forward tha
 `trl.trainer.utils.add_fused_lm_head` patches in. This trainer re-patches the policy and reference models,
 after TRL's constructor, with the same forward whose head is `lowmem_grpo.kernels.linear_token_logprobs`
 (log-probs and entropy, differentiable). Everything else, including each `loss_type`'s per-token loss on the
-(B, T) log-probs, is TRL's own code; only the (B, T, V)-sized head changes. MoE models: aux_loss is the
-family's own transformers `load_balancing_loss_func` on the backbone's router logits, and `loss` adds
-router_aux_loss_coef * aux_loss, as in TRL's head. cast_lm_head_to_fp32=True: the head runs in fp32 (hidden
-states and weight) with autocast off, as TRL's does. Refused at construction, with the reason: final-logit
-softcapping or a logit scale (Gemma 2, Granite, ...), an MoE family without load_balancing_loss_func;
-FSDP-sharded (DTensor) heads are refused on the first fused call."""
+(B, T) log-probs, is TRL's own code; only the (B, T, V)-sized head changes. MoE models: as in TRL's head,
+router logits are requested only where the config's output_router_logits (or the caller) asks for them; then
+aux_loss is the family's own transformers `load_balancing_loss_func` (Mixtral's, as TRL uses, where the family
+has none) and `loss` adds router_aux_loss_coef * aux_loss. final_logit_softcapping (Gemma 2) is applied in the
+fused head, before the temperature. cast_lm_head_to_fp32=True: the head runs in fp32 (hidden states and
+weight) with autocast off, as TRL's does. Refused at construction, with the reason: a logit scale (Granite,
+Cohere, ...); FSDP-sharded (DTensor) heads are refused on the first fused call."""
 
 from __future__ import annotations
 
@@ -39,20 +40,22 @@ def _unsupported(model) -> list[str]:
     """Why our head cannot replace TRL's on this model (empty: it can)."""
     config = model.config.get_text_config()
     why = []
-    if getattr(config, "final_logit_softcapping", None) is not None:
-        why.append(f"final_logit_softcapping={config.final_logit_softcapping}")
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
             why.append(f"{name}={value}")
-    if hasattr(config, "output_router_logits") and _router_loss(model) is None:
-        why.append(f"router logits but no load_balancing_loss_func in {type(model).__module__}")
     return why
 
 
 def _router_loss(model):
-    """The MoE family's own load-balancing loss function, from the model's transformers module (or None)."""
-    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    """The MoE family's own load-balancing loss function, from the model's transformers module; Mixtral's
+    (the one TRL's head uses for every family) where the family defines none."""
+    own = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    if own is not None:
+        return own
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return load_balancing_loss_func
 
 
 def _experts(model, config) -> tuple[int, int]:
@@ -74,6 +77,7 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
                          "apply; use trl.GRPOTrainer for this model")
     original_forward = types.MethodType(type(model).forward, model)  # not TRL's patched instance forward
     text_config = model.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)  # Gemma 2: c tanh(logits / c)
 
     @functools.wraps(type(model).forward)  # generate() validates its kwargs against this signature
     def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
@@ -105,7 +109,8 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
         mask = labels != -100  # (B, T): only these rows go through the head
         with autocast:
             logp, entropy = linear_token_logprobs(hidden[mask], weight, labels[mask], bias=bias,
-                                                  temperature=temperature, return_entropy=True)  # (n_kept,) each
+                                                  temperature=temperature, return_entropy=True,
+                                                  softcap=softcap)  # (n_kept,) each
         log_probs = logp.new_zeros(mask.shape).masked_scatter(mask, logp)  # keeps the graph when none is kept
         entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)

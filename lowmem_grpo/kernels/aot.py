@@ -75,15 +75,16 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
     for dt, (block, warps) in itertools.product(logits_dtypes(), blocks):
         for acc, ent in itertools.product(FLAGS, FLAGS):
             specs.append(_spec(lp, "logits_stats_kernel", [
-                ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("m_ptr", "*fp32"), ("s_ptr", "*fp32"),
-                ("t_ptr", "*fp32"), ("xy_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
-                ("col_offset", "i32"), ("inv_temp", "fp32"),
+                ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("bias_ptr", "*fp32"), ("m_ptr", "*fp32"),
+                ("s_ptr", "*fp32"), ("t_ptr", "*fp32"), ("xy_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
+                ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"), ("inv_temp", "fp32"),
             ], [("ACCUMULATE", acc), ("HAS_ENTROPY", ent), ("BLOCK_V", block)], warps))
         for ent in FLAGS:
             specs.append(_spec(lp, "logits_grad_kernel", [
-                ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("lse_ptr", "*fp32"), ("grad_ptr", "*fp32"),
-                ("ent_ptr", "*fp32"), ("grad_ent_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
-                ("col_offset", "i32"), ("inv_temp", "fp32"),
+                ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("bias_ptr", "*fp32"), ("lse_ptr", "*fp32"),
+                ("grad_ptr", "*fp32"), ("ent_ptr", "*fp32"), ("grad_ent_ptr", "*fp32"), ("stride_row", "i32"),
+                ("n_cols", "i32"), ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"),
+                ("inv_temp", "fp32"),
             ], [("HAS_ENT_GRAD", ent), ("BLOCK_V", block)], warps))
         for has_mask, has_old, has_ref, has_weight in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS):
             specs.append(_spec(gl, "grpo_row_kernel", [

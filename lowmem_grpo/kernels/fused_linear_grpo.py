@@ -125,8 +125,9 @@ class FusedLinearGRPOLoss(nn.Module):
                              "ref_input=... with ref_weight=... (the reference model's hidden states and lm_head); "
                              "or construct with use_ref_model=False for no KL term")
         if ref_per_token_logps is not None and ref_input is not None:
-            warnings.warn("both ref_per_token_logps and ref_input were given: using ref_per_token_logps "
-                          "(pass only one of them)", stacklevel=3)
+            # Liger's own text, which tests read with pytest.warns(match=...), then the fix
+            warnings.warn("Both ref_per_token_logps and ref_input are provided. Using ref_per_token_logps. "
+                          "Pass only one of them.", stacklevel=3)
         if self.beta == 0.0:
             return None
         if ref_per_token_logps is not None:

@@ -123,7 +123,8 @@ def grpo_row_kernel(
             tl.store(lse_ptr + row, 0.0)
             return
     y = tl.load(ids_ptr + row)
-    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, y, n_cols, inv_temp, False, BLOCK_V)
+    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, logits_ptr, y, n_cols, 0, 0.0, inv_temp, False,
+                             BLOCK_V)  # given logits: no bias, no cap
     lse = m + tl.log(s)
     logp = x_y - lse
     old = tl.load(old_ptr + row) if HAS_OLD else logp

@@ -1,10 +1,10 @@
 """Op 4: the lm_head fused in. Log-probs from hidden states without ever holding [N, V] logits.
 
     linear_token_logprobs(hidden (N, H), weight (V, H), ids (N,)) -> logp (N,)
-        = log_softmax((hidden @ weight.T + bias) / T).gather(ids)
+        = log_softmax(cap(hidden @ weight.T + bias) / T).gather(ids),  cap(z) = c tanh(z / c) or z
 
-Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N
-tokens into a reused [N, chunk] workspace, followed by a row kernel over it:
+Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N tokens
+into a reused [N, chunk] workspace, then a row kernel over it that adds the bias in fp32 and soft-caps:
   forward   logits_s = h @ W_s^T; merge the slice into online-softmax statistics (m, s, t, x_y).
             Saves only lse (and entropy): N floats each.
   backward  recompute logits_s, turn it into dlogits_s in place, then
@@ -37,41 +37,45 @@ def _slices(vocab: int, chunk: int):
     return [(v0, min(vocab, v0 + chunk)) for v0 in range(0, vocab, chunk)]
 
 
-def _slice_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int,
-                  workspace: Tensor) -> Tensor:
-    """hidden @ weight[v0:v1].T (+ bias) into the workspace, in hidden's dtype: [N, v1 - v0]."""
+def _slice_logits(hidden: Tensor, weight: Tensor, v0: int, v1: int, workspace: Tensor) -> Tensor:
+    """hidden @ weight[v0:v1].T into the workspace, in hidden's dtype: [N, v1 - v0] (the bias is the row
+    kernels' to add, in fp32)."""
     out = workspace[: hidden.shape[0] * (v1 - v0)].view(hidden.shape[0], v1 - v0)
     w = weight[v0:v1].to(hidden.dtype)  # a no-op unless autocast mixes dtypes (then a [chunk, H] copy)
-    if bias is None:
-        return torch.mm(hidden, w.t(), out=out)
-    return torch.addmm(bias[v0:v1].to(hidden.dtype), hidden, w.t(), out=out)
+    return torch.mm(hidden, w.t(), out=out)
+
+
+def _fp32(bias: Optional[Tensor]) -> Optional[Tensor]:
+    return None if bias is None else bias.to(torch.float32).contiguous()  # (V,): a copy only when not fp32
 
 
 @torch.library.custom_op("lowmem_grpo::linear_token_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                        with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V] | None, ids [N] -> (logp, lse, entropy), each [N] fp32."""
+                        with_entropy: bool, chunk_size: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V] | None, ids [N] -> (logp, lse, entropy), each [N] fp32.
+    softcap: c > 0 soft-caps the logits (c tanh(z / c)) before the temperature; 0: no cap."""
     n, vocab = hidden.shape[0], weight.shape[0]
     stats = new_stats(n, hidden.device)
     workspace = hidden.new_empty(n * min(chunk_size, vocab))
+    bias32 = _fp32(bias)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are settled by the caller
         for i, (v0, v1) in enumerate(_slices(vocab, chunk_size)):
-            logits = _slice_logits(hidden, weight, bias, v0, v1, workspace)
+            logits = _slice_logits(hidden, weight, v0, v1, workspace)
             logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature,
-                         accumulate=i > 0, with_entropy=with_entropy)
+                         accumulate=i > 0, with_entropy=with_entropy, bias=bias32, softcap=softcap)
     lse, logp, entropy = finalize_stats(stats)
     return logp, lse, entropy if with_entropy else torch.zeros_like(lse)
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, bias, ids, temperature, with_entropy, chunk_size):
+def _(hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap):
     return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("lowmem_grpo::linear_token_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward_op(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor, grad_logp: Tensor,
-    entropy: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, chunk_size: int,
+    entropy: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, chunk_size: int, softcap: float,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """-> (d hidden [N, H], d weight [V, H], d bias [V]); an empty tensor for each gradient not needed."""
@@ -80,10 +84,12 @@ def _linear_logprobs_backward_op(
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if need_bias else None
     workspace = hidden.new_empty(n * min(chunk_size, vocab))
+    bias32 = _fp32(bias)
     with torch.autocast(hidden.device.type, enabled=False):
         for v0, v1 in _slices(vocab, chunk_size):
-            dlogits = _slice_logits(hidden, weight, bias, v0, v1, workspace)  # recompute, then in place:
-            logits_grad_(dlogits, ids, lse, grad_logp, entropy, grad_entropy, col_offset=v0, inv_temp=1.0 / temperature)
+            dlogits = _slice_logits(hidden, weight, v0, v1, workspace)  # recompute, then in place:
+            logits_grad_(dlogits, ids, lse, grad_logp, entropy, grad_entropy, col_offset=v0,
+                         inv_temp=1.0 / temperature, bias=bias32, softcap=softcap)
             if grad_w is not None:
                 if grad_w.dtype == hidden.dtype:
                     torch.mm(dlogits.t(), hidden, out=grad_w[v0:v1])
@@ -107,7 +113,7 @@ def _linear_logprobs_backward_op(
 
 
 @_linear_logprobs_backward_op.register_fake
-def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperature, chunk_size,
+def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperature, chunk_size, softcap,
       need_hidden, need_weight, need_bias):
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
@@ -117,11 +123,11 @@ def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperat
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, ids, temperature, with_entropy, chunk_size = inputs
+    hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap = inputs
     _, lse, entropy = output
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
-    ctx.temperature, ctx.with_entropy, ctx.chunk_size = temperature, with_entropy, chunk_size
+    ctx.temperature, ctx.with_entropy, ctx.chunk_size, ctx.softcap = temperature, with_entropy, chunk_size, softcap
 
 
 def _backward(ctx, grad_logp, grad_lse, grad_entropy):
@@ -134,9 +140,9 @@ def _backward(ctx, grad_logp, grad_lse, grad_entropy):
         grad_entropy = grad_entropy.float().contiguous()
     gh, gw, gb = _linear_logprobs_backward_op(
         hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, ctx.temperature, ctx.chunk_size,
-        need_h, need_w, bool(need_b and bias is not None))
+        ctx.softcap, need_h, need_w, bool(need_b and bias is not None))
     return (gh if need_h else None, gw if need_w else None, gb if (need_b and bias is not None) else None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -165,9 +171,20 @@ def check_linear_args(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) ->
     return hidden
 
 
+def check_softcap(softcap: Optional[float]) -> float:
+    """The soft cap as the kernels take it: None -> 0.0 (no cap); otherwise a finite value > 0."""
+    if softcap is None:
+        return 0.0
+    if not (isinstance(softcap, (int, float)) and 0.0 < float(softcap) < float("inf")):
+        raise ValueError(f"softcap must be a finite number > 0 (a model config's final_logit_softcapping), or None "
+                         f"for no cap; got {softcap!r}")
+    return float(softcap)
+
+
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: Optional[Tensor] = None,
-                          temperature: float = 1.0, return_entropy: bool = False, chunk_size: Optional[int] = None):
-    """Per-token log-probs of `ids` under softmax((hidden @ weight.T + bias) / temperature).
+                          temperature: float = 1.0, return_entropy: bool = False, chunk_size: Optional[int] = None,
+                          softcap: Optional[float] = None):
+    """Per-token log-probs of `ids` under softmax(cap(hidden @ weight.T + bias) / temperature).
 
     Args:
         hidden: (B, T, H) or (N, H) float32/bfloat16/float16: the decoder's last hidden states.
@@ -177,6 +194,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
         temperature: softmax temperature (> 0).
         return_entropy: also return the entropy of each token's distribution.
         chunk_size: vocabulary slice width; default keeps an fp32 [N, chunk] slice within 256 MiB.
+        softcap: c soft-caps the logits, cap(z) = c tanh(z / c), before the temperature (Gemma 2's
+            final_logit_softcapping); None: no cap. The bias is added to the GEMM's output in fp32.
 
     Returns:
         logp shaped like ids, fp32 (or (logp, entropy)). Differentiable w.r.t. hidden, weight and bias
@@ -187,13 +206,14 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
     if hidden.dim() not in (2, 3):
         raise ValueError(f"hidden must have shape (B, T, H) or (N, H), got {tuple(hidden.shape)}")
     temperature = check_temperature(temperature)
+    cap = check_softcap(softcap)
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     flat_ids = check_ids(ids, lead, vocab, hidden.device)
     rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     chunk = default_chunk_size(rows.shape[0], vocab) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    logp, _, entropy = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk)
+    logp, _, entropy = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk, cap)
     if return_entropy:
         return logp.view(lead), entropy.view(lead)
     return logp.view(lead)

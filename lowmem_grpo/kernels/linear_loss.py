@@ -106,6 +106,7 @@ def linear_grpo_loss(
     importance_sampling_ratio: Optional[Tensor] = None, top_entropy_quantile: float = 1.0,
     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
     vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+    softcap: Optional[float] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch from the decoder's last hidden states; no (B*T, V) tensor exists.
 
@@ -133,6 +134,8 @@ def linear_grpo_loss(
             masked tokens). lowmem-grpo's trainer passes the masked tokens of the optimizer step's
             micro-batches; TRL passes the generation batch's count scaled to one step (docs/trl.md).
         chunk_size: vocabulary slice width of the fused head (see linear_token_logprobs).
+        softcap: soft-caps the logits, softcap * tanh(logits / softcap), before the temperature (Gemma 2's
+            final_logit_softcapping); None: no cap.
         mask_count: the number of True entries of `mask`, if known on the host (the trainer counts them
             before the micro-batch goes to the GPU): the padding is then dropped without a device sync.
 
@@ -167,13 +170,14 @@ def linear_grpo_loss(
     if mask is None:
         mask = torch.ones(B, T, dtype=torch.bool, device=dev)
         logp, entropy = linear_token_logprobs(hidden, weight, flat_ids.view(B, T), bias=bias, temperature=temperature,
-                                              return_entropy=True, chunk_size=chunk_size)  # (B, T) each
+                                              return_entropy=True, chunk_size=chunk_size,
+                                              softcap=softcap)  # (B, T) each
         entropy = entropy.detach()
     else:  # the head runs on the unmasked tokens only
         keep = kept_rows(mask, mask_count)  # (n_kept,)
         kept_logp, kept_entropy = linear_token_logprobs(
             hidden.reshape(B * T, H).index_select(0, keep), weight, flat_ids.index_select(0, keep), bias=bias,
-            temperature=temperature, return_entropy=True, chunk_size=chunk_size)
+            temperature=temperature, return_entropy=True, chunk_size=chunk_size, softcap=softcap)
         zeros = torch.zeros(B * T, dtype=torch.float32, device=dev)
         logp = zeros.index_copy(0, keep, kept_logp).view(B, T)  # (B, T), 0 on padding
         entropy = zeros.index_copy(0, keep, kept_entropy.detach()).view(B, T)

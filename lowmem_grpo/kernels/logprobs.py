@@ -25,6 +25,9 @@ from torch import Tensor
 from ._backend import DEFAULT_WORKSPACE_BYTES, use_triton
 from ._checks import check_float, check_ids, check_temperature
 
+# The fused head's slices are raw GEMM outputs z: the row kernels read x = cap(z + bias) / T, with the bias
+# added in fp32 (bias: the full (V,) vector in fp32, indexed from col_offset) and cap(u) = c tanh(u / c) when
+# softcap = c > 0 (Gemma 2's final_logit_softcapping); the backward returns dL/dz.
 # Online-softmax statistics of x = logits / T per row, each [N] fp32: m (running max),
 # s = sum exp(x - m), t = sum exp(x - m) (x - m), x_y = x[id]. lse = m + log s, H = log s - t / s.
 Stats = tuple[Tensor, Tensor, Tensor, Tensor]
@@ -40,14 +43,23 @@ def _finite_or_zero(m: Tensor) -> Tensor:
     return torch.where(m == float("-inf"), torch.zeros_like(m), m)
 
 
-def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate, with_entropy):
+def _capped_(z: Tensor, bias: Optional[Tensor], col_offset: int, softcap: float) -> Tensor:
+    """z (an fp32 chunk of columns col_offset..) -> cap(z + bias), in place."""
+    if bias is not None:
+        z.add_(bias[col_offset:col_offset + z.shape[1]])
+    if softcap > 0.0:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate, with_entropy, bias, softcap):
     # Statistics in the form (m = lse, s = 1, t = -H, x_y): the kernel's (m, s, t) with m = lse, so
     # the same merge rule holds, and torch's fused logsumexp / softmax do each chunk in few passes.
     n_rows, n_cols = logits.shape
     step = _rows_per_chunk(n_cols)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
-        x = logits[r].to(torch.float32, copy=True).mul_(inv_temp)  # bounded fp32 copy of a chunk
+        x = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
         y = ids[r] - col_offset
         in_row = (y >= 0) & (y < n_cols)
         x_y = torch.where(in_row, x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)  # not -inf * 0
@@ -78,12 +90,13 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
         del x  # free this chunk before the next one is allocated
 
 
-def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp):
+def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp, bias, softcap):
     n_rows, n_cols = logits.shape
     step = _rows_per_chunk(n_cols)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
-        log_p = logits[r].to(torch.float32, copy=True).mul_(inv_temp).sub_(lse[r, None])
+        x = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap)
+        log_p = x.mul_(inv_temp).sub_(lse[r, None])
         g = grad[r]
         if grad_entropy is None:
             dx = log_p.exp_().mul_(-g[:, None])  # -g p, in the chunk's own buffer
@@ -96,7 +109,12 @@ def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_of
         y = ids[r] - col_offset
         in_row = (y >= 0) & (y < n_cols)
         dx.scatter_add_(1, y.clamp(0, n_cols - 1)[:, None], (g * in_row)[:, None])
-        logits[r].copy_(dx.mul_(inv_temp))
+        dx.mul_(inv_temp)
+        if softcap > 0.0:  # d cap(u) / du = 1 / cosh(u / c)^2, not 1 - tanh^2 (which cancels where it saturates)
+            u = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, 0.0)
+            dx.mul_(u.div_(softcap).cosh_().reciprocal_().square_())
+            del u
+        logits[r].copy_(dx)
         del log_p, dx  # free this chunk before the next one is allocated
 
 
@@ -105,19 +123,21 @@ def new_stats(n_rows: int, device: torch.device) -> Stats:
 
 
 def logits_stats(logits: Tensor, ids: Tensor, stats: Stats, *, col_offset: int = 0,
-                 inv_temp: float = 1.0, accumulate: bool = False, with_entropy: bool = False) -> None:
-    """Online-softmax statistics of `logits` [N, n_cols] (a vocab slice starting at `col_offset`),
-    written into `stats`, or merged into it when `accumulate`."""
+                 inv_temp: float = 1.0, accumulate: bool = False, with_entropy: bool = False,
+                 bias: Optional[Tensor] = None, softcap: float = 0.0) -> None:
+    """Online-softmax statistics of x = cap(logits + bias) * inv_temp, `logits` [N, n_cols] a vocab slice
+    starting at `col_offset` (bias: (V,) fp32 or None; softcap 0: no cap), written into `stats`, or merged
+    into it when `accumulate`."""
     if logits.shape[0] == 0:
         return
     if use_triton(logits):
         from . import logprobs_triton
 
         logprobs_triton.logits_stats(logits, ids, stats, col_offset=col_offset, inv_temp=inv_temp,
-                                     accumulate=accumulate, with_entropy=with_entropy)
+                                     accumulate=accumulate, with_entropy=with_entropy, bias=bias, softcap=softcap)
     else:
         _torch_logits_stats(logits, ids, stats, col_offset=col_offset, inv_temp=inv_temp,
-                            accumulate=accumulate, with_entropy=with_entropy)
+                            accumulate=accumulate, with_entropy=with_entropy, bias=bias, softcap=softcap)
 
 
 def finalize_stats(stats: Stats) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,17 +149,20 @@ def finalize_stats(stats: Stats) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def logits_grad_(logits: Tensor, ids: Tensor, lse: Tensor, grad: Tensor, entropy: Optional[Tensor] = None,
-                 grad_entropy: Optional[Tensor] = None, *, col_offset: int = 0, inv_temp: float = 1.0) -> None:
-    """Overwrite `logits` [N, n_cols] with dL/dlogits given dL/dlogp (and optionally dL/dH)."""
+                 grad_entropy: Optional[Tensor] = None, *, col_offset: int = 0, inv_temp: float = 1.0,
+                 bias: Optional[Tensor] = None, softcap: float = 0.0) -> None:
+    """Overwrite `logits` [N, n_cols] with dL/dlogits given dL/dlogp (and optionally dL/dH), x read as in
+    `logits_stats` (so the gradient also is the bias's)."""
     if logits.shape[0] == 0:
         return
     if use_triton(logits):
         from . import logprobs_triton
 
         logprobs_triton.logits_grad_(logits, ids, lse, grad, entropy, grad_entropy,
-                                     col_offset=col_offset, inv_temp=inv_temp)
+                                     col_offset=col_offset, inv_temp=inv_temp, bias=bias, softcap=softcap)
     else:
-        _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, col_offset=col_offset, inv_temp=inv_temp)
+        _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, col_offset=col_offset, inv_temp=inv_temp,
+                            bias=bias, softcap=softcap)
 
 
 # ---- torch.library registration -------------------------------------------------------------

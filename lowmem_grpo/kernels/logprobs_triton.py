@@ -11,7 +11,8 @@ Both kernels also work on a vocabulary *slice* of a row ([N, n_cols] starting at
 `col_offset`): the forward merges the slice into running statistics, the backward writes the slice
 of dlogits. That is how the fused lm-head ops (linear.py) reuse them without ever holding [N, V].
 
-Design notes: docs/kernels.md
+The fused head's slices are raw GEMM outputs z: x = cap(z + bias) / T, the bias added in fp32 (`has_bias`)
+and cap(u) = c tanh(u / c) when softcap = c > 0; the backward then returns dL/dz. Design notes: docs/kernels.md
 """
 
 from __future__ import annotations
@@ -26,9 +27,22 @@ MAX_BLOCK_V = 4096
 
 
 @triton.jit
-def row_stats(row_ptr, y, n_cols, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
+def load_x(row_ptr, bias_ptr, cols, valid, has_bias, softcap, inv_temp):
+    """x = cap(z + bias) * inv_temp for the columns `cols` of a row (-inf where not `valid`), fp32.
+    bias_ptr points at this slice's first bias entry; read only when has_bias != 0; no cap when softcap == 0."""
+    x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    if has_bias != 0:
+        x += tl.load(bias_ptr + cols, mask=valid, other=0.0)
+    if softcap > 0.0:  # c tanh(u / c) = c (2 sigmoid(2 u / c) - 1); columns past the row stay -inf
+        x = tl.where(valid, softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0), float("-inf"))
+    return x * inv_temp
+
+
+@triton.jit
+def row_stats(row_ptr, bias_ptr, y, n_cols, has_bias, softcap, inv_temp, HAS_ENTROPY: tl.constexpr,
+              BLOCK_V: tl.constexpr):
     """One pass over a row: m = max x, s = sum exp(x - m), t = sum exp(x - m) * (x - m), and x[y]
-    (0 when y is not a column of this row). x = logits * inv_temp, accumulated in fp32.
+    (0 when y is not a column of this row). x = cap(logits + bias) * inv_temp (load_x), in fp32.
     Then lse = m + log s and the entropy H = log s - t / s: taking t about m (not about 0) keeps H
     free of the cancellation between lse and E[x], which are ~10 while H may be ~1e-3."""
     m = float("-inf")
@@ -36,7 +50,7 @@ def row_stats(row_ptr, y, n_cols, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: 
     t = 0.0
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32) * inv_temp
+        x = load_x(row_ptr, bias_ptr, cols, cols < n_cols, has_bias, softcap, inv_temp)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         # While every column so far is -inf (banned tokens), m_new is -inf too: shift by 0 instead, so
         # exp never sees -inf - -inf (NaN); s and t stay 0 until a finite column arrives.
@@ -51,21 +65,24 @@ def row_stats(row_ptr, y, n_cols, inv_temp, HAS_ENTROPY: tl.constexpr, BLOCK_V: 
         s = s * scale + tl.sum(e, axis=0)
         m = m_new
     in_row = (y >= 0) & (y < n_cols)
-    x_y = tl.load(row_ptr + tl.where(in_row, y, 0), mask=in_row, other=0.0).to(tl.float32) * inv_temp
+    x_y = tl.where(in_row, load_x(row_ptr, bias_ptr, tl.where(in_row, y, 0), in_row, has_bias, softcap, inv_temp),
+                   0.0)
     return m, s, t, x_y
 
 
 @triton.jit
 def logits_stats_kernel(
     logits_ptr, ids_ptr,  # data: logits [N, n_cols] (unit column stride), ids [N] int64
+    bias_ptr,  # (V,) fp32 bias, read from col_offset on when has_bias != 0
     m_ptr, s_ptr, t_ptr, xy_ptr,  # running statistics [N] fp32: read if ACCUMULATE, always written
     stride_row, n_cols, col_offset,  # strides and sizes (col_offset: first vocab id of this slice)
-    inv_temp: tl.float32,  # constants (typed fp32: never specialised to fp64)
+    has_bias, softcap: tl.float32, inv_temp: tl.float32,  # constants (typed fp32: never specialised to fp64)
     ACCUMULATE: tl.constexpr, HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     y = tl.load(ids_ptr + row) - col_offset
-    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, y, n_cols, inv_temp, HAS_ENTROPY, BLOCK_V)
+    m, s, t, x_y = row_stats(logits_ptr + row * stride_row, bias_ptr + col_offset, y, n_cols, has_bias, softcap,
+                             inv_temp, HAS_ENTROPY, BLOCK_V)
     if ACCUMULATE:  # merge with the statistics of the slices before this one
         m_prev = tl.load(m_ptr + row)
         m_new = tl.maximum(m_prev, m)
@@ -90,9 +107,10 @@ def logits_stats_kernel(
 @triton.jit
 def logits_grad_kernel(
     logits_ptr, ids_ptr,  # data: logits [N, n_cols], overwritten in place with dlogits; ids [N]
+    bias_ptr,  # (V,) fp32 bias, read from col_offset on when has_bias != 0
     lse_ptr, grad_ptr, ent_ptr, grad_ent_ptr,  # per row fp32: lse, dL/dlogp, entropy, dL/dH
     stride_row, n_cols, col_offset,  # strides and sizes
-    inv_temp: tl.float32,  # constants
+    has_bias, softcap: tl.float32, inv_temp: tl.float32,  # constants
     HAS_ENT_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -113,12 +131,20 @@ def logits_grad_kernel(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < n_cols
-        x = tl.load(row_ptr + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv_temp
+        x = load_x(row_ptr, bias_ptr + col_offset, cols, valid, has_bias, 0.0, 1.0)  # z + bias
+        dcap = tl.full([BLOCK_V], 1.0, tl.float32)  # d cap(u) / du
+        if softcap > 0.0:  # tanh(a / 2) = 2 sigmoid(a) - 1, d/du c tanh(u / c) = 4 sigmoid(a) sigmoid(-a)
+            a = 2.0 * x / softcap
+            sig = tl.sigmoid(a)
+            dcap = 4.0 * sig * tl.sigmoid(-a)  # not 1 - tanh^2, which cancels where the cap saturates
+            x = tl.where(valid, softcap * (2.0 * sig - 1.0), float("-inf"))
+        x = x * inv_temp
         p = tl.exp(x - lse)
         dx = tl.where(cols == y, g, 0.0) - g * p
         if HAS_ENT_GRAD:  # dH/dx_j = -p_j * (log p_j + H)
             dx -= g_ent * p * tl.where(p > 0, x - lse + ent, 0.0)
-        tl.store(row_ptr + cols, (dx * inv_temp).to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=valid)
+        dx *= inv_temp * dcap
+        tl.store(row_ptr + cols, dx.to(row_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=valid)
 
 
 def block_config(n_cols: int) -> tuple[int, int]:
@@ -137,7 +163,8 @@ def block_configs() -> list[tuple[int, int]]:
 
 def logits_stats(
     logits: torch.Tensor, ids: torch.Tensor, stats: tuple[torch.Tensor, ...],
-    *, col_offset: int, inv_temp: float, accumulate: bool, with_entropy: bool,
+    *, col_offset: int, inv_temp: float, accumulate: bool, with_entropy: bool, bias: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> None:
     """Fill (or merge into) stats = (m, s, t, x_y) for the rows of `logits` [N, n_cols]."""
     n_rows, n_cols = logits.shape
@@ -145,7 +172,8 @@ def logits_stats(
     m, s, t, x_y = stats
     with launch_guard(logits):
         logits_stats_kernel[(n_rows,)](
-            logits, ids, m, s, t, x_y, logits.stride(0), n_cols, col_offset, inv_temp,
+            logits, ids, m if bias is None else bias, m, s, t, x_y, logits.stride(0), n_cols, col_offset,
+            int(bias is not None), softcap, inv_temp,
             ACCUMULATE=accumulate, HAS_ENTROPY=with_entropy, BLOCK_V=block, num_warps=warps,
         )
 
@@ -153,6 +181,7 @@ def logits_stats(
 def logits_grad_(
     logits: torch.Tensor, ids: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
     entropy: torch.Tensor | None, grad_entropy: torch.Tensor | None, *, col_offset: int, inv_temp: float,
+    bias: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> None:
     """Overwrite `logits` [N, n_cols] with dL/dlogits."""
     n_rows, n_cols = logits.shape
@@ -160,7 +189,8 @@ def logits_grad_(
     has_ent = grad_entropy is not None
     with launch_guard(logits):
         logits_grad_kernel[(n_rows,)](
-            logits, ids, lse, grad, entropy if has_ent else lse, grad_entropy if has_ent else grad,
-            logits.stride(0), n_cols, col_offset, inv_temp,
+            logits, ids, lse if bias is None else bias, lse, grad, entropy if has_ent else lse,
+            grad_entropy if has_ent else grad, logits.stride(0), n_cols, col_offset, int(bias is not None), softcap,
+            inv_temp,
             HAS_ENT_GRAD=has_ent, BLOCK_V=block, num_warps=warps,
         )

@@ -129,11 +129,15 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
 
 
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: Optional[Tensor] = None,
-                          temperature: float = 1.0, return_entropy: bool = False, dtype: torch.dtype = torch.float32):
-    """The same as token_logprobs on logits = hidden @ weight.T + bias."""
+                          temperature: float = 1.0, return_entropy: bool = False, dtype: torch.dtype = torch.float32,
+                          softcap: Optional[float] = None):
+    """The same as token_logprobs on logits = hidden @ weight.T + bias, soft-capped to
+    softcap * tanh(logits / softcap) when softcap is given (before the temperature, as Gemma 2's head)."""
     logits = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
         logits = logits + bias.to(dtype)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     return token_logprobs(logits, ids, temperature=temperature, return_entropy=return_entropy, dtype=dtype)
 
 
@@ -153,13 +157,13 @@ def linear_grpo_loss(hidden: Tensor, weight: Tensor, ids: Tensor, advantages: Te
                      loss_type: str = "dapo", importance_sampling_level: str = "token",
                      max_completion_length: Optional[int] = None, num_items_in_batch=None,
                      top_entropy_quantile: float = 1.0, dtype: torch.dtype = torch.float32,
-                     **variant) -> tuple[Tensor, dict[str, Tensor]]:
+                     softcap: Optional[float] = None, **variant) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO loss of one micro-batch, reduced as TRL's loss_type says. `variant`: grpo_token_terms' options
     (delta, use_bias_correction_kl, importance_sampling_ratio, sapo_* and vespo_* settings)."""
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     m = torch.ones(ids.shape, device=ids.device) if mask is None else mask.float()  # (B, T)
     logp, entropy = linear_token_logprobs(hidden, weight, ids.masked_fill(m == 0, 0), bias=bias,
-                                          temperature=temperature, return_entropy=True, dtype=dtype)
+                                          temperature=temperature, return_entropy=True, dtype=dtype, softcap=softcap)
     entropy_mask = high_entropy_mask(entropy.detach(), m, top_entropy_quantile) if top_entropy_quantile < 1 else None
     terms = grpo_token_terms(logp, advantages, mask=m, old_logp=old_logp, ref_logp=ref_logp, epsilon_low=epsilon_low,
                              epsilon_high=eps_high, beta=beta, loss_type=loss_type, entropy_mask=entropy_mask,

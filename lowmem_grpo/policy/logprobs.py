@@ -47,7 +47,8 @@ def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
             hidden = completion_hidden(head, mb, pack)  # (b, c, H)
             ids = mb.completion_ids.masked_fill(~mb.completion_mask, 0)
-            logp = linear_token_logprobs(hidden, head.weight, ids, bias=head.bias, temperature=temperature)
+            logp = linear_token_logprobs(hidden, head.weight, ids, bias=head.bias, temperature=temperature,
+                                         softcap=head.softcap)
         c = mb.completion_ids.shape[1]
         out[start:start + len(mb), :c] = (logp * mb.completion_mask).float().cpu()
     return out

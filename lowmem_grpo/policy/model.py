@@ -32,11 +32,10 @@ class ModelError(ValueError):
     """A model that cannot be loaded or whose output head the fused loss cannot express."""
 
 
-# Config attributes that make logits something other than hidden @ W^T (+ b). The fused head computes
-# exactly that product, so a model that rescales or soft-caps its logits would train on the wrong
-# distribution; we refuse it by name instead.
+# Config attributes that make logits something other than hidden @ W^T (+ b), soft-capped by the fused head
+# where the config's final_logit_softcapping says so (Gemma 2). A model that rescales its logits would train
+# on the wrong distribution; we refuse it by name instead.
 _LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": "soft-caps its logits (tanh); Gemma 2/3",
     "logit_scale": "scales its logits; Cohere",
     "logits_scaling": "divides its logits by logits_scaling; Granite",
     "output_multiplier_scale": "scales its logits",
@@ -291,7 +290,7 @@ def _zero_dropout_floats(obj) -> int:
 
 
 def check_logits_are_linear(config) -> None:
-    """Refuse configs whose logits are rescaled or soft-capped (the fused head computes hidden @ W^T + b)."""
+    """Refuse configs whose logits are rescaled (the fused head computes cap(hidden @ W^T + b))."""
     for sub in (config, getattr(config, "text_config", None)):
         if sub is None:
             continue
@@ -313,6 +312,7 @@ class Head:
     # returns a leaf with the weight's storage and values but a gradient of its own, so the head's
     # contribution reaches the optimizer as soon as the head's backward is done. None: the weight itself.
     weight_source: Optional[Callable[[], torch.Tensor]] = None
+    softcap: Optional[float] = None  # the config's final_logit_softcapping: the head computes c tanh(logits / c)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -336,7 +336,13 @@ def build_head(model: nn.Module) -> Head:
     if decoder is None:
         raise ModelError(f"{type(model).__name__} has no separate decoder ({model.base_model_prefix!r}); "
                          "the fused head needs its hidden states")
-    return Head(decoder=decoder, output=head)
+    return Head(decoder=decoder, output=head, softcap=logit_softcap(model))
+
+
+def logit_softcap(model: nn.Module) -> Optional[float]:
+    """The model config's final_logit_softcapping (Gemma 2), which the fused head applies; None: no cap."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "final_logit_softcapping", None) or None
 
 
 def decoder_of(model: nn.Module):

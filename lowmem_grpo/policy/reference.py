@@ -70,6 +70,7 @@ class Reference:
     def _head_logprobs(self, hidden: Tensor, ids: Tensor, temperature: float) -> Tensor:
         """Fused-head log-probs with the (CPU-resident) head weight copied one vocabulary slice at a time."""
         weight, bias = self.head.weight, self.head.bias
+        bias32 = None if bias is None else bias.to(hidden.device, torch.float32)  # added in fp32, as the head does
         vocab = weight.shape[0]
         chunk = default_chunk_size(hidden.shape[0], vocab)
         stats = new_stats(hidden.shape[0], hidden.device)
@@ -77,8 +78,7 @@ class Reference:
             v1 = min(v0 + chunk, vocab)
             w = weight[v0:v1].to(hidden.device, hidden.dtype, non_blocking=True)  # (chunk, H)
             logits = hidden @ w.t()  # (N, chunk)
-            if bias is not None:
-                logits = logits + bias[v0:v1].to(hidden.device, hidden.dtype)
-            logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature, accumulate=i > 0)
+            logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature, accumulate=i > 0,
+                         bias=bias32, softcap=self.head.softcap or 0.0)
         _, logp, _ = finalize_stats(stats)
         return logp

@@ -22,7 +22,7 @@ from ..config import Config
 from ..kernels import linear_grpo_loss
 from ..policy.batch import Batch
 from ..policy.logprobs import completion_hidden
-from ..policy.model import Head, decoder_of
+from ..policy.model import Head, decoder_of, logit_softcap
 from ..policy.packing import Packing
 from .activation_offload import offload_activations
 from .micro_batch import loss_denominator, loss_factor
@@ -35,7 +35,8 @@ class PolicyLoss(nn.Module):
         self.policy = policy
         self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
         # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
-        self.head = Head(decoder=decoder_of(policy), output=policy.get_output_embeddings())
+        self.head = Head(decoder=decoder_of(policy), output=policy.get_output_embeddings(),
+                         softcap=logit_softcap(policy))
         # model.offload_activations on a CPU device: real host copies (a no-op otherwise). Set only while a
         # memory profile runs (memory/profile.py: profile_trainer), so the CPU's tracked bytes show what a
         # GPU would hold; plain CPU training has no device memory to save and skips the copies.
@@ -64,7 +65,7 @@ class PolicyLoss(nn.Module):
                 use_bias_correction_kl=t.use_bias_correction_kl, top_entropy_quantile=t.top_entropy_quantile,
                 sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
                 vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
-                vespo_lambda_neg=t.vespo_lambda_neg, importance_sampling_ratio=mb.is_weight)
+                vespo_lambda_neg=t.vespo_lambda_neg, importance_sampling_ratio=mb.is_weight, softcap=head.softcap)
         factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
         return (loss if factor == 1.0 else loss * factor), loss_metrics(metrics, t.loss_type)
 

@@ -105,6 +105,6 @@ def test_unsupported_model_is_refused():
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0.*trl.GRPOTrainer"):
+    model.config.logits_scaling = 8.0
+    with pytest.raises(ValueError, match="logits_scaling=8.0.*trl.GRPOTrainer"):
         add_fused_lm_head(model)

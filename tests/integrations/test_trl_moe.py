@@ -106,13 +106,22 @@ def test_router_loss_is_the_model_familys_own(monkeypatch):
     assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0  # the router loss reaches the router
 
 
-def test_moe_without_a_family_router_loss_is_refused(monkeypatch):
+def test_moe_without_a_family_router_loss_uses_mixtrals(monkeypatch):
+    """A family without its own load_balancing_loss_func (GLM-4-MoE, Nemotron-H) is not refused: its router loss
+    is Mixtral's, the function TRL's head uses for every family."""
     import transformers.models.qwen3_moe.modeling_qwen3_moe as family
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from lowmem_grpo.integrations.trl import add_fused_lm_head
     from lowmem_grpo.policy.char_tokenizer import char_tokenizer
 
+    torch.manual_seed(0)
     model = _tiny_moe("qwen3_moe", char_tokenizer())
+    model.config.output_router_logits = True
     monkeypatch.delattr(family, "load_balancing_loss_func")
-    with pytest.raises(ValueError, match="load_balancing_loss_func.*trl.GRPOTrainer"):
-        add_fused_lm_head(model)
+    add_fused_lm_head(model)
+    ids = torch.randint(3, 20, (2, 7))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, fused_lm_head=True)
+    router_logits = model.model(input_ids=ids, output_router_logits=True).router_logits
+    expected = load_balancing_loss_func(router_logits, 4, 2, torch.ones_like(ids))
+    torch.testing.assert_close(out.aux_loss, expected)

@@ -4,6 +4,7 @@ at its small shape, plus vllm_is_ratio, bias-corrected KL, num_items_in_batch, t
 Skipped where liger-kernel is not installed (the `bench` extra)."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -196,12 +197,15 @@ def test_no_reference_model_means_no_kl(loss_type):
 
 
 def test_both_reference_inputs_warn_and_use_the_log_probs():
+    """Our warning's text is Liger's own (tests read it with pytest.warns(match=...))."""
     inputs = _case(SMALL, use_ref_model=True, ref_logps=True, old=True)
     both = dict(inputs, ref_input=inputs["_input"] + 0.5)
-    with pytest.warns(UserWarning, match="ref_per_token_logps"):
-        ours = _run(FusedLinearGRPOLoss(**_kwargs("dapo")), both)
-    with pytest.warns(UserWarning):
+    with pytest.warns(UserWarning) as theirs_warned:
         theirs = _run(LigerFusedLinearGRPOLoss(compiled=False, **_kwargs("dapo")), both)
+    liger_text = str(theirs_warned[0].message)
+    assert "Using ref_per_token_logps" in liger_text
+    with pytest.warns(UserWarning, match=re.escape(liger_text)):
+        ours = _run(FusedLinearGRPOLoss(**_kwargs("dapo")), both)
     _assert_same(ours, theirs)
     _assert_same(ours, _run(FusedLinearGRPOLoss(**_kwargs("dapo")), inputs))
 

@@ -150,10 +150,10 @@ def test_never_allocates_logits_or_fp32_weight_sized_buffers():
     ids = torch.randint(0, V, (N,))
     # Call the ops' implementations directly so the mode sees every allocation inside them.
     with _Allocations() as fwd:
-        logp, lse, entropy = _linear_logprobs_op._init_fn(hidden, weight, bias, ids, 1.0, True, chunk)
+        logp, lse, entropy = _linear_logprobs_op._init_fn(hidden, weight, bias, ids, 1.0, True, chunk, 0.0)
     with _Allocations() as bwd:
         _linear_logprobs_backward_op._init_fn(hidden, weight, bias, ids, lse, torch.randn(N), entropy, torch.randn(N),
-                                              1.0, chunk, True, True, True)
+                                              1.0, chunk, 0.0, True, True, True)
     for seen in (fwd.seen, bwd.seen):
         largest = max(n for n, _, _ in seen if n != V * H)
         assert largest <= N * chunk, f"an allocation of {largest} elements exceeds one [N, chunk] slice"
@@ -223,3 +223,79 @@ def test_banned_vocabulary_slices(device, banned):
     ref_grads = torch.autograd.grad(ref_logp.sum() + ref_entropy.sum(), (hidden, weight))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+def _grads(fn, params, up):
+    params = [p.detach().clone().requires_grad_() for p in params]
+    out = fn(*params)
+    return [out, *torch.autograd.grad(out, params, up)]
+
+
+def test_bf16_bias_is_added_in_fp32(device):
+    """The bias is added to the bf16 GEMM's output in fp32 (as Liger's head does), not rounded into it: with a
+    large bias the log-probs and the bias gradient are as close to fp32 as that computation's, and far closer
+    than adding the bias inside the bf16 GEMM (about 15x on the log-probs, 6x on the bias gradient)."""
+    N, H, V = 24, 64, 1000
+    hidden = torch.randn(N, H).bfloat16().to(device)
+    weight = (torch.randn(V, H) / H**0.5 * 0.5).bfloat16().to(device)
+    bias = (torch.randn(V) * 8).bfloat16().to(device)  # |logits + bias| ~ 8: a bf16 ulp of 0.06
+    ids, up = torch.randint(0, V, (N,), device=device), torch.randn(N, device=device)
+
+    def gather(logits):
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0]
+
+    fp32 = _grads(lambda h, w, b: gather(h @ w.T + b), [t.float() for t in (hidden, weight, bias)], up)
+    bias_in_fp32 = _grads(lambda h, w, b: gather((h @ w.T).float() + b.float()), [hidden, weight, bias], up)
+    ours = _grads(lambda h, w, b: linear_token_logprobs(h, w, ids, bias=b, chunk_size=256), [hidden, weight, bias],
+                  up)
+    for name, got, ref, bound_ref, factor in zip(("logp", "d_hidden", "d_weight", "d_bias"), ours, fp32,
+                                                 bias_in_fp32, (1.5, 3, 3, 3)):
+        assert_as_close_as_reference(got, ref, bound_ref, factor=factor, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_size", [None, 97], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("return_entropy", [False, True], ids=["logp", "entropy"])
+def test_softcap_matches_reference(device, dtype, chunk_size, with_bias, return_entropy):
+    """softcap: log_softmax(c tanh((h W^T + b) / c) / T), forward and backward, against the spec; a cap of 2 on
+    logits of a few units changes the distribution a lot (checked), so a kernel without it fails."""
+    B, T, H, V, cap = 2, 5, 48, 1000, 2.0
+    hidden = torch.randn(B, T, H).to(dtype).to(device)
+    weight = (torch.randn(V, H) / H**0.5 * 3).to(dtype).to(device)
+    bias = torch.randn(V).to(dtype).to(device) if with_bias else None
+    ids = torch.randint(0, V, (B, T), device=device)
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    n_out = 2 if return_entropy else 1
+    ups = [torch.randn(B, T, device=device) for _ in range(n_out)]
+
+    def run(fn, ps):
+        ps = [p.detach().clone().requires_grad_() for p in ps]
+        out = fn(*ps)
+        out = out if return_entropy else (out,)
+        return list(out) + list(torch.autograd.grad(out, ps, ups))
+
+    def ours(h, w, b=None):
+        return linear_token_logprobs(h, w, ids, bias=b, temperature=0.7, return_entropy=return_entropy,
+                                     chunk_size=chunk_size, softcap=cap)
+
+    def spec(dt, softcap=cap):
+        return lambda h, w, b=None: reference.linear_token_logprobs(h, w, ids, bias=b, temperature=0.7,
+                                                                     return_entropy=return_entropy, dtype=dt,
+                                                                     softcap=softcap)
+
+    got = run(ours, params)
+    r32 = run(spec(torch.float32), [p.float() for p in params])
+    r_low = run(spec(dtype), [p.float() for p in params]) if dtype != torch.float32 else [None] * len(r32)
+    uncapped = run(spec(torch.float32, None), [p.float() for p in params])
+    assert (uncapped[0] - r32[0]).abs().max() > 0.5  # the cap matters here
+    names = ["logp", "entropy"][:n_out] + ["d_hidden", "d_weight", "d_bias"][:len(params)]
+    for name, a, b, c in zip(names, got, r32, r_low):
+        assert_as_close_as_reference(a, b, c, factor=LINEAR_FACTOR, name=name)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -30.0, float("inf"), float("nan"), "30"])
+def test_bad_softcap(softcap):
+    h, w, ids = torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        linear_token_logprobs(h, w, ids, softcap=softcap)

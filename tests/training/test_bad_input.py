@@ -52,12 +52,24 @@ def test_unknown_reward_builtin(toy_config):
         Trainer(toy_config("reward_funcs=[numeric_anwser]"))
 
 
-def test_model_with_soft_capped_logits_is_refused(toy_config):
+def test_model_with_soft_capped_logits_is_trained_with_its_cap(toy_config):
+    """Gemma 2 (final_logit_softcapping) is trained, not refused: the policy's and the loss's heads carry the cap
+    (tests/policy/test_softcap.py checks the log-probs against transformers')."""
     gemma = {"model_type": "gemma2", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
              "final_logit_softcapping": 30.0, "eos_token_id": 1, "pad_token_id": 0}
-    with pytest.raises(ModelError, match="soft-caps its logits.*final_logit_softcapping=30.0"):
-        Trainer(toy_config(f"model.config={json.dumps(gemma)}"))
+    trainer = Trainer(toy_config(f"model.config={json.dumps(gemma)}", "model.attn_implementation=eager", "max_steps=1"))
+    loss_head = getattr(trainer.loss_module, "module", trainer.loss_module).head
+    assert trainer.head.softcap == 30.0 and loss_head.softcap == 30.0
+    trainer.train()
+
+
+def test_model_with_scaled_logits_is_refused(toy_config):
+    granite = {"model_type": "granite", "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "logits_scaling": 8.0,
+               "eos_token_id": 1, "pad_token_id": 0}
+    with pytest.raises(ModelError, match="divides its logits.*logits_scaling=8.0"):
+        Trainer(toy_config(f"model.config={json.dumps(granite)}"))
 
 
 def test_bf16_on_a_gpu_without_it(monkeypatch):
