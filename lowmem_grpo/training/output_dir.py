@@ -113,8 +113,8 @@ class OutputLock:
                 here = holder == _me()
                 raise OutputDirError(
                     f"output_dir {self.folder} is in use by another lowmem-grpo run ({holder}"
-                    f"{', a Trainer of this process that is training' if here else ''}): wait for it to finish or stop it"
-                    f"{' (or let its train() finish)' if here else ''}, or set output_dir to another folder"
+                    f"{', a Trainer of this process that is training' if here else ''}): wait for it to finish or "
+                    f"stop it{' (or let its train() finish)' if here else ''}, or set output_dir to another folder"
                 ) from None
         try:
             f.seek(0)
