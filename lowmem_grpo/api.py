@@ -32,6 +32,7 @@ from .policy.model import ModelError, build_head, disable_dropout, weights_dtype
 from .rewards.loading import spec_record
 from .shipped_recipes import find_shipped
 from .training import checkpoint as ckpt
+from .training import output_dir
 from .training.callbacks import TrainerCallback
 from .training.trainer import Trainer
 
@@ -183,6 +184,8 @@ class GRPOTrainer(Trainer):
     callbacks: TrainerCallback instances or classes (on_step_end, on_log, on_save).
     """
 
+    checks_previous_run_at_setup = False  # train() does, knowing whether resume_from_checkpoint continues it
+
     def __init__(self, model=None, reward_funcs=None, args: Optional[GRPOConfig] = None, train_dataset=None,
                  eval_dataset=None, processing_class=None, reward_processing_classes=None,
                  callbacks: Optional[list] = None):
@@ -233,6 +236,8 @@ class GRPOTrainer(Trainer):
                               "train(resume_from_checkpoint=...)")
         if resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             self._resume_from_checkpoint("latest" if resume_from_checkpoint is True else str(resume_from_checkpoint))
+        elif not self.step and self.resumed_from is None:  # a new run: not into a folder that holds another
+            output_dir.refuse_previous_run(self.cfg.output, self.world)
         return super().train()
 
     def _resume_from_checkpoint(self, where: str) -> None:

@@ -87,3 +87,11 @@ def test_docs_list_every_trl_name():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
     missing = [name for name in TRL_NAMES if f"| `{name}` |" not in doc]
     assert not missing, f"docs/trl.md's table lacks {missing}"
+
+
+def test_a_new_run_into_a_folder_that_holds_one_is_refused_when_it_trains(tmp_path):
+    _trainer(tmp_path, "run", max_steps=1, save_steps=1).train()
+    again = _trainer(tmp_path, "run", max_steps=1)  # built: TRL's train(resume_from_checkpoint=...) may follow
+    with pytest.raises(ConfigError, match="already holds a run .*continue it with resume_from=latest"):
+        again.train()
+    assert again.train(resume_from_checkpoint=True)["step"] == 1

@@ -118,8 +118,12 @@ def test_recipes_lists_each_with_its_whole_description_wrapped_at_words(capsys, 
 def test_output_into_a_reader_that_stops_early_ends_quietly():
     import subprocess
     import sys
+    import fcntl
     proc = subprocess.Popen([sys.executable, "-m", "lowmem_grpo", "--help-config"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # a one-page pipe (F_SETPIPE_SZ), set while the child still imports: its ~20 KB cannot all fit before
+    # the close below, so it meets the closed pipe however fast it writes
+    fcntl.fcntl(proc.stdout.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
     proc.stdout.readline()
     proc.stdout.close()  # as `| head -1` does
     err = proc.stderr.read().decode()

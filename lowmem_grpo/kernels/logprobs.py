@@ -95,8 +95,9 @@ def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_of
     step = _rows_per_chunk(n_cols)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
-        x = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap)
-        log_p = x.mul_(inv_temp).sub_(lse[r, None])
+        # one bounded fp32 copy of the chunk, named once: freed by the `del` below before the next is made
+        log_p = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
+        log_p.sub_(lse[r, None])
         g = grad[r]
         if grad_entropy is None:
             dx = log_p.exp_().mul_(-g[:, None])  # -g p, in the chunk's own buffer

@@ -25,7 +25,7 @@ from ..rewards.model import uses_reward_model
 from .context import RolloutContext
 from .loss import importance_sampling_metrics, importance_sampling_ratio
 from .micro_batch import trained_rows
-from .stopping import stop_at_once_inside
+from .stopping import stoppable_wait
 
 
 @dataclass
@@ -124,7 +124,7 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
         decoded = decode_completions(batch, prompt_list, eos_ids, ctx.tokenizer)
     columns = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
     with (phase("rewards") if uses_reward_model(reward_funcs) else contextlib.nullcontext(),
-          stop_at_once_inside("the reward functions")):
+          stoppable_wait("the reward functions")):
         per_func, total = compute_rewards(reward_funcs, prompt_list, decoded.completions, decoded.ids, columns,
                                           trainer_state=trainer_state, logs=logs)
     with phase("rollout"):

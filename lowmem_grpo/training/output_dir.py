@@ -189,7 +189,7 @@ def check_previous_run(folder: Path, out: OutputConfig) -> None:
                          "checkpoints and logs), or set output_dir to a new folder")
 
 
-def _claim(out: OutputConfig) -> OutputLock:
+def _claim(out: OutputConfig, check_previous: bool) -> OutputLock:
     folder = Path(os.path.expanduser(out.output_dir))
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"output_dir {folder} is a file, not a folder: set output_dir to a folder (it is "
@@ -201,20 +201,32 @@ def _claim(out: OutputConfig) -> OutputLock:
     lock = OutputLock(folder)
     lock.acquire(take_over=True)
     try:
-        check_previous_run(folder, out)
+        if check_previous:
+            check_previous_run(folder, out)
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def claim(out: OutputConfig, world) -> Optional[OutputLock]:
+def refuse_previous_run(out: OutputConfig, world) -> None:
+    """check_previous_run on rank 0, its verdict on every rank (after a claim made with check_previous=False)."""
+    _on_main(lambda: check_previous_run(Path(os.path.expanduser(out.output_dir)), out), world)
+
+
+def claim(out: OutputConfig, world, check_previous: bool = True) -> Optional[OutputLock]:
     """Check output_dir and lock it for this run (rank 0); None on the other ranks. Under torchrun every
-    rank learns rank 0's verdict (a collective), so all of them stop with its OutputDirError."""
-    lock, error = None, None
+    rank learns rank 0's verdict (a collective), so all of them stop with its OutputDirError. Without
+    `check_previous`, a folder that holds another run is checked later (`refuse_previous_run`)."""
+    return _on_main(lambda: _claim(out, check_previous), world)
+
+
+def _on_main(fn, world):
+    """fn() on rank 0 (its result; None elsewhere); an OutputDirError there is raised on every rank."""
+    result, error = None, None
     if world.is_main:
         try:
-            lock = _claim(out)
+            result = fn()
         except OutputDirError as e:
             if not world.distributed:
                 raise
@@ -223,7 +235,7 @@ def claim(out: OutputConfig, world) -> Optional[OutputLock]:
         verdict = world.gather_objects(error)[0]
         if verdict is not None:
             raise OutputDirError(verdict)
-    return lock
+    return result
 
 
 def released_on_error(init):

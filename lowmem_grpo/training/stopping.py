@@ -1,15 +1,15 @@
 """How a run stops without losing work: Ctrl-C/SIGTERM ask the loop to stop after the current step
-(which then saves and exits), a second signal stops at once, and so does the first while the step waits
-on code that may never return (the user's reward functions); any error saves what the run has before
-it propagates (an out-of-memory error first names the phase and the cheapest fix)."""
+(which then saves and exits), a second signal stops at once, and so does the first when the step still
+waits, seconds later, on code that may never return (the user's reward functions); any error saves what
+the run has before it propagates (an out-of-memory error first names the phase and the cheapest fix)."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import logging
 import signal
 import threading
-import time
 import traceback
 from typing import Callable, Iterator, Optional
 
@@ -21,8 +21,19 @@ from .checkpoint import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# What the main thread is waiting on that may never return, and since when (stop_at_once_inside).
-_waiting_on: list[tuple[str, float]] = []
+# Seconds a stop request waits for code that may never return (a reward function) before it stops the run
+# at once, abandoning the step (stoppable_wait).
+STOP_GRACE_S = 5.0
+
+
+class _Wait:
+    """One stoppable_wait block: what the main thread waits on, and the timer a stop request started."""
+
+    def __init__(self, what: str):
+        self.what, self.timer = what, None
+
+
+_waiting_on: list[_Wait] = []  # the main thread's stoppable_wait blocks, innermost last
 
 
 class StopRequest:
@@ -30,22 +41,40 @@ class StopRequest:
 
     def __init__(self):
         self.reason: Optional[str] = None
+        self._overdue: Optional[str] = None  # why a stop that waited STOP_GRACE_S in vain stops now
 
     def request(self, reason: str) -> None:
         self.reason = reason
 
     def _on_signal(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.reason is not None:  # second signal: stop now
+        if self.reason is not None:  # second signal (or the grace ran out): stop now
+            if self._overdue:
+                logger.warning(self._overdue)
             raise KeyboardInterrupt
         self.reason = name
-        if _waiting_on:  # the step may never end: stop now, the last completed step is what gets saved
-            what, since = _waiting_on[-1]
-            logger.warning(f"{name} while {what} had run for {time.monotonic() - since:.0f} s: stopping now; this "
-                           "step is abandoned and the last completed one is saved")
-            raise KeyboardInterrupt
+        if _waiting_on:  # the step waits on code that may never return: give it STOP_GRACE_S
+            wait = _waiting_on[-1]
+            logger.warning(f"{name}: saving a checkpoint after this step, which is waiting on {wait.what}; if they "
+                           f"have not returned within {STOP_GRACE_S:g} s the run stops then, saving the last "
+                           "completed step (send it again to stop at once)")
+            wait.timer = threading.Timer(STOP_GRACE_S, self._stop_if_still_waiting, args=(wait, name))
+            wait.timer.daemon = True
+            wait.timer.start()
+            return
         logger.warning(f"{name}: saving a checkpoint after this step, then exiting "
-              "(send it again to stop at once)")
+                       "(send it again to stop at once)")
+
+    def _stop_if_still_waiting(self, wait: _Wait, name: str) -> None:
+        """The grace timer (its own thread): still waiting, signal the main thread, whose handler stops now."""
+        if not any(w is wait for w in _waiting_on):
+            return
+        self._overdue = (f"{wait.what} did not return within {STOP_GRACE_S:g} s of {name}: stopping now; this step "
+                         "is abandoned and the last completed one is saved")
+        if hasattr(signal, "pthread_kill"):  # a real signal also interrupts a blocking call
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:
+            _thread.interrupt_main()
 
     @contextlib.contextmanager
     def on_signals(self) -> Iterator["StopRequest"]:
@@ -61,15 +90,18 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_at_once_inside(what: str) -> Iterator[None]:
-    """Inside (main thread), the first Ctrl-C/SIGTERM stops at once rather than after the step: the block
-    runs code that may never return (a reward function with no rewards.reward_timeout), so a stop that
-    waits for the step's end would be ignored. Nested blocks name the innermost `what`."""
-    _waiting_on.append((what, time.monotonic()))
+def stoppable_wait(what: str) -> Iterator[None]:
+    """Inside (main thread), a Ctrl-C/SIGTERM that asks to stop after the step waits at most STOP_GRACE_S
+    for the block, then stops the run at once: the block runs code that may never return (a reward function
+    with no rewards.reward_timeout), and a stop that waited for the step's end would be ignored."""
+    wait = _Wait(what)
+    _waiting_on.append(wait)
     try:
         yield
     finally:
-        _waiting_on.pop()
+        _waiting_on.remove(wait)
+        if wait.timer is not None:
+            wait.timer.cancel()
 
 
 @contextlib.contextmanager

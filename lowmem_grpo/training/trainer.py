@@ -76,6 +76,10 @@ class TrainingStopped(RuntimeError):
 
 
 class Trainer:
+    # A folder holding another run is refused before anything loads; the Python API checks it in train(),
+    # where TRL's train(resume_from_checkpoint=...) says whether the run continues it.
+    checks_previous_run_at_setup = True
+
     @output_dir.released_on_error
     def __init__(self, cfg: Config, recipe_dir: Optional[str | Path] = None, training: bool = True, *,
                  model=None, tokenizer=None, reward_funcs: Optional[list] = None, train_data=None, eval_data=None,
@@ -96,7 +100,8 @@ class Trainer:
                                    if training else (distributed.World(), None))
         distributed.check_supported(cfg, self.world)
         # output_dir first: checked and locked (rank 0) before anything loads; the checkpoint to resume, verified
-        self.output_lock = output_dir.claim(cfg.output, self.world) if training else None
+        self.output_lock = (output_dir.claim(cfg.output, self.world, self.checks_previous_run_at_setup)
+                            if training else None)
         out = cfg.output
         resume = ckpt.resolve_resume(out.resume_from, out.output_dir) if out.resume_from and training else None
         self.plan = batch_plan(cfg, self.world.size)

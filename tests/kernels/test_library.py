@@ -27,11 +27,11 @@ def _op_samples():
                                        2, 0.2, 0.28, 2.0, 0.04, True, 1.0, 1.05)),
         (ops.grpo_token_loss.default, (logits, ids, f(N), None, None, None, None, 1.0,
                                        0, 0.2, 0.2, float("inf"), 0.0, False, 1.0, 1.05)),
-        (ops.linear_token_logprobs.default, (hidden, weight, bias, ids, 0.8, True, 16)),
-        (ops.linear_token_logprobs.default, (hidden, weight, None, ids, 1.0, False, 64)),
+        (ops.linear_token_logprobs.default, (hidden, weight, bias, ids, 0.8, True, 16, 0.0)),
+        (ops.linear_token_logprobs.default, (hidden, weight, None, ids, 1.0, False, 64, 2.0)),
         (ops.token_logprobs_backward_.default, (logits.detach().clone(), ids, f(N), f(N), f(N), f(N), 0.7)),
         (ops.linear_token_logprobs_backward.default,
-         (hidden.detach(), weight.detach(), bias, ids, f(N), f(N), f(N), f(N), 0.8, 16, True, True, True)),
+         (hidden.detach(), weight.detach(), bias, ids, f(N), f(N), f(N), f(N), 0.8, 16, 2.0, True, True, True)),
     ]
 
 

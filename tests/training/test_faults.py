@@ -356,7 +356,8 @@ def stuck_reward(prompts, completions, completion_ids, label, **kwargs):
 
 
 def test_one_ctrl_c_stops_a_hung_reward_function_and_saves_the_last_step(tmp_path):
-    # no reward_timeout: the call runs in the main thread and would never end the step the first Ctrl-C waits for
+    # no reward_timeout: the call runs in the main thread and would never end the step the first Ctrl-C waits for;
+    # the stop waits STOP_GRACE_S (5 s) for it, then stops
     train = write_jsonl(tmp_path / "train.jsonl", toy_rows(64))
     proc = _driver("none", tmp_path / "run", train, "max_steps=4", "save_steps=100", "steps_per_generation=1",
                    "num_iterations=1", "reward_funcs=[tests.training.test_faults:stuck_reward]")
@@ -371,8 +372,10 @@ def test_one_ctrl_c_stops_a_hung_reward_function_and_saves_the_last_step(tmp_pat
     finally:
         proc.kill()
     err = err.decode()
-    assert proc.returncode != 0 and "SIGINT while the reward functions had run for" in err, err[-2000:]
-    assert "stopping now; this step is abandoned and the last completed one is saved" in err
+    assert proc.returncode != 0 and "SIGINT: saving a checkpoint after this step, which is waiting on the reward " \
+        "functions; if they have not returned within 5 s" in err, err[-2000:]
+    assert ("the reward functions did not return within 5 s of SIGINT: stopping now; this step is abandoned and the "
+            "last completed one is saved") in err
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1]  # step 1, done before the hang, is kept
     ckpt.verify(tmp_path / "run" / "checkpoint-1")
 
