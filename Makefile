@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-slow test-floor test-compare test-vllm demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-extended test-slow test-floor test-compare test-vllm demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -20,8 +20,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
+# `make test` is the quick tier (under 5 minutes on 2 cores); `make test-extended` the tests tests/tiers.py
+# names, a second or more each. CI runs both (docs/testing.md).
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow and not extended"
+
+test-extended: setup
+	$(BIN)/python -m pytest -q -m "extended and not slow"
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -23,6 +23,8 @@ import warnings
 import pytest
 import torch
 
+from tests.tiers import EXTENDED, extended, matches
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # model.bf16 auto turns bf16 autocast on for CPUs with native bf16; the suite computes in fp32 on every
@@ -43,7 +45,9 @@ def pytest_configure(config):
                                 "(make test-vllm does)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    mark_extended(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (benchmarks/gpu_session.sh's test steps run it)")
@@ -52,6 +56,18 @@ def pytest_collection_modifyitems(config, items):
         # so a checkout in a folder named cuda skipped every test
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+def mark_extended(config, items) -> None:
+    """The tests tests/tiers.py names get the `extended` marker (make test leaves them to make
+    test-extended). Collecting the whole suite, an entry that names no test is an error: it went stale."""
+    for item in items:
+        if extended(item.nodeid):
+            item.add_marker(pytest.mark.extended)
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword"):
+        stale = [e for e in EXTENDED if not any(matches(e, item.nodeid) for item in items)]
+        if stale:
+            raise pytest.UsageError(f"tests/tiers.py names tests that do not exist (renamed or removed?): {stale}")
 
 
 @pytest.fixture

@@ -144,14 +144,16 @@ def test_the_nav_is_read():
 
 
 def test_readme_commands_are_the_ones_ci_and_make_run():
-    """The README's two newcomer commands are make targets, and CI runs the test one and builds the docs."""
+    """The README's two newcomer commands are make targets, and CI runs the test one, the rest of the suite
+    and builds the docs."""
     readme = (ROOT / "README.md").read_text()
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     ci = re.findall(r"^make ([\w-]+)$", (ROOT / ".ci" / "run").read_text(), re.M)
     for target in ("demo", "test"):
         assert re.search(rf"^make {target}\b", readme, re.M), f"README.md: no `make {target}` line"
         assert target in targets, f"Makefile: no target {target}"
-    assert ci[:2] == ["test", "docs"], f".ci/run runs {ci}: `make test` (README's test command), then `make docs`"
+    assert ci[:3] == ["test", "test-extended", "docs"], (f".ci/run runs {ci}: `make test` (README's test command), "
+                                                          "`make test-extended` (the rest), then `make docs`")
 
 
 def test_readme_stays_short():
