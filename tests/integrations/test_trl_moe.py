@@ -1,6 +1,7 @@
 """lowmem_grpo.integrations.trl.GRPOTrainer against TRL's own GRPOTrainer on tiny random mixture-of-experts
 models (Qwen3-MoE, GPT-OSS), whose router load-balancing loss TRL adds by default: two steps with the same
-seed give TRL's losses, aux_loss metric and gradients (fp32, 1e-5 relative). Needs TRL; skipped without it."""
+seed give TRL's losses, aux_loss metric and gradients (fp32, 1e-5 relative; the second step's gradients 1e-3).
+Needs TRL; skipped without it."""
 
 import importlib.util
 
@@ -73,12 +74,17 @@ def test_two_moe_steps_give_trls_losses_aux_losses_and_gradients(tmp_path, famil
     assert all(a > 0 for a in trl_aux)  # a real router loss is compared, not two zeros
     torch.testing.assert_close(torch.tensor(our_losses), torch.tensor(trl_losses), rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.tensor(our_aux), torch.tensor(trl_aux), rtol=1e-5, atol=1e-7)
-    for ours, theirs in zip(our_grads, trl_grads):
+    # Step 1's gradients agree to fp32 rounding (observed ~3e-7). Step 2 starts from weights that Adam moved by
+    # +-lr wherever a gradient is at rounding level, its sign a coin toss between the two heads' sums; with
+    # GPT-OSS's router and sinks that leaves step 2's gradients ~1e-4 apart (transformers 5.24; the losses still
+    # agree to 1e-5), so step 2 is held to 1e-3.
+    for step, (ours, theirs) in enumerate(zip(our_grads, trl_grads), 1):
         assert ours.keys() == theirs.keys() and any("router" in name or "gate" in name for name in theirs)
+        bound = 1e-5 if step == 1 else 1e-3
         for name in theirs:
             scale = theirs[name].abs().max().clamp(min=1e-12)
             err = (ours[name] - theirs[name]).abs().max() / scale
-            assert err <= 1e-5, f"{name}: gradient differs by {err:.2e} of its largest entry"
+            assert err <= bound, f"step {step}, {name}: gradient differs by {err:.2e} of its largest entry"
 
 
 def test_router_loss_is_the_model_familys_own(monkeypatch):
