@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print a machine-readable object")
     s.add_argument("--largest", action="store_true",
                    help="the same settings for every preset: which fit the card and host RAM, and the largest")
+    s.add_argument("--card", default=None, help="estimate the step's time on this card, e.g. 'RTX 4060', 4090, H100 "
+                                                "(an unknown name lists them)")
     s = sub.add_parser("profile", help="run N real steps and report peak memory per phase and category "
                                        "(table, profile.json, timeline.png)")
     s.add_argument("recipe", help="a YAML recipe (see recipes/)")
@@ -153,7 +155,7 @@ def _main(argv=None) -> int:
         try:
             return run(resolve_recipe(recipe), args.model, args.gpu_memory, overrides, args.json, args.host_memory,
                        nproc=args.nproc, strategy=args.strategy, nnodes=args.nnodes,
-                       largest=args.largest)
+                       largest=args.largest, card_name=args.card)
         except ConfigError as e:
             print(f"lowmem-grpo: error: {e}", file=sys.stderr)
             return 2

@@ -1,5 +1,5 @@
 """`lowmem-grpo plan (RECIPE | --model NAME_OR_CONFIG) [--gpu-memory 8GiB] [--host-memory 32GiB] [--nproc N
-[--nnodes M] [--strategy ddp|fsdp]] [key=value ...] [--json]`
+[--nnodes M] [--strategy ddp|fsdp]] [--card NAME] [key=value ...] [--json]`
 
 Predicts peak device memory per phase and category from a model config alone (a preset name or hub
 id, a local config.json or model folder, or the recipe's model) and the run's settings, says whether
@@ -10,7 +10,8 @@ RAM the run keeps on purpose (reference model, offloaded optimizer, offloaded ac
 part of it (page-locked on a GPU: it cannot swap) apart from the rest, checked against --host-memory
 (default: this machine's RAM). Exit status 0 when the run fits both, 1 when it fits either not. With
 --nproc N, one rank's peak under torchrun (memory/parallel_plan.py) and the host RAM of one node (of the
---nnodes M the N ranks are spread over). With --largest, the same settings for every preset
+--nnodes M the N ranks are spread over). With --card NAME, the step's time on that card
+(memory/step_time.py; an unknown name lists the table of cards). With --largest, the same settings for every preset
 (memory/largest.py): which fit the card and the host, and the largest that does (exit status 1: none).
 """
 
@@ -21,10 +22,12 @@ import re
 from pathlib import Path
 
 from ..config import Config, ConfigError, batch_plan, load_config
+from ..memory.cards import card as find_card
 from ..memory.parallel_plan import per_rank
 from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
 from ..memory.presets import PRESETS, preset
 from ..memory.reward_plan import resolve_folders
+from ..memory.step_time import estimate, format_step_time
 from ..memory.vllm_plan import format_summary as format_vllm
 
 
@@ -84,7 +87,10 @@ def _cuda_available() -> bool:
 
 def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides: list[str], as_json: bool,
         host_memory: str | None = None, nproc: int = 1, strategy: str | None = None,
-        nnodes: int = 1, largest: bool = False) -> int:
+        nnodes: int = 1, largest: bool = False, card_name: str | None = None) -> int:
+    target = find_card(card_name) if card_name is not None else None  # an unknown name: before any planning
+    if target is not None and (largest or nproc > 1):
+        raise ConfigError(f"--card estimates one process's step: drop {'--largest' if largest else f'--nproc {nproc}'}")
     cfg = load_config(recipe, overrides, check=False)
     if recipe is not None:  # reward-model folders named from the recipe's folder
         resolve_folders(cfg, Path(recipe).resolve().parent)
@@ -119,6 +125,7 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
     fits = total <= budget and not (vllm and vllm["problem"])
     ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget, card_bytes=card_bytes)  # (one process)
     host_fits = result["host_bytes"] <= host_budget
+    step = estimate(cfg, arch, target) if target is not None else None
     if as_json:
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
                           "gpu_memory_source": budget_source, "card": card or None, "nproc": nproc,
@@ -130,7 +137,10 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
                           "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
                           "host_pinned_bytes": result["host_pinned_bytes"], "host_pinned": result["host_pinned"],
                           "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas,
-                          "vllm": vllm}, indent=2))
+                          "vllm": vllm, "step_time_card": target.as_dict() if step else None,
+                          "step_time_s": step.seconds() if step else None,
+                          "transfer_bytes": step.transfer_bytes() if step else None,
+                          "step_time_notes": step.notes if step else None}, indent=2))
         return 0 if fits and host_fits else 1
     print(f"model: {source} ({arch.params / 1e9:.3f} B parameters)"
           + (f", one of {nproc} ranks (strategy={strategy})" if nproc > 1 else "")
@@ -149,6 +159,8 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
         host = f", host RAM {s['host_bytes'] / GiB:.1f} GiB" if s["host_bytes"] else ""
         print(f"  {'combined: ' if s.get('combined') else ''}{s['change']}: {s['total_bytes'] / GiB:.3f} GiB "
               f"({mark}{host})")
+    if step is not None:
+        print(format_step_time(step))
     if not host_fits:
         print(f"error: the run keeps {result['host_bytes'] / GiB:.2f} GiB in host RAM but "
               f"{'--host-memory is' if host_memory else 'this machine has'} {host_budget / GiB:.2f} GiB: "
