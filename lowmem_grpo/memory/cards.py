@@ -58,11 +58,14 @@ class Card:
                 "pcie_gbps": round(self.pcie_gbps, 2), "sources": dict(self.sources)}
 
 
-def _geforce(name: str, sms: int, boost_ghz: float, gbps: float, gib: float, lanes: int, page: str,
-             tflops: tuple[float, str] | None = None) -> Card:
+def _geforce(name: str, sms: int, boost_ghz: float, pin_gbps: float, bus_bits: int, gib: float, lanes: int,
+             page: str, tflops: tuple[float, str] | None = None) -> Card:
+    """A GeForce card from its spec page's SMs, boost clock, memory speed and bus width, and PCIe 4.0 lanes."""
     rate, rate_source = tflops or _derived(sms, boost_ghz, page)
-    return Card(name, rate, gbps, gib, 4, lanes, {"bf16_tflops": rate_source, "memory_gbps": page,
-                                                  "memory_gib": page, "pcie": page})
+    gbps = pin_gbps * bus_bits / 8
+    return Card(name, rate, gbps, gib, 4, lanes, {"bf16_tflops": rate_source, "memory_gib": page, "pcie": page,
+                                                  "memory_gbps": f"derived: {pin_gbps} Gbps x {bus_bits}-bit / 8 "
+                                                                 f"({page})"})
 
 
 _GEFORCE = "https://www.nvidia.com/en-us/geforce/graphics-cards/"
@@ -71,12 +74,13 @@ A100 = "https://www.nvidia.com/en-us/data-center/a100/ (NVIDIA A100 Tensor Core 
 L4 = "https://www.nvidia.com/en-us/data-center/l4/ (NVIDIA L4 Tensor Core GPU datasheet)"
 
 CARDS: tuple[Card, ...] = (
-    _geforce("RTX 3060 12GB", 28, 1.777, 360, 12, 16, _GEFORCE + "30-series/rtx-3060-3060ti/"),
-    _geforce("RTX 4060", 24, 2.46, 272, 8, 8, _GEFORCE + "40-series/rtx-4060-4060ti/"),
-    _geforce("RTX 4060 Ti 16GB", 34, 2.535, 288, 16, 8, _GEFORCE + "40-series/rtx-4060-4060ti/"),
-    _geforce("RTX 4070", 46, 2.475, 504, 12, 16, _GEFORCE + "40-series/rtx-4070-family/"),
-    _geforce("RTX 3090", 82, 1.695, 936, 24, 16, _GEFORCE + "30-series/rtx-3090-3090ti/", (71.0, GA102)),
-    _geforce("RTX 4090", 128, 2.52, 1008, 24, 16, _GEFORCE + "40-series/rtx-4090/", (165.2, ADA)),
+    # (SMs: CUDA cores / 128)
+    _geforce("RTX 3060 12GB", 28, 1.78, 15, 192, 12, 16, _GEFORCE + "30-series/rtx-3060-3060ti/"),
+    _geforce("RTX 4060", 24, 2.46, 17, 128, 8, 8, _GEFORCE + "40-series/rtx-4060-4060ti/"),
+    _geforce("RTX 4060 Ti 16GB", 34, 2.54, 18, 128, 16, 8, _GEFORCE + "40-series/rtx-4060-4060ti/"),
+    _geforce("RTX 4070", 46, 2.48, 21, 192, 12, 16, _GEFORCE + "40-series/rtx-4070-family/"),
+    _geforce("RTX 3090", 82, 1.695, 19.5, 384, 24, 16, _GEFORCE + "30-series/rtx-3090-3090ti/", (71.0, GA102)),
+    _geforce("RTX 4090", 128, 2.52, 21, 384, 24, 16, _GEFORCE + "40-series/rtx-4090/", (165.2, ADA)),
     # data-centre cards: their datasheets give the bf16 rate "with sparsity"; the dense rate is half of it
     Card("A100 80GB SXM", 312, 2039, 80, 4, 16, {"bf16_tflops": A100, "memory_gbps": A100, "memory_gib": A100,
                                                 "pcie": A100}),

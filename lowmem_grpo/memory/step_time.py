@@ -135,7 +135,8 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
     """Every copy between host and device in one optimizer step as the code makes them today: the streamed
     reference's layers and head slices once per reference pass; the offloaded optimizer's gradients once
     per micro-batch (a tied embedding's head part separately) and the new weights once per step; offloaded
-    activations down in each forward and up in each backward."""
+    activations (the layer inputs; the final norm's saves that go with them are not counted) down in each
+    forward and up in each backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     batches = batch_plan(cfg)
