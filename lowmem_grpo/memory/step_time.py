@@ -243,14 +243,16 @@ def format_step_time(s: StepTime) -> str:
     parts = [f"generation {s.generation:.2f}"]
     if s.reference is not None:
         parts.append(f"reference {s.reference:.2f}")
-    parts += [f"training {s.training:.2f}", f"host update {s.host_update:.2f}",
-              f"transfer not hidden {s.transfer:.2f}"]
+    parts.append(f"training {s.training:.2f}")
+    if s.host_update:
+        parts.append(f"host update {s.host_update:.2f}")
+    parts.append(f"transfer not hidden {s.transfer:.2f}")
     moved = s.transfer_bytes()
-    GB = 1e9
+
+    def direction(name: str, word: str) -> str:
+        kinds = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in moved["parts"][name].items())
+        return f"{moved[name] / 1e9:.1f} GB {word} ({kinds})" if kinds else f"nothing {word}"
     lines = [f"step time on {s.card} (estimate, docs/planner.md): {s.total:.1f} s = {' + '.join(parts)}",
-             f"  across PCIe per step: {moved['h2d'] / GB:.1f} GB up ("
-             + ", ".join(f"{k} {v / GB:.1f}" for k, v in moved["parts"]["h2d"].items()) + f"), "
-             f"{moved['d2h'] / GB:.1f} GB down ("
-             + ", ".join(f"{k} {v / GB:.1f}" for k, v in moved["parts"]["d2h"].items()) + ")"]
+             f"  across PCIe per step: {direction('h2d', 'up')}, {direction('d2h', 'down')}"]
     lines += [f"  note: {n}" for n in s.notes]
     return "\n".join(lines)
