@@ -132,6 +132,10 @@ def test_trainer_shows_trls_surface_and_keeps_the_loop_behind_one_attribute(tmp_
     assert trainer.model is model is trainer.loop.policy and trainer.args is args and trainer.train_dataset is rows
     assert trainer.processing_class is None  # a token-id task
     assert [f.name for f in trainer.reward_funcs] == ["label_reward"]
+    with pytest.warns(DeprecationWarning, match="GRPOTrainer.cfg is deprecated: .* use trainer.loop.cfg"):
+        assert trainer.cfg is trainer.loop.cfg  # the attributes of the Trainer it used to be
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        trainer.nothing
     assert trainer.evaluate()["samples"] == 2
     assert trainer.train()["step"] == 1 == trainer.loop.step
     assert (trainer.save_model(tmp_path / "saved") / "config.json").is_file()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -49,7 +50,8 @@ class GRPOTrainer:
 
     args, train_dataset, eval_dataset and reward_processing_classes are kept as given. `loop` (a
     lowmem_grpo.training.Trainer) holds the run: loop.cfg (the settings it runs with: data given as
-    objects leaves data.train_file / eval_file empty), loop.step, loop.stop, loop.train_set, ...
+    objects leaves data.train_file / eval_file empty), loop.step, loop.stop, loop.train_set, ... Reading
+    one of them on the GRPOTrainer itself (trainer.step) still works, with a DeprecationWarning.
     """
 
     def __init__(self, model=None, reward_funcs=None, args: Optional[GRPOConfig] = None, train_dataset=None,
@@ -78,6 +80,15 @@ class GRPOTrainer:
         self.loop = _Loop(cfg, recipe_dir=args.recipe_dir, model=loaded, tokenizer=tokenizer, reward_funcs=specs,
                           train_data=train_data, eval_data=eval_data, callbacks=callbacks,
                           reward_processing_classes=classes)
+
+    def __getattr__(self, name: str):
+        # GRPOTrainer was the Trainer itself before it held one: its attributes still resolve, with a warning.
+        loop = self.__dict__.get("loop")
+        if name.startswith("__") or loop is None or not hasattr(loop, name):
+            raise AttributeError(f"'GRPOTrainer' object has no attribute {name!r}")
+        warnings.warn(f"GRPOTrainer.{name} is deprecated: the run's internals are on trainer.loop; use "
+                      f"trainer.loop.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(loop, name)
 
     @property
     def model(self):
