@@ -137,5 +137,8 @@ def test_trainer_shows_trls_surface_and_keeps_the_loop_behind_one_attribute(tmp_
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         trainer.nothing
     assert trainer.evaluate()["samples"] == 2
+    seen = []
+    trainer.add_callback(type("Seen", (), {"on_step_end": lambda self, t, step, m: seen.append(t.model is model)}))
     assert trainer.train()["step"] == 1 == trainer.loop.step
+    assert seen == [True]  # a callback gets the loop, which keeps TRL's `model` as GRPOTrainer did
     assert (trainer.save_model(tmp_path / "saved") / "config.json").is_file()

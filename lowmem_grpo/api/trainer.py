@@ -145,9 +145,20 @@ class GRPOTrainer:
 
 class _Loop(Trainer):
     """The command line's Trainer as GRPOTrainer runs it: a folder holding another run is checked in train(),
-    where TRL's train(resume_from_checkpoint=...) says whether the run continues it."""
+    where TRL's train(resume_from_checkpoint=...) says whether the run continues it; the callbacks, which get
+    this object, also find the model and tokenizer under TRL's names."""
 
     checks_previous_run_at_setup = False
+
+    @property
+    def model(self):
+        """The policy (TRL's name; callbacks get this loop as `trainer`, and read it as they did before)."""
+        return self.policy
+
+    @property
+    def processing_class(self):
+        """The tokenizer (TRL's name); None for token-id tasks."""
+        return self.tokenizer
 
     def resume_from_checkpoint(self, where: str) -> None:
         """What Trainer's set-up does for resume_from, on a trainer that is built and has not trained yet."""
