@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup test test-extended test-slow test-floor test-compare test-vllm demo docs aot bench-cpu wheels gpu-image gpu-rehearsal
+.PHONY: setup test test-extended test-slow test-floor test-compare test-vllm demo docs api-fields aot bench-cpu wheels gpu-image gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -107,6 +107,11 @@ demo: setup
 docs: setup
 	$(BIN)/python -m pip install -q -e ".[docs]"
 	$(BIN)/mkdocs build --strict -d site
+
+# GRPOConfig's dataclass fields (lowmem_grpo/api/config_fields.py) from config/schema.py: run it after changing
+# a setting; tests/test_api_config.py fails while the committed file is out of date.
+api-fields: setup
+	$(BIN)/python -m lowmem_grpo.api.fields_source
 
 aot: setup
 	$(BIN)/python -m lowmem_grpo.kernels.aot

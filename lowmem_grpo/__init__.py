@@ -9,7 +9,7 @@ The package, lowest layer first (a layer imports only layers listed before it; t
     rewards/       reward functions: TRL's signature, built-ins, loading, calling
     training/      the GRPO loop: Trainer, one step's arithmetic, data, checkpoints, metrics, eval
     memory/        memory tools: track(), the profiler, the planner and its layer probe, presets
-    api, cli/      the Python API in TRL's shape (GRPOConfig, GRPOTrainer); `lowmem-grpo ...`
+    api/, cli/     the Python API in TRL's shape (GRPOConfig, GRPOTrainer); `lowmem-grpo ...`
 
 `from lowmem_grpo import GRPOConfig, GRPOTrainer` loads the API (and torch) on first use only, so
 `import lowmem_grpo` and `lowmem_grpo.kernels` stay light. The design: docs/index.md.

@@ -1,4 +1,4 @@
-"""The Python API (lowmem_grpo.api): GRPOConfig checks like the command line, GRPOTrainer is the CLI's
+"""The Python API (lowmem_grpo.api): GRPOConfig checks like the command line, GRPOTrainer runs the CLI's
 Trainer (same weights after the same steps), Python objects work as inputs, callbacks fire, and the
 README's notebook example runs."""
 
@@ -135,10 +135,10 @@ def test_cli_and_api_give_the_same_weights(tmp_path, monkeypatch):
     assert any(not torch.equal(api_weights[k], initial[k]) for k in initial), "training changed nothing"
     for k in cli_weights:
         assert torch.equal(api_weights[k], cli_weights[k]), k
-    # the run's config records the Python objects by name
+    # the run's config records the reward function by its import name; data given as rows names no file
     recorded = json.loads((tmp_path / "api" / "config.json").read_text())
     assert recorded["rewards"]["reward_funcs"] == ["tests.training.conftest:label_reward"]
-    assert recorded["data"]["train_file"] == "train_dataset"
+    assert recorded["data"]["train_file"] == ""
 
 
 def test_reward_specs_are_recorded_as_json():
@@ -173,7 +173,7 @@ def test_reward_model_as_folder_object_or_missing_folder(tmp_path, monkeypatch):
     assert len(models) == 3 and models[2].model is loaded
     scores = [m(["1+1="], ["2"]) for m in models]
     assert scores[0] == scores[1] == pytest.approx(scores[2], abs=1e-6)
-    assert made.cfg.rewards.reward_funcs == [str(folder), "rm/model", str(folder), "numeric_answer"]
+    assert made.loop.cfg.rewards.reward_funcs == [str(folder), "rm/model", str(folder), "numeric_answer"]
     for missing in (str(tmp_path / "no-such-model"), "rm/no/such-model"):
         with pytest.raises(RewardError, match=f"reward_funcs\\[0\\]: no reward model folder '{missing}'"):
             trainer([missing], None)
@@ -191,15 +191,16 @@ def test_in_memory_inputs_of_every_kind(tmp_path):
         model=tiny_llama(), args=toy_args(output_dir=str(tmp_path / "r"), reward_weights=[1, 2, 0.5, 1]),
         reward_funcs=[label_reward, "numeric_answer", dict_spec, lambda completions, **kw: [0.0] * len(completions)],
         train_dataset=Dataset.from_list(rows), eval_dataset=toy_rows(5, seed=3))
-    assert len(trainer.train_set) == 24 and len(trainer.eval_set) == 5
+    assert len(trainer.loop.train_set) == 24 and len(trainer.loop.eval_set) == 5
     assert [f.name for f in trainer.reward_funcs] == ["label_reward", "numeric_answer", "token_answer", "<lambda>"]
     assert [f.weight for f in trainer.reward_funcs] == [1.0, 2.0, 0.5, 1.0]
-    assert trainer.cfg.data.eval_file == "eval_dataset"
+    assert trainer.loop.cfg.data.eval_file is None and trainer.args.eval_file is None  # rows given, not a file
     # a data file path works as on the command line
     path = write_jsonl(tmp_path / "t.jsonl", rows)
     by_path = GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, train_dataset=path,
                           args=toy_args())
-    assert by_path.cfg.data.train_file == path and by_path.train_set.prompt_ids == trainer.train_set.prompt_ids
+    assert by_path.loop.cfg.data.train_file == path
+    assert by_path.loop.train_set.prompt_ids == trainer.loop.train_set.prompt_ids
 
 
 def test_model_by_path_with_its_tokenizer(tmp_path):
@@ -211,8 +212,8 @@ def test_model_by_path_with_its_tokenizer(tmp_path):
     trainer = GRPOTrainer(model=str(tmp_path / "m"), reward_funcs="numeric_answer",
                           args=GRPOConfig(num_generations=2, per_device_train_batch_size=2, device="cpu"),
                           train_dataset=[{"prompt": "1+1=", "answer": "2"}])
-    assert trainer.processing_class.decode(trainer.train_set.prompt_ids[0]) == "1+1="
-    assert trainer.cfg.model.name_or_path == str(tmp_path / "m")
+    assert trainer.processing_class.decode(trainer.loop.train_set.prompt_ids[0]) == "1+1="
+    assert trainer.loop.cfg.model.name_or_path == str(tmp_path / "m")
     # A model object without a name needs its tokenizer given
     with pytest.raises(ConfigError, match="processing_class"):
         GRPOTrainer(model=tiny_char_model(), reward_funcs="numeric_answer", train_dataset=[{"prompt": "x"}])
@@ -266,7 +267,7 @@ def test_callbacks_fire_at_step_end_log_and_save(tmp_path):
                           callbacks=[recorder])
     trainer.add_callback(stopper)
     result = trainer.train()
-    assert result["stopped_by"] == "enough" and trainer.step == 3
+    assert result["stopped_by"] == "enough" and trainer.loop.step == 3
     assert recorder.events == [("step_end", 1, True), ("step_end", 2, True), ("log", 2, True), ("save", 2, True),
                                ("step_end", 3, True), ("save", 3, True)]
     with pytest.raises(TypeError, match="not a callback"):
@@ -291,7 +292,7 @@ def test_readme_notebook_example_runs(tmp_path, monkeypatch):
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     trainer = namespace["trainer"]
-    assert trainer.step == 2
+    assert trainer.loop.step == 2
     checkpoint = tmp_path / "runs" / "notebook" / "checkpoint-2"
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
     for k, v in loaded.state_dict().items():
@@ -303,7 +304,7 @@ def test_readme_notebook_example_runs(tmp_path, monkeypatch):
 def test_import_stays_light():
     """`import lowmem_grpo` loads no torch; the API names load on first use."""
     code = ("import sys, lowmem_grpo; assert 'torch' not in sys.modules, 'torch imported'; "
-            "import lowmem_grpo.kernels; print(lowmem_grpo.GRPOTrainer.__mro__[1].__module__)")
+            "import lowmem_grpo.kernels; print(lowmem_grpo.GRPOTrainer.__module__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-1] == "lowmem_grpo.training.trainer"
+    assert out.stdout.split()[-1] == "lowmem_grpo.api.trainer"

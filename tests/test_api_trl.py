@@ -28,7 +28,7 @@ def test_train_resume_from_checkpoint_loads_the_checkpoint(tmp_path):
     for how in (True, str(tmp_path / "run" / "checkpoint-1")):
         resumed = _trainer(tmp_path, "run", max_steps=1)  # nothing left to train: the checkpoint's weights
         assert resumed.train(resume_from_checkpoint=how)["step"] == 1
-        assert resumed.resumed_from == tmp_path / "run" / "checkpoint-1"
+        assert resumed.loop.resumed_from == tmp_path / "run" / "checkpoint-1"
         got, want = _weights(resumed.model), _weights(first.model)
         assert all(torch.equal(got[k], want[k]) for k in want), f"resume_from_checkpoint={how!r}"
 
@@ -43,7 +43,7 @@ def test_train_resume_from_checkpoint_true_or_a_path_continues_the_run(tmp_path)
     for how in (True, str(tmp_path / "run" / "checkpoint-2")):
         resumed = _trainer(tmp_path, "run", max_steps=4, save_steps=0, save_total_limit=10)
         result = resumed.train(resume_from_checkpoint=how)
-        assert resumed.resumed_from == tmp_path / "run" / "checkpoint-2" and result["step"] == 4
+        assert resumed.loop.resumed_from == tmp_path / "run" / "checkpoint-2" and result["step"] == 4
         got, want = _weights(resumed.model), _weights(straight.model)
         assert all(torch.equal(got[k], want[k]) for k in want), f"resume_from_checkpoint={how!r}"
         # the next resume must find checkpoint-2 again, not the step-4 one this run wrote
@@ -63,18 +63,18 @@ def test_resume_from_checkpoint_refuses_a_trainer_that_has_trained(tmp_path):
 
 def test_num_train_epochs_sets_the_steps_from_the_prompts(tmp_path):
     # 24 prompts; a generation batch is 8 completions = 2 prompts (G = 4) and one optimizer step: 12 per epoch
-    assert _trainer(tmp_path, "a", num_train_epochs=0.5).cfg.train.max_steps == 6
-    assert _trainer(tmp_path, "b", num_train_epochs=2, num_iterations=2).cfg.train.max_steps == 48
-    assert _trainer(tmp_path, "c", num_train_epochs=2, max_steps=3).cfg.train.max_steps == 3  # max_steps wins
+    assert _trainer(tmp_path, "a", num_train_epochs=0.5).loop.cfg.train.max_steps == 6
+    assert _trainer(tmp_path, "b", num_train_epochs=2, num_iterations=2).loop.cfg.train.max_steps == 48
+    assert _trainer(tmp_path, "c", num_train_epochs=2, max_steps=3).loop.cfg.train.max_steps == 3  # max_steps wins
     trainer = _trainer(tmp_path, "d", max_steps=-1)  # TRL's default: 3 epochs
-    assert trainer.cfg.train.max_steps == 36 and trainer.scheduler.last_epoch == 0
+    assert trainer.loop.cfg.train.max_steps == 36 and trainer.loop.scheduler.last_epoch == 0
 
 
 def test_eval_steps_set_before_the_eval_dataset_is_given(tmp_path):
     args = GRPOConfig(eval_steps=1)  # TRL: the eval dataset comes with the trainer
     trainer = GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, train_dataset=toy_rows(24),
                           eval_dataset=toy_rows(4, seed=2), args=toy_args(eval_steps=1, output_dir=str(tmp_path)))
-    assert args.eval_steps == 1 and trainer.cfg.eval.eval_steps == 1 and len(trainer.eval_set) == 4
+    assert args.eval_steps == 1 and trainer.loop.cfg.eval.eval_steps == 1 and len(trainer.loop.eval_set) == 4
     with pytest.raises(ConfigError, match="eval_steps=1 evaluates on held-out prompts"):
         GRPOTrainer(model=tiny_llama(), reward_funcs=label_reward, train_dataset=toy_rows(24),
                     args=toy_args(eval_steps=1, output_dir=str(tmp_path)))

@@ -87,3 +87,11 @@ def test_every_subpackage_is_installed():
     found = {"lowmem_grpo." + ".".join(p.parent.relative_to(PACKAGE).parts) if p.parent != PACKAGE else "lowmem_grpo"
              for p in PACKAGE.rglob("__init__.py")}
     assert found <= listed, f"subpackages missing from pyproject.toml's packages: {sorted(found - listed)}"
+
+
+def test_every_package_ships_in_the_wheel():
+    """pyproject.toml lists the packages by name: a new folder (lowmem_grpo/api/) must be added there."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert found <= listed, f"pyproject.toml's packages lacks {sorted(found - listed)}"

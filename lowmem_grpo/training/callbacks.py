@@ -2,7 +2,7 @@
 
 Subclass `TrainerCallback` and override what you need (or pass any object with some of these
 methods); give them to `GRPOTrainer(callbacks=[...])`, `Trainer(callbacks=[...])` or
-`trainer.add_callback(cb)`. `trainer` is the running Trainer (`trainer.policy` is the model,
+`trainer.add_callback(cb)`. `trainer` is the running Trainer (GRPOTrainer's `loop`; `trainer.policy` is the model,
 `trainer.step` the optimizer steps done); a callback stops the run after the current step with
 `trainer.stop.request("why")`, which saves a checkpoint first, as Ctrl-C does. An exception raised in a
 callback stops the run too (after saving what it has).

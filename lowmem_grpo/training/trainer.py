@@ -90,8 +90,8 @@ class Trainer:
 
         From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
         tokenizer, reward functions (callables and loaded reward models mixed with what a recipe names) and
-        their tokenizers, and the rows as a datasets.Dataset or list of dicts; `cfg` then only names them
-        (data.train_file, ...)."""
+        their tokenizers, and the rows as a datasets.Dataset or list of dicts (data.train_file / eval_file
+        may then be empty)."""
         self.cfg = cfg
         self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
@@ -228,23 +228,25 @@ class Trainer:
 
     def _load_data(self, train_data=None, eval_data=None):
         d, g = self.cfg.data, self.cfg.generation
-        if not d.train_file:
+        if not d.train_file and train_data is None:
             raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
                              "datasets folder with a prompt (or prompt_ids) column")
-        rows = load_rows(self._find(d.train_file)) if train_data is None else load_rows(train_data, d.train_file)
-        eval_rows = (load_rows(eval_data, d.eval_file) if eval_data is not None else
+        train_name = d.train_file or "train_dataset"  # rows given as objects: named by the API's arguments
+        eval_name = d.eval_file or ("eval_dataset" if eval_data is not None else train_name)
+        rows = load_rows(self._find(d.train_file)) if train_data is None else load_rows(train_data, train_name)
+        eval_rows = (load_rows(eval_data, eval_name) if eval_data is not None else
                      load_rows(self._find(d.eval_file)) if d.eval_file else [])
-        if not d.eval_file and d.eval_holdout:
+        if not d.eval_file and d.eval_holdout and eval_data is None:
             rows, eval_rows = split_eval(rows, d.eval_holdout)
         vocab = self.policy.get_output_embeddings().weight.shape[0]
         build = lambda r, src: build_prompt_set(r, self.tokenizer, d, g.max_prompt_length, src, vocab_size=vocab)
-        train = build(rows, d.train_file)
+        train = build(rows, train_name)
         if train.num_truncated:
             logger.info(f"left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
         if len(train) < self.plan.prompts_per_generation:
             logger.info(f"note: {len(train)} training prompts, fewer than the "
                         f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
-        return train, (build(eval_rows, d.eval_file or d.train_file) if eval_rows else None)
+        return train, (build(eval_rows, eval_name) if eval_rows else None)
 
     def _find(self, path: str) -> str:
         """A data path as given (relative to the working directory), else relative to the recipe's folder."""
