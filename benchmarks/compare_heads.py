@@ -11,7 +11,7 @@ through four paths, each a GRPO loss whose backward fills hidden.grad and weight
   ours   lowmem_grpo.kernels.linear_grpo_loss.
 A path whose package is not installed, or that cannot fit in this machine's memory, is a row saying
 so. Per path: loss error and gradient errors (max |g - g64| / max |g64| for dh and dW) against an
-fp64 reference computed from the same (dtype-rounded) inputs, peak memory during one fwd+bwd (tracked
+exact fp64 values computed from the same (dtype-rounded) inputs, peak memory during one fwd+bwd (tracked
 bytes on the CPU, lowmem_grpo.memory.track; allocator peak on a GPU; inputs not counted, gradients
 counted), and the median fwd+bwd time of --repeats runs after one warm-up (the warm-up is the one
 measured for memory).
@@ -42,14 +42,14 @@ import torch
 from torch import Tensor
 
 from lowmem_grpo.kernels import linear_grpo_loss
-from lowmem_grpo.kernels import reference as spec
+from lowmem_grpo.kernels import spec
 from lowmem_grpo.memory.track import track
 
 VOCAB = 151936  # Qwen2.5
 EPSILON = 0.2
 SEQ_LEN = 512
 PATHS = ("naive", "trl", "liger", "ours")
-REF_ROWS = 256  # rows per chunk of the fp64 reference (256 x V x 8 bytes ~ 0.3 GiB at V = 151936)
+EXACT_ROWS = 256  # rows per chunk of the exact fp64 values (256 x V x 8 bytes ~ 0.3 GiB at V = 151936)
 
 
 @dataclass
@@ -85,7 +85,7 @@ class Row:
         return statistics.median(self.seconds) if self.seconds else None
 
 
-# ---- inputs and the fp64 reference ----------------------------------------------------------------
+# ---- inputs and the exact fp64 values ----------------------------------------------------------------
 
 
 def make_inputs(s: Setting, device: str, seed: int = 0) -> dict[str, Tensor]:
@@ -102,13 +102,13 @@ def make_inputs(s: Setting, device: str, seed: int = 0) -> dict[str, Tensor]:
 
 
 def _row_chunks(n: int):
-    for start in range(0, n, REF_ROWS):
-        yield slice(start, min(start + REF_ROWS, n))
+    for start in range(0, n, EXACT_ROWS):
+        yield slice(start, min(start + EXACT_ROWS, n))
 
 
-def reference_logp(hidden: Tensor, weight: Tensor, ids: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+def exact_logp(hidden: Tensor, weight: Tensor, ids: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     """Log-probs (B, T) of hidden/weight as given (already rounded to the path dtype), computed in `dtype`
-    (fp64 for the reference; fp32 where they only seed old/ref log-probs) in row chunks."""
+    (fp64 for the exact values; fp32 where they only seed old/ref log-probs) in row chunks."""
     B, T, H = hidden.shape
     h, w, flat = hidden.reshape(-1, H).to(dtype), weight.to(dtype), ids.reshape(-1)
     out = torch.empty(B * T, dtype=dtype, device=hidden.device)
@@ -136,9 +136,9 @@ def reduce_like_trl(per_token: Tensor, mask: Tensor, loss_type: str, max_complet
     raise ValueError(f"unknown loss_type {loss_type!r}; this benchmark runs {', '.join(LOSS_TYPES)}")
 
 
-def reference_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Setting):
+def exact_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Setting):
     """fp64 loss, dh and dW by the chain rule in row chunks (no (N, V) tensor): the per-token loss from the
-    spec (reference.grpo_token_terms) on fp64 log-probs gives dL/dlogp; then per chunk
+    spec (kernels.spec.grpo_token_terms) on fp64 log-probs gives dL/dlogp; then per chunk
     dlogits = dL/dlogp * (onehot - softmax), dh = dlogits @ W, dW += dlogits.T @ h."""
     B, T, H = hidden.shape
     x = logp64.clone().requires_grad_()
@@ -163,7 +163,7 @@ def reference_loss_and_grads(hidden, weight, ids, adv, old, ref, logp64, s: Sett
 
 def trl_per_token_loss(logp, old, ref, adv, mask, s: Setting) -> Tensor:
     """GRPOTrainer._compute_loss (TRL 1.16), token-level ratio, no delta / off-policy mask / vLLM correction;
-    the other loss types' per-token terms from the spec (reference.grpo_token_terms, TRL's formulas)."""
+    the other loss types' per-token terms from the spec (spec.grpo_token_terms, TRL's formulas)."""
     if s.loss_type not in PPO_CLIP:
         terms = spec.grpo_token_terms(logp, adv, old_logp=old, ref_logp=ref if s.beta else None, epsilon_low=EPSILON,
                                       beta=s.beta, loss_type=s.loss_type)
@@ -267,7 +267,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(path: str, run: Callable, leaves: dict, consts: tuple, ref64, s: Setting, repeats: int,
+def measure(path: str, run: Callable, leaves: dict, consts: tuple, exact64, s: Setting, repeats: int,
             device: str) -> Row:
     row = Row(s, path)
     hidden, weight = leaves["hidden"], leaves["weight"]
@@ -286,8 +286,8 @@ def measure(path: str, run: Callable, leaves: dict, consts: tuple, ref64, s: Set
     if repeats == 0:  # --repeats 0 (a long CPU run): the warm-up is the one timed run, profiler on
         row.seconds.append(time.perf_counter() - start)
     row.peak_bytes = tracked.peak_bytes
-    if ref64 is not None:
-        loss64, dh64, dw64 = ref64
+    if exact64 is not None:
+        loss64, dh64, dw64 = exact64
         row.loss_rel_err = abs(loss.item() - loss64) / max(abs(loss64), 1e-300)
         row.dh_rel_err, row.dw_rel_err = _rel(hidden.grad, dh64), _rel(weight.grad, dw64)
     for _ in range(repeats):
@@ -302,7 +302,7 @@ def measure(path: str, run: Callable, leaves: dict, consts: tuple, ref64, s: Set
     return row
 
 
-def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, device: str, with_reference: bool,
+def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, device: str, with_exact: bool,
                 log, rows: list[Row], save: Callable[[], None]) -> None:
     """Measure every path at setting `s`, appending to `rows` and calling save() after each."""
     dtype = getattr(torch, s.dtype)
@@ -311,12 +311,12 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
     old = (logp64 + base["noise_old"]).float()
     ref = (logp64 + base["noise_ref"]).float()
     consts = (base["ids"], base["advantages"], old, ref)
-    ref64 = None
-    if with_reference:
+    exact64 = None
+    if with_exact:
         start = time.perf_counter()
-        ref64 = reference_loss_and_grads(hidden.detach(), weight.detach(), base["ids"], base["advantages"], old, ref,
-                                         logp64, s)
-        log(f"    fp64 reference [{time.perf_counter() - start:.0f} s]")
+        exact64 = exact_loss_and_grads(hidden.detach(), weight.detach(), base["ids"], base["advantages"], old, ref,
+                                       logp64, s)
+        log(f"    exact fp64 values [{time.perf_counter() - start:.0f} s]")
     for path in paths:
         why = missing_package(path)
         if why is None and path == "naive" and naive_bytes(s) > 0.8 * available_bytes(device):
@@ -333,7 +333,7 @@ def run_setting(s: Setting, base: dict, logp64: Tensor, paths, repeats: int, dev
         else:
             run = {"naive": naive_path, "trl": trl_path, "ours": ours_path}[path](s)
         start = time.perf_counter()
-        row = measure(path, run, {"hidden": hidden, "weight": weight}, consts, ref64, s, repeats, device)
+        row = measure(path, run, {"hidden": hidden, "weight": weight}, consts, exact64, s, repeats, device)
         row.status = status
         rows.append(row)
         log(f"    {path:5s} {format_row(row)}  [{time.perf_counter() - start:.0f} s]")
@@ -404,7 +404,8 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs after the warm-up (median reported); 0: time the warm-up itself")
-    parser.add_argument("--no-reference", action="store_true", help="skip the fp64 reference (no error columns)")
+    parser.add_argument("--no-exact", "--no-reference", dest="no_exact", action="store_true",
+                        help="skip the exact fp64 values (no error columns); --no-reference is its old name")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="PATH", help="write the rows here")
     args = parser.parse_args(argv)
@@ -426,14 +427,14 @@ def main(argv=None) -> list[Row]:
             for dtype in args.dtypes:
                 d = getattr(torch, dtype)
                 start = time.perf_counter()
-                logp64 = reference_logp(base["hidden"].to(d), base["weight"].to(d), base["ids"],
-                                        torch.float32 if args.no_reference else torch.float64)
+                logp64 = exact_logp(base["hidden"].to(d), base["weight"].to(d), base["ids"],
+                                    torch.float32 if args.no_exact else torch.float64)
                 log(f"N={n} H={H} V={args.vocab} {dtype}: exact log-probs [{time.perf_counter() - start:.0f} s]")
                 for loss_type in args.loss_types:
                     for beta in args.betas:
                         s = Setting(n, H, args.vocab, dtype, loss_type, beta)
                         log(f"  loss_type={loss_type} beta={beta}")
-                        run_setting(s, base, logp64, args.paths, args.repeats, args.device, not args.no_reference,
+                        run_setting(s, base, logp64, args.paths, args.repeats, args.device, not args.no_exact,
                                     log, rows, lambda: args.json and write_json(args.json, args, rows))
             del base
             gc.collect()

@@ -1,4 +1,4 @@
-"""Speed of the row kernels (op 1, op 3) against the memory-bandwidth roofline.
+"""Speed of the row kernels (token_logprobs, grpo_token_loss) against the memory-bandwidth roofline.
 
 The log-softmax-gather is memory-bound: per row of V logits the forward reads V elements, the
 backward reads V and writes V (in place). So with bf16 logits [N, V]:

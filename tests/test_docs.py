@@ -135,6 +135,17 @@ def test_the_path_check_sees_what_it_should():
         "DESIGN.md (no file of that name in the repository)"]
 
 
+_NUMBERED_OP = re.compile(r"\bops?\s+\d", re.I)
+
+
+def test_ops_are_named_not_numbered():
+    """The pages name each fused op by its function (`token_logprobs`, `grpo_token_terms`, ...): a number
+    ("op 2") sends the reader to a table to learn which op is meant."""
+    numbered = {source: sorted(set(_NUMBERED_OP.findall(text))) for source, text in doc_texts().items()
+                if not source.endswith("(docstrings)") and _NUMBERED_OP.search(text)}
+    assert not numbered, f"ops named by number (write the function's name): {numbered}"
+
+
 def test_the_nav_is_read():
     pages = nav_pages()
     assert {"index.md", "usage.md", "trl.md", "api/kernels.md"} <= pages, sorted(pages)

@@ -258,7 +258,7 @@ def test_the_kernel_step_runs_every_op_test_on_cuda_tensors_with_torch_and_trito
     selected = [t["test"] for t in _collected_on_a_gpu_machine()  # what `-m cuda` selects of its files
                 if t["cuda_marked"] and t["test"].split("::")[0] in step.selection]
     areas = {"loss variants at real vocabularies": "test_linear_loss.py::test_variants_at_real_vocabulary_sizes",
-             "the per-token loss": "test_grpo_loss.py::test_matches_reference",
+             "the per-token loss": "test_grpo_loss.py::test_matches_spec",
              "the Triton copy of the formula": "test_one_formula.py::test_triton_copy_matches_torch_copy",
              "log-probabilities": "test_logprobs.py::test_real_vocab_sizes",
              "the fused linear head": "test_linear.py::test_real_vocab_sizes"}

@@ -1,13 +1,15 @@
 """Fused loss-head ops for GRPO: per-token log-probs and losses without vocab-size tensors.
 
-    token_logprobs         logits (..., V)           -> logp (...)           (op 1)
-    grpo_token_loss        logits (B, T, V)          -> per-token loss        (ops 2+3)
-    linear_token_logprobs  hidden (..., H), W (V, H) -> logp (...)           (op 4)
-    linear_grpo_loss       hidden (B, T, H), W       -> scalar loss, metrics  (op 4 + loss)
+    token_logprobs         logits (..., V)           -> logp (...)
+    grpo_token_terms       logp (B, T)               -> per-token loss terms  (on log-probs already held)
+    grpo_token_loss        logits (B, T, V)          -> per-token loss        (token_logprobs fused in)
+    linear_token_logprobs  hidden (..., H), W (V, H) -> logp (...)            (the lm_head fused in)
+    linear_grpo_loss       hidden (B, T, H), W       -> scalar loss, metrics  (linear_token_logprobs + loss)
 
 CUDA tensors run Triton kernels; CPU tensors run a chunked torch path with the same memory bound.
-`reference` holds the plain fp32 torch spec every op is tested against. `FusedLinearGRPOLoss` is
-linear_grpo_loss behind Liger-Kernel's `LigerFusedLinearGRPOLoss` interface (fused_linear_grpo.py).
+`spec` holds the plain fp32 torch spec every op is tested against, under the ops' names.
+`FusedLinearGRPOLoss` is linear_grpo_loss behind Liger-Kernel's `LigerFusedLinearGRPOLoss` interface
+(fused_linear_grpo.py).
 
 Design notes: docs/kernels.md
 """

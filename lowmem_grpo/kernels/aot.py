@@ -40,7 +40,9 @@ def logits_dtypes() -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class Spec:
+class KernelConfig:
+    """One kernel in one configuration: what Triton compiles to one binary per target."""
+
     kernel: str  # attribute name in its module
     module: str
     signature: tuple  # ((name, type), ...); constexprs have type "constexpr"
@@ -54,12 +56,12 @@ class Spec:
         return f"{self.kernel}[{dtype} {flags} w{self.num_warps}]"
 
 
-def _spec(module, kernel, signature, constexprs, num_warps):
+def _kernel_config(module, kernel, signature, constexprs, num_warps):
     sig = tuple(signature) + tuple((k, "constexpr") for k, _ in constexprs)
-    return Spec(kernel, module, sig, tuple(constexprs), num_warps)
+    return KernelConfig(kernel, module, sig, tuple(constexprs), num_warps)
 
 
-def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
+def kernel_configs(block_v: tuple[int, ...] | None = None) -> list[KernelConfig]:
     """Every configuration the launchers in logprobs_triton / grpo_loss_triton can produce; with
     `block_v`, only the row kernels' configurations with those BLOCK_V (and every token kernel)."""
     from .grpo_loss_triton import TOKEN_BLOCK, TOKEN_WARPS
@@ -70,24 +72,24 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
         known = [b for b, _ in block_configs()]
         raise ValueError(f"--block-v {sorted(set(block_v) - set(known))} is not a block size the launchers use; "
                          f"choose from {known}")
-    specs = []
+    configs = []
     lp, gl = "lowmem_grpo.kernels.logprobs_triton", "lowmem_grpo.kernels.grpo_loss_triton"
     for dt, (block, warps) in itertools.product(logits_dtypes(), blocks):
         for acc, ent in itertools.product(FLAGS, FLAGS):
-            specs.append(_spec(lp, "logits_stats_kernel", [
+            configs.append(_kernel_config(lp, "logits_stats_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("bias_ptr", "*fp32"), ("m_ptr", "*fp32"),
                 ("s_ptr", "*fp32"), ("t_ptr", "*fp32"), ("xy_ptr", "*fp32"), ("stride_row", "i32"), ("n_cols", "i32"),
                 ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"), ("inv_temp", "fp32"),
             ], [("ACCUMULATE", acc), ("HAS_ENTROPY", ent), ("BLOCK_V", block)], warps))
         for ent in FLAGS:
-            specs.append(_spec(lp, "logits_grad_kernel", [
+            configs.append(_kernel_config(lp, "logits_grad_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("bias_ptr", "*fp32"), ("lse_ptr", "*fp32"),
                 ("grad_ptr", "*fp32"), ("ent_ptr", "*fp32"), ("grad_ent_ptr", "*fp32"), ("stride_row", "i32"),
                 ("n_cols", "i32"), ("col_offset", "i32"), ("has_bias", "i32"), ("softcap", "fp32"),
                 ("inv_temp", "fp32"),
             ], [("HAS_ENT_GRAD", ent), ("BLOCK_V", block)], warps))
         for has_mask, has_old, has_ref, has_weight in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS):
-            specs.append(_spec(gl, "grpo_row_kernel", [
+            configs.append(_kernel_config(gl, "grpo_row_kernel", [
                 ("logits_ptr", f"*{dt}"), ("ids_ptr", "*i64"), ("adv_ptr", "*fp32"), ("mask_ptr", "*u8"),
                 ("old_ptr", "*fp32"), ("ref_ptr", "*fp32"), ("weight_ptr", "*fp32"), ("loss_ptr", "*fp32"),
                 ("logp_ptr", "*fp32"), ("kl_ptr", "*fp32"), ("code_ptr", "*i8"), ("dloss_ptr", "*fp32"),
@@ -97,7 +99,7 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
             ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("HAS_WEIGHT", has_weight),
                 ("BLOCK_V", block)], warps))
     for has_mask, has_old, has_ref, has_weight, has_coef in itertools.product(FLAGS, FLAGS, FLAGS, FLAGS, FLAGS):
-        specs.append(_spec(gl, "grpo_token_kernel", [
+        configs.append(_kernel_config(gl, "grpo_token_kernel", [
             ("logp_ptr", "*fp32"), ("adv_ptr", "*fp32"), ("mask_ptr", "*u8"), ("old_ptr", "*fp32"),
             ("ref_ptr", "*fp32"), ("weight_ptr", "*fp32"), ("coef_ptr", "*fp32"), ("loss_ptr", "*fp32"),
             ("kl_ptr", "*fp32"), ("code_ptr", "*i8"), ("dloss_ptr", "*fp32"), ("dkl_ptr", "*fp32"),
@@ -105,10 +107,10 @@ def kernel_specs(block_v: tuple[int, ...] | None = None) -> list[Spec]:
             ("beta", "fp32"), ("bias_kl", "i32"), ("sapo_pos", "fp32"), ("sapo_neg", "fp32"),
         ], [("HAS_MASK", has_mask), ("HAS_OLD", has_old), ("HAS_REF", has_ref), ("HAS_WEIGHT", has_weight),
             ("HAS_COEF", has_coef), ("BLOCK", TOKEN_BLOCK)], TOKEN_WARPS))
-    return specs
+    return configs
 
 
-def compile_spec(spec: Spec, cc: int) -> tuple[str, int, int | None, str | None]:
+def compile_config(config: KernelConfig, cc: int) -> tuple[str, int, int | None, str | None]:
     """-> (label, cc, shared bytes or None, error or None)."""
     import importlib
 
@@ -116,24 +118,24 @@ def compile_spec(spec: Spec, cc: int) -> tuple[str, int, int | None, str | None]
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(spec.module), spec.kernel)
+    fn = getattr(importlib.import_module(config.module), config.kernel)
     try:
-        src = ASTSource(fn=fn, signature=dict(spec.signature), constexprs=dict(spec.constexprs))
-        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": spec.num_warps})
+        src = ASTSource(fn=fn, signature=dict(config.signature), constexprs=dict(config.constexprs))
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": config.num_warps})
         shared = int(compiled.metadata.shared)
     except Exception as exc:  # report every failure, not just the first
-        return spec.label, cc, None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return config.label, cc, None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     if shared > SHARED_MEMORY_LIMIT[cc]:
-        return spec.label, cc, shared, f"needs {shared} B shared memory, sm_{cc} has {SHARED_MEMORY_LIMIT[cc]}"
-    return spec.label, cc, shared, None
+        return config.label, cc, shared, f"needs {shared} B shared memory, sm_{cc} has {SHARED_MEMORY_LIMIT[cc]}"
+    return config.label, cc, shared, None
 
 
 def _compile_args(args):
-    return compile_spec(*args)
+    return compile_config(*args)
 
 
 def compile_all(ccs=tuple(SHARED_MEMORY_LIMIT), workers: int = 2, block_v: tuple[int, ...] | None = None):
-    jobs = [(spec, cc) for cc in ccs for spec in kernel_specs(block_v)]
+    jobs = [(config, cc) for cc in ccs for config in kernel_configs(block_v)]
     with ProcessPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(_compile_args, jobs, chunksize=4))
 
@@ -153,7 +155,7 @@ def main(argv=None) -> int:
         return 2
     block_v = None if args.block_v is None else tuple(args.block_v)
     try:
-        kernel_specs(block_v)
+        kernel_configs(block_v)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Op 4: the lm_head fused in. Log-probs from hidden states without ever holding [N, V] logits.
+"""linear_token_logprobs: the lm_head fused in. Log-probs from hidden states without ever holding [N, V] logits.
 
     linear_token_logprobs(hidden (N, H), weight (V, H), ids (N,)) -> logp (N,)
         = log_softmax(cap(hidden @ weight.T + bias) / T).gather(ids),  cap(z) = c tanh(z / c) or z

@@ -1,4 +1,4 @@
-"""Op 1: fused log-softmax-gather (+ entropy) on given logits.
+"""token_logprobs: fused log-softmax-gather (+ entropy) on given logits.
 
     token_logprobs(logits (..., V), ids (...)) -> logp (...) fp32
         = log_softmax(logits.float() / T, -1).gather(-1, ids)

@@ -2,12 +2,15 @@
 
 `completion_hidden` runs the decoder over `cat(prompt, completion)` (or the packed layout, packing.py)
 and returns the hidden states at the positions that predict the completion tokens, (B, C, H): the loss
-applies the fused head to them with gradients. `token_logprobs` is the no-grad pass over a whole
+applies the fused head to them with gradients. `completion_logprobs` is the no-grad pass over a whole
 batch, (N, C) fp32 on the CPU, 0 on padding. No (tokens, V) logits tensor exists in either.
-The reference model's pass (frozen weights off the GPU) is reference.py.
+The reference model's pass (frozen weights off the GPU) is reference.py. The op both use on hidden
+states is `kernels.linear_token_logprobs`; `token_logprobs` here is a deprecated name of completion_logprobs.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -34,8 +37,8 @@ def completion_hidden(head: Head, batch: Batch, pack: Packing = Packing.OFF) -> 
 
 
 @torch.no_grad()
-def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch: int, device: torch.device,
-                   autocast_bf16: bool = False, pack: Packing = Packing.OFF) -> Tensor:
+def completion_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch: int, device: torch.device,
+                        autocast_bf16: bool = False, pack: Packing = Packing.OFF) -> Tensor:
     """log pi(completion token) for every completion of `batch`: (N, C) fp32 on the CPU, 0 on padding.
 
     Runs in micro-batches through the fused head, so no (tokens, V) tensor exists here either;
@@ -52,3 +55,13 @@ def token_logprobs(head: Head, batch: Batch, *, temperature: float, micro_batch:
         c = mb.completion_ids.shape[1]
         out[start:start + len(mb), :c] = (logp * mb.completion_mask).float().cpu()
     return out
+
+
+def __getattr__(name: str) -> object:
+    """`token_logprobs`, the old name of completion_logprobs, warns (DeprecationWarning) and gives it."""
+    if name == "token_logprobs":
+        warnings.warn("lowmem_grpo.policy.logprobs.token_logprobs is deprecated: use completion_logprobs "
+                      "(the same function); kernels.token_logprobs is the op on logits", DeprecationWarning,
+                      stacklevel=2)
+        return completion_logprobs
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ import torch
 from ..config import BatchPlan, Config, importance_sampling_correction, rollout_engine
 from ..phases import phase
 from ..policy.batch import Batch
-from ..policy.logprobs import token_logprobs
+from ..policy.logprobs import completion_logprobs
 from ..policy.rollout import decode_completions, generate
 from ..rewards import RewardError, RewardLogs, compute_rewards, nan_std, reward_metrics, scorable_totals
 from ..rewards.model import uses_reward_model
@@ -148,8 +148,8 @@ def make_generation_batch(cfg: Config, plan: BatchPlan, prompts, ctx: RolloutCon
             keep = trained_rows(batch, cfg.train)
             batch.old_logp = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
             if keep.any():
-                old = token_logprobs(head, batch.select(keep), temperature=temperature, micro_batch=micro,
-                                     device=device, autocast_bf16=autocast, pack=pack)  # (kept, <= C)
+                old = completion_logprobs(head, batch.select(keep), temperature=temperature, micro_batch=micro,
+                                          device=device, autocast_bf16=autocast, pack=pack)  # (kept, <= C)
                 batch.old_logp[keep, :old.shape[1]] = old
         policy.train(was_training)
     is_metrics = {}

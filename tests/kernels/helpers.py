@@ -1,5 +1,5 @@
-"""Tolerance rule: an op computed in dtype D must be as close to the fp32 reference as the
-reference itself computed in D is (plus a small floor for fp32, where that distance is 0)."""
+"""Tolerance rule: an op computed in dtype D must be as close to the fp32 spec (lowmem_grpo/kernels/spec.py) as
+the spec itself computed in D is (plus a small floor for fp32, where that distance is 0)."""
 
 import torch
 
@@ -24,8 +24,8 @@ def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.pow(2.0, exponent - mantissa)
 
 
-def assert_as_close_as_reference(actual, ref32, ref_low=None, *, floor: float = 2e-5, factor: float = 1.0,
-                                 name: str = "value"):
+def assert_as_close_as_low_precision(actual, ref32, ref_low=None, *, floor: float = 2e-5, factor: float = 1.0,
+                                     name: str = "value"):
     """max |actual - ref32| <= factor * max |ref_low - ref32| + floor * max(1, max |ref32|)."""
     assert actual.shape == ref32.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(ref32.shape)}"
     if not actual.numel():
@@ -38,4 +38,4 @@ def assert_as_close_as_reference(actual, ref32, ref_low=None, *, floor: float = 
     ref_err = 0.0 if ref_low is None else max_abs_err(ref_low, ref32)
     scale = max(1.0, ref32.detach().abs().max().item())
     bound = factor * ref_err + floor * scale
-    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (reference in low precision: {ref_err:.3e})"
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (spec in low precision: {ref_err:.3e})"

@@ -19,13 +19,13 @@ TORCH_TO_TRITON = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16:
 
 def _aot_keys():
     """(kernel, logits dtype, constexprs, num_warps) of every configuration aot.py compiles."""
-    from lowmem_grpo.kernels.aot import kernel_specs
+    from lowmem_grpo.kernels.aot import kernel_configs
 
     keys = set()
-    for spec in kernel_specs():
-        sig = dict(spec.signature)
+    for config in kernel_configs():
+        sig = dict(config.signature)
         dtype = (sig.get("logits_ptr") or sig["logp_ptr"]).lstrip("*")
-        keys.add((spec.kernel, dtype, tuple(sorted(spec.constexprs)), spec.num_warps))
+        keys.add((config.kernel, dtype, tuple(sorted(config.constexprs)), config.num_warps))
     return keys
 
 
@@ -123,11 +123,11 @@ def test_aot_list_holds_every_configuration_the_launchers_actually_launch(monkey
 
 
 def test_block_v_subset_names_the_choices():
-    from lowmem_grpo.kernels.aot import kernel_specs
+    from lowmem_grpo.kernels.aot import kernel_configs
 
     with pytest.raises(ValueError, match="384.*choose from"):
-        kernel_specs((384,))
-    assert len(kernel_specs((1, 4096))) < len(kernel_specs())
+        kernel_configs((384,))
+    assert len(kernel_configs((1, 4096))) < len(kernel_configs())
 
 
 def _compile(extra, timeout):
@@ -157,7 +157,7 @@ def test_every_kernel_compiles_at_the_extreme_block_sizes():
 @pytest.mark.slow
 def test_every_kernel_configuration_compiles():
     out = _compile([], timeout=1800)
-    from lowmem_grpo.kernels.aot import kernel_specs
+    from lowmem_grpo.kernels.aot import kernel_configs
 
-    n = len(kernel_specs())
+    n = len(kernel_configs())
     assert out.count(f"{n}/{n} kernels compiled") == len(CCS)

@@ -3,7 +3,7 @@
 CPU tests run the same kernels in Triton's interpreter at small sizes; what only a GPU shows is the
 compiled code at real sizes: int64 row offsets (N * V > 2^31 elements would overflow int32 offsets
 in the last rows), the vocabulary-block loop at V = 151936, and the in-place backward on a 4 GiB
-buffer. The reference is the fp32 (and bf16) spec of lowmem_grpo/kernels/reference.py, run a row chunk at a
+buffer. The expected values are the fp32 (and bf16) spec's, lowmem_grpo/kernels/spec.py, run a row chunk at a
 time so that it fits beside the op's own buffers.
 """
 
@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.kernels import grpo_token_loss, linear_grpo_loss, reference, token_logprobs, use_backend
+from lowmem_grpo.kernels import grpo_token_loss, linear_grpo_loss, spec, token_logprobs, use_backend
 
-from .helpers import assert_as_close_as_reference
+from .helpers import assert_as_close_as_low_precision
 
 pytestmark = pytest.mark.cuda
 
@@ -26,9 +26,9 @@ def _chunks(n: int, size: int = 1024):
     return [slice(i, min(n, i + size)) for i in range(0, n, size)]
 
 
-def _reference_rows(logits, ids, g_logp, g_ent, rows, dtype):
+def _spec_rows(logits, ids, g_logp, g_ent, rows, dtype):
     x = logits[rows].detach().float().requires_grad_()
-    logp, ent = reference.token_logprobs(x, ids[rows], return_entropy=True, dtype=dtype)
+    logp, ent = spec.token_logprobs(x, ids[rows], return_entropy=True, dtype=dtype)
     (grad,) = torch.autograd.grad((logp, ent), x, (g_logp[rows], g_ent[rows]))
     return logp, ent, grad
 
@@ -45,11 +45,11 @@ def test_token_logprobs_past_2_to_the_31_elements():
     grad = base.grad
     del logits
     for rows in _chunks(N_BIG)[:2] + _chunks(N_BIG)[-3:]:  # the first rows and those past 2^31
-        ref32 = _reference_rows(base, ids, g_logp, g_ent, rows, torch.float32)
-        ref16 = _reference_rows(base, ids, g_logp, g_ent, rows, torch.bfloat16)
+        ref32 = _spec_rows(base, ids, g_logp, g_ent, rows, torch.float32)
+        ref16 = _spec_rows(base, ids, g_logp, g_ent, rows, torch.bfloat16)
         names = ("logp", "entropy", "dlogits")
         for got, r32, r16, name in zip((logp[rows], ent[rows], grad[rows]), ref32, ref16, names):
-            assert_as_close_as_reference(got, r32, r16, name=f"{name} rows {rows.start}:{rows.stop}")
+            assert_as_close_as_low_precision(got, r32, r16, name=f"{name} rows {rows.start}:{rows.stop}")
 
 
 def test_grpo_token_loss_past_2_to_the_31_elements():
@@ -68,17 +68,17 @@ def test_grpo_token_loss_past_2_to_the_31_elements():
     for b in range(B):
         for rows in _chunks(T)[-2:]:  # the last rows of each sequence: b = 1 lies past 2^31
             x = base[b:b + 1, rows].detach().float().requires_grad_()
-            spec = reference.grpo_token_loss(x, ids[b:b + 1, rows], adv[b:b + 1], old_logp=old[b:b + 1, rows],
-                                             ref_logp=ref[b:b + 1, rows], beta=0.04, epsilon_low=0.2,
-                                             epsilon_high=0.28)
-            (g,) = torch.autograd.grad(spec["loss"].sum(), x)
+            expected = spec.grpo_token_loss(x, ids[b:b + 1, rows], adv[b:b + 1], old_logp=old[b:b + 1, rows],
+                                            ref_logp=ref[b:b + 1, rows], beta=0.04, epsilon_low=0.2,
+                                            epsilon_high=0.28)
+            (g,) = torch.autograd.grad(expected["loss"].sum(), x)
             x16 = base[b:b + 1, rows].detach().float().requires_grad_()
-            spec16 = reference.grpo_token_loss(x16, ids[b:b + 1, rows], adv[b:b + 1], old_logp=old[b:b + 1, rows],
-                                               ref_logp=ref[b:b + 1, rows], beta=0.04, epsilon_low=0.2,
-                                               epsilon_high=0.28, dtype=torch.bfloat16)
-            (g16,) = torch.autograd.grad(spec16["loss"].sum(), x16)
-            assert_as_close_as_reference(out.loss[b:b + 1, rows], spec["loss"], spec16["loss"], name="loss")
-            assert_as_close_as_reference(base.grad[b:b + 1, rows], g, g16, name="dlogits")
+            expected16 = spec.grpo_token_loss(x16, ids[b:b + 1, rows], adv[b:b + 1], old_logp=old[b:b + 1, rows],
+                                              ref_logp=ref[b:b + 1, rows], beta=0.04, epsilon_low=0.2,
+                                              epsilon_high=0.28, dtype=torch.bfloat16)
+            (g16,) = torch.autograd.grad(expected16["loss"].sum(), x16)
+            assert_as_close_as_low_precision(out.loss[b:b + 1, rows], expected["loss"], expected16["loss"], name="loss")
+            assert_as_close_as_low_precision(base.grad[b:b + 1, rows], g, g16, name="dlogits")
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
@@ -102,13 +102,13 @@ def test_linear_grpo_loss_at_qwen_sizes_matches_the_cpu_spec(loss_type):
             with use_backend("triton"):
                 loss, _ = linear_grpo_loss(*args, **{k: v.to(dev) if torch.is_tensor(v) else v for k, v in kw.items()})
         else:
-            loss = reference.linear_grpo_loss(*args, **kw, dtype=dtype)[0]
+            loss = spec.linear_grpo_loss(*args, **kw, dtype=dtype)[0]
         gh, gw = torch.autograd.grad(loss, (h, w))
         results[(dev, dtype)] = [t.detach().cpu() for t in (loss, gh, gw)]
     got = results[("cuda", torch.bfloat16)]
     ref32, ref16 = results[("cpu", torch.float32)], results[("cpu", torch.bfloat16)]
     for g, r32, r16, name in zip(got, ref32, ref16, ("loss", "d hidden", "d weight")):
-        assert_as_close_as_reference(g.float(), r32, r16.float(), factor=1.5, name=name)
+        assert_as_close_as_low_precision(g.float(), r32, r16.float(), factor=1.5, name=name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -118,7 +118,7 @@ def test_kernels_launch_on_their_tensors_device():
     torch.manual_seed(3)
     x = torch.randn(64, 5000)
     ids = torch.randint(0, 5000, (64,))
-    expected = reference.token_logprobs(x, ids)
+    expected = spec.token_logprobs(x, ids)
     torch.cuda.set_device(0)
     with use_backend("triton"):
         got = token_logprobs(x.to("cuda:1"), ids.to("cuda:1"))

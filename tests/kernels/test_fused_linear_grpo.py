@@ -4,7 +4,7 @@ own module: test_liger_dropin.py."""
 import pytest
 import torch
 
-from lowmem_grpo.kernels import FusedLinearGRPOLoss, grpo_loss, reference, use_backend
+from lowmem_grpo.kernels import FusedLinearGRPOLoss, grpo_loss, spec, use_backend
 B, T, H, V = 3, 6, 16, 97
 SETTINGS = [  # (loss_type, beta, importance_sampling_level): the loss types Liger and TRL reduce alike
     ("dapo", 0.0, "token"), ("dapo", 0.04, "token"), ("grpo", 0.04, "token"), ("bnpo", 0.0, "token"),
@@ -22,7 +22,7 @@ def _inputs(seed=0, with_bias=False):
     mask = (torch.arange(T)[None] < torch.tensor([[T], [T - 2], [1]])).long()  # padding at the ends
     adv = torch.randn(B, generator=g)
     with torch.no_grad():
-        logp = reference.linear_token_logprobs(hidden, weight, ids, bias=bias)
+        logp = spec.linear_token_logprobs(hidden, weight, ids, bias=bias)
     old = logp + 0.3 * torch.randn(B, T, generator=g)  # ratios on both sides of the clip range
     ref = logp + 0.5 * torch.randn(B, T, generator=g)
     return hidden, weight, bias, ids, mask, adv, old, ref
@@ -46,7 +46,7 @@ def test_matches_the_spec(loss_type, beta, level, with_bias, temperature):
     loss, metrics, grads = _run(module, hidden, weight, bias, ids, mask, adv, old, ref if beta else None)
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight) + (() if bias is None else (bias,))]
-    spec_loss, spec_metrics = reference.linear_grpo_loss(
+    spec_loss, spec_metrics = spec.linear_grpo_loss(
         leaves[0], leaves[1], ids, adv, mask=mask, old_logp=old, ref_logp=ref if beta else None,
         bias=leaves[2] if bias is not None else None, epsilon_high=eps_high, beta=beta, temperature=temperature,
         loss_type=loss_type, importance_sampling_level=level, max_completion_length=T + 2)
@@ -72,7 +72,7 @@ def test_reference_log_probs_from_ref_input():
     hidden, weight, bias, ids, mask, adv, old, ref = _inputs()
     ref_weight = weight + 0.05
     with torch.no_grad():
-        ref_from_input = reference.linear_token_logprobs(hidden, ref_weight, ids.masked_fill(mask == 0, 0))
+        ref_from_input = spec.linear_token_logprobs(hidden, ref_weight, ids.masked_fill(mask == 0, 0))
     module = FusedLinearGRPOLoss(beta=0.04)
     given, m_given, _ = _run(module, hidden, weight, bias, ids, mask, adv, old, ref_from_input)
     computed, m_computed, _ = _run(module, hidden, weight, bias, ids, mask, adv, old, None, ref_input=hidden,
@@ -88,11 +88,11 @@ def test_luspo_sums_every_position_times_the_sequence_length():
     loss, _, grads = _run(FusedLinearGRPOLoss(beta=0.04, loss_type="luspo", epsilon_high=0.28), hidden, weight, bias,
                           ids, mask, adv, old, ref)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp = reference.linear_token_logprobs(h, w, ids)
-    terms = reference.grpo_token_terms(logp, adv, old_logp=old, ref_logp=ref, epsilon_high=0.28, beta=0.04)
-    spec = (terms["loss"] * mask.sum(-1, keepdim=True)).mean()
-    spec.backward()
-    torch.testing.assert_close(loss, spec, rtol=1e-5, atol=1e-6)
+    logp = spec.linear_token_logprobs(h, w, ids)
+    terms = spec.grpo_token_terms(logp, adv, old_logp=old, ref_logp=ref, epsilon_high=0.28, beta=0.04)
+    expected = (terms["loss"] * mask.sum(-1, keepdim=True)).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0], h.grad, rtol=1e-4, atol=1e-6)
     assert grads[0][2, 1:].abs().sum() > 0  # the padding rows get a gradient, as in Liger
     torch.testing.assert_close(grads[1], w.grad, rtol=1e-4, atol=1e-6)

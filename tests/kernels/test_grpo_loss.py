@@ -1,13 +1,13 @@
-"""grpo_token_loss (op 3) and grpo_token_terms (op 2) against the reference, plus hand-derived cases."""
+"""grpo_token_loss and grpo_token_terms against the spec, plus hand-derived cases."""
 
 import math
 
 import pytest
 import torch
 
-from lowmem_grpo.kernels import grpo_token_loss, grpo_token_terms, reference
+from lowmem_grpo.kernels import grpo_token_loss, grpo_token_terms, spec
 
-from .helpers import assert_as_close_as_reference
+from .helpers import assert_as_close_as_low_precision
 
 # (name, epsilon_low, epsilon_high, beta, with_old, per_token_advantages, mask_kind)
 CASES = [
@@ -17,7 +17,7 @@ CASES = [
     ("old+kl+token-adv", 0.1, 0.3, 0.04, True, True, "tokens"),
     ("old+kl+whole-seq-masked", 0.2, 0.2, 0.04, True, False, "sequence"),
 ]
-# The other per-token variants and options on op 3 (vespo's per-sequence weight is not a per-row op):
+# The other per-token variants and options on grpo_token_loss (vespo's per-sequence weight is not a per-row op):
 # (name, extra keyword arguments, importance-sampling ratio shape or None, with an entropy mask)
 VARIANT_CASES = [
     ("cispo", dict(loss_type="cispo", epsilon_high=1.1), None, False),
@@ -33,7 +33,7 @@ def _inputs(B, T, V, dtype, device, with_old, per_token, mask_kind, beta, temper
     adv = torch.randn((B, T) if per_token else (B,), device=device)
     # old/ref near the current log-probs, so that some ratios fall inside and some outside the clip range
     with torch.no_grad():
-        logp = reference.token_logprobs(base, ids, temperature=temperature)
+        logp = spec.token_logprobs(base, ids, temperature=temperature)
     old = (logp + 0.3 * torch.randn(B, T, device=device)) if with_old else None
     ref = (logp + 0.5 * torch.randn(B, T, device=device)) if beta > 0 else None
     mask = None
@@ -52,7 +52,7 @@ def _inputs(B, T, V, dtype, device, with_old, per_token, mask_kind, beta, temper
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_matches_reference(device, dtype, temperature, case):
+def test_matches_spec(device, dtype, temperature, case):
     _, eps_low, eps_high, beta, with_old, per_token, mask_kind = case
     B, T, V = 3, 7, 1001
     base, ids, adv, old, ref, mask = _inputs(B, T, V, dtype, device, with_old, per_token, mask_kind, beta, temperature)
@@ -66,17 +66,17 @@ def test_matches_reference(device, dtype, temperature, case):
     refs = {}
     for dt in {torch.float32, dtype}:
         ref_base = base.detach().float().requires_grad_()
-        r = reference.grpo_token_loss(ref_base, ids.clamp(min=0), adv, dtype=dt, **kwargs)
+        r = spec.grpo_token_loss(ref_base, ids.clamp(min=0), adv, dtype=dt, **kwargs)
         (g,) = torch.autograd.grad([r[n] for n in names], ref_base, ups)
         refs[dt] = (r, g)
     (r32, g32), (r_low, g_low) = refs[torch.float32], refs[dtype]
     low = dtype != torch.float32
     for name in ("loss", "logp", "kl"):
-        assert_as_close_as_reference(getattr(out, name), r32[name], r_low[name] if low else None, name=name)
-    assert_as_close_as_reference(grad, g32, g_low if low else None, name="dlogits")
+        assert_as_close_as_low_precision(getattr(out, name), r32[name], r_low[name] if low else None, name=name)
+    assert_as_close_as_low_precision(grad, g32, g_low if low else None, name="dlogits")
     for name in ("is_clipped", "is_low_clipped", "is_high_clipped"):
         assert getattr(out, name).dtype == torch.bool
-        if not low:  # flags of a bf16 reference flip near the clip boundary; fp32 must agree exactly
+        if not low:  # flags of a bf16 spec flip near the clip boundary; fp32 must agree exactly
             assert torch.equal(getattr(out, name), r32[name]), name
     if mask is not None:
         padding = mask == 0
@@ -87,7 +87,7 @@ def test_matches_reference(device, dtype, temperature, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
-def test_variants_match_reference(device, dtype, case):
+def test_variants_match_spec(device, dtype, case):
     _, extra, is_shape, entropy_mask = case
     B, T, V = 3, 7, 1001
     base, ids, adv, old, ref, mask = _inputs(B, T, V, dtype, device, True, False, "tokens", 0.04, 0.9)
@@ -102,13 +102,13 @@ def test_variants_match_reference(device, dtype, case):
     refs = {}
     for dt in {torch.float32, dtype}:
         ref_base = base.detach().float().requires_grad_()
-        r = reference.grpo_token_loss(ref_base, ids.clamp(min=0), adv, dtype=dt, **kwargs)
+        r = spec.grpo_token_loss(ref_base, ids.clamp(min=0), adv, dtype=dt, **kwargs)
         refs[dt] = (r, torch.autograd.grad([r["loss"], r["kl"]], ref_base, ups)[0])
     (r32, g32), (r_low, g_low) = refs[torch.float32], refs[dtype]
     low = dtype != torch.float32
     for name in ("loss", "logp", "kl"):
-        assert_as_close_as_reference(getattr(out, name), r32[name], r_low[name] if low else None, name=name)
-    assert_as_close_as_reference(grad, g32, g_low if low else None, name="dlogits")
+        assert_as_close_as_low_precision(getattr(out, name), r32[name], r_low[name] if low else None, name=name)
+    assert_as_close_as_low_precision(grad, g32, g_low if low else None, name="dlogits")
     if not low:
         for name in ("is_low_clipped", "is_high_clipped"):
             assert torch.equal(getattr(out, name), r32[name]), name
@@ -127,14 +127,14 @@ def test_real_vocab_sizes(device, vocab):
     (grad,) = torch.autograd.grad(out.loss.sum(), base)
     for dt in (torch.float32, torch.bfloat16):
         rb = base.detach().float().requires_grad_()
-        r = reference.grpo_token_loss(rb, ids.clamp(min=0), adv, dtype=dt, **kwargs)
+        r = spec.grpo_token_loss(rb, ids.clamp(min=0), adv, dtype=dt, **kwargs)
         r["ref_grad"] = torch.autograd.grad(r["loss"].sum(), rb)[0]
         if dt == torch.float32:
             r32 = r
         else:
             r16 = r
-    assert_as_close_as_reference(out.loss, r32["loss"], r16["loss"], name="loss")
-    assert_as_close_as_reference(grad, r32["ref_grad"], r16["ref_grad"], name="dlogits")
+    assert_as_close_as_low_precision(out.loss, r32["loss"], r16["loss"], name="loss")
+    assert_as_close_as_low_precision(grad, r32["ref_grad"], r16["ref_grad"], name="dlogits")
 
 
 def test_hand_derived_clipping_and_kl(device):
@@ -165,7 +165,7 @@ def test_hand_derived_clipping_and_kl(device):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_token_terms_match_reference(device, beta):
+def test_token_terms_match_spec(device, beta):
     B, T = 4, 9
     logp = (-torch.rand(B, T, device=device) * 5).requires_grad_()
     old = logp.detach() + 0.3 * torch.randn(B, T, device=device)
@@ -176,7 +176,7 @@ def test_token_terms_match_reference(device, beta):
     loss, kl, code = grpo_token_terms(logp, adv, **kw)
     g = torch.randn(B, T, device=device)
     (grad,) = torch.autograd.grad(loss, logp, g)
-    r = reference.grpo_token_terms(logp, adv, **kw)
+    r = spec.grpo_token_terms(logp, adv, **kw)
     (ref_grad,) = torch.autograd.grad(r["loss"], logp, g)
     torch.testing.assert_close(loss, r["loss"])
     torch.testing.assert_close(kl, r["kl"])

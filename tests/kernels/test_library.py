@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lowmem_grpo.kernels import grpo_token_loss, linear_grpo_loss, linear_token_logprobs, reference, token_logprobs
+from lowmem_grpo.kernels import grpo_token_loss, linear_grpo_loss, linear_token_logprobs, spec, token_logprobs
 
 
 def _op_samples():
@@ -72,7 +72,7 @@ def test_torch_compile_of_logits_ops():
     (g_compiled,) = torch.autograd.grad(compiled(logits), logits)
     (g_eager,) = torch.autograd.grad(loss_fn(logits), logits)
     torch.testing.assert_close(g_compiled, g_eager)
-    ref = reference.grpo_token_loss(logits, ids, adv)["loss"].sum() + reference.token_logprobs(logits, ids).sum()
+    ref = spec.grpo_token_loss(logits, ids, adv)["loss"].sum() + spec.token_logprobs(logits, ids).sum()
     torch.testing.assert_close(g_eager, torch.autograd.grad(ref, logits)[0])
 
 

@@ -1,16 +1,16 @@
-"""linear_token_logprobs (op 4): the lm_head fused in, against the reference; memory bound."""
+"""linear_token_logprobs : the lm_head fused in, against the spec; memory bound."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lowmem_grpo.kernels import linear_token_logprobs, reference
+from lowmem_grpo.kernels import linear_token_logprobs, spec
 from lowmem_grpo.kernels.linear import _linear_logprobs_backward_op, _linear_logprobs_op, default_chunk_size
 
-from .helpers import assert_as_close_as_reference
+from .helpers import assert_as_close_as_low_precision
 
-# The fused head's GEMM writes logits in the weight dtype, exactly like the reference in bf16 (and
-# like an lm_head in bf16). From there ours stays in fp32 while the reference also rounds the
+# The fused head's GEMM writes logits in the weight dtype, exactly like the spec in bf16 (and
+# like an lm_head in bf16). From there ours stays in fp32 while the spec also rounds the
 # log-probs; which of the two lands closer to fp32 varies per element, hence a factor above 1.
 LINEAR_FACTOR = 1.5
 
@@ -26,7 +26,7 @@ def _run(hidden, weight, ids, bias, *, temperature, chunk_size, return_entropy):
 @pytest.mark.parametrize("chunk_size", [None, 97, 256], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("return_entropy", [False, True], ids=["logp", "entropy"])
-def test_matches_reference(device, dtype, chunk_size, with_bias, return_entropy):
+def test_matches_spec(device, dtype, chunk_size, with_bias, return_entropy):
     B, T, H, V = 2, 5, 48, 1000  # 1000 is no multiple of either chunk size: the last slice is narrow
     hidden = torch.randn(B, T, H).to(dtype).to(device).requires_grad_()
     weight = (torch.randn(V, H) / H**0.5 * 3).to(dtype).to(device).requires_grad_()
@@ -40,18 +40,18 @@ def test_matches_reference(device, dtype, chunk_size, with_bias, return_entropy)
     refs = {}
     for dt in {torch.float32, dtype}:
         ref_params = [p.detach().float().requires_grad_() for p in params]
-        r = reference.linear_token_logprobs(ref_params[0], ref_params[1], ids,
-                                            bias=ref_params[2] if with_bias else None,
-                                            temperature=0.7, return_entropy=return_entropy, dtype=dt)
+        r = spec.linear_token_logprobs(ref_params[0], ref_params[1], ids,
+                                       bias=ref_params[2] if with_bias else None,
+                                       temperature=0.7, return_entropy=return_entropy, dtype=dt)
         r = r if return_entropy else (r,)
         refs[dt] = (r, torch.autograd.grad(r, ref_params, ups))
     (r32, g32), (r_low, g_low) = refs[torch.float32], refs[dtype]
     low = dtype != torch.float32
     for name, a, b, c in zip(("logp", "entropy"), outs, r32, r_low):
-        assert_as_close_as_reference(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
     for name, a, b, c in zip(("d_hidden", "d_weight", "d_bias"), got, g32, g_low):
         assert a.dtype == dtype, name
-        assert_as_close_as_reference(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, b, c if low else None, factor=LINEAR_FACTOR, name=name)
 
 
 @pytest.mark.parametrize("vocab", [151936, 49152])
@@ -66,10 +66,10 @@ def test_real_vocab_sizes(device, vocab):
     res = {}
     for dt in (torch.float32, torch.bfloat16):
         h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-        r = reference.linear_token_logprobs(h, w, ids, dtype=dt)
+        r = spec.linear_token_logprobs(h, w, ids, dtype=dt)
         res[dt] = (r, *torch.autograd.grad(r, (h, w), g))
     for i, (name, a) in enumerate((("logp", logp), ("d_hidden", dh), ("d_weight", dw))):
-        assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
 
 
 def test_tied_embedding_gets_both_gradients(device):
@@ -85,7 +85,7 @@ def test_tied_embedding_gets_both_gradients(device):
     loss_with(lambda h, w, y: linear_token_logprobs(h, w, y, chunk_size=64)).backward()
     ours = emb.weight.grad.clone()
     emb.weight.grad = None
-    loss_with(lambda h, w, y: reference.linear_token_logprobs(h, w, y)).backward()
+    loss_with(lambda h, w, y: spec.linear_token_logprobs(h, w, y)).backward()
     torch.testing.assert_close(ours, emb.weight.grad)
     assert ours[inputs.unique()].abs().sum() > 0
 
@@ -93,7 +93,7 @@ def test_tied_embedding_gets_both_gradients(device):
 @pytest.mark.parametrize("needs", [("weight",), ("hidden",), ("weight", "bias"), ("bias",)])
 def test_only_some_inputs_need_gradients(device, needs):
     """Frozen hidden states (a probe on a fixed encoder), a frozen head, a bias alone: the gradients not
-    needed come back as None and the others match the reference. (A single shared empty tensor for the
+    needed come back as None and the others match the spec. (A single shared empty tensor for the
     missing gradients made the backward op's outputs alias each other, which torch refuses.)"""
     V, H, N = 300, 16, 10
     g = torch.Generator().manual_seed(0)
@@ -102,7 +102,7 @@ def test_only_some_inputs_need_gradients(device, needs):
     ids = torch.randint(0, V, (N,), generator=g).to(device)
     grads = []
     for head in (lambda h, w, y, b: linear_token_logprobs(h, w, y, bias=b, chunk_size=64),
-                 lambda h, w, y, b: reference.linear_token_logprobs(h, w, y, bias=b)):
+                 lambda h, w, y, b: spec.linear_token_logprobs(h, w, y, bias=b)):
         t = {k: v.to(device).requires_grad_(k in needs) for k, v in base.items()}
         head(t["hidden"], t["weight"], ids, t["bias"]).sum().backward()
         grads.append({k: v.grad for k, v in t.items()})
@@ -122,7 +122,7 @@ def test_autocast_mixes_fp32_weight_and_bf16_compute():
         logp = linear_token_logprobs(hidden, weight, ids, chunk_size=32)
     logp.sum().backward()
     assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == torch.float32
-    ref = reference.linear_token_logprobs(hidden.detach(), weight.detach(), ids, dtype=torch.bfloat16)
+    ref = spec.linear_token_logprobs(hidden.detach(), weight.detach(), ids, dtype=torch.bfloat16)
     torch.testing.assert_close(logp, ref, atol=0.1, rtol=0.02)
 
 
@@ -183,7 +183,7 @@ def test_bad_input_errors():
 @pytest.mark.slow
 def test_qwen_sized_head_with_default_chunking():
     """Qwen2.5-0.5B's head (H 896, V 151936) at 1024 tokens, default slices: several GEMM slices and
-    row-chunks on the torch path, against the reference in fp32 and bf16 (~1 min, ~6 GiB)."""
+    row-chunks on the torch path, against the spec in fp32 and bf16 (~1 min, ~6 GiB)."""
     N, H, V = 1024, 896, 151936
     hidden = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(V, H) * (2.0 / H**0.5)).bfloat16().requires_grad_()
@@ -194,11 +194,11 @@ def test_qwen_sized_head_with_default_chunking():
     res = {}
     for dt in (torch.float32, torch.bfloat16):
         h, w = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
-        r_logp, r_ent = reference.linear_token_logprobs(h, w, ids, return_entropy=True, dtype=dt)
+        r_logp, r_ent = spec.linear_token_logprobs(h, w, ids, return_entropy=True, dtype=dt)
         res[dt] = (r_logp, r_ent, *torch.autograd.grad((r_logp, r_ent), (h, w), (g, g)))
         del h, w, r_logp, r_ent
     for i, (name, a) in enumerate((("logp", logp), ("entropy", entropy), ("d_hidden", dh), ("d_weight", dw))):
-        assert_as_close_as_reference(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
 
 
 @pytest.mark.parametrize("banned", [(0, 256), (256, 512), (0, 700)],
@@ -214,7 +214,7 @@ def test_banned_vocabulary_slices(device, banned):
     allowed = torch.cat([torch.arange(0, banned[0]), torch.arange(banned[1], V)]).to(device)
     ids = allowed[torch.randint(0, len(allowed), (6,), device=device)]
     logp, entropy = linear_token_logprobs(hidden, weight, ids, bias=bias, chunk_size=256, return_entropy=True)
-    ref_logp, ref_entropy = reference.linear_token_logprobs(hidden, weight, ids, bias=bias, return_entropy=True)
+    ref_logp, ref_entropy = spec.linear_token_logprobs(hidden, weight, ids, bias=bias, return_entropy=True)
     ref_entropy = -(torch.log_softmax(hidden @ weight.T + bias, -1).exp()
                     * torch.log_softmax(hidden @ weight.T + bias, -1).nan_to_num(neginf=0.0)).sum(-1)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-5, atol=1e-5)
@@ -250,14 +250,14 @@ def test_bf16_bias_is_added_in_fp32(device):
                   up)
     for name, got, ref, bound_ref, factor in zip(("logp", "d_hidden", "d_weight", "d_bias"), ours, fp32,
                                                  bias_in_fp32, (1.5, 3, 3, 3)):
-        assert_as_close_as_reference(got, ref, bound_ref, factor=factor, name=name)
+        assert_as_close_as_low_precision(got, ref, bound_ref, factor=factor, name=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_size", [None, 97], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("return_entropy", [False, True], ids=["logp", "entropy"])
-def test_softcap_matches_reference(device, dtype, chunk_size, with_bias, return_entropy):
+def test_softcap_matches_spec(device, dtype, chunk_size, with_bias, return_entropy):
     """softcap: log_softmax(c tanh((h W^T + b) / c) / T), forward and backward, against the spec; a cap of 2 on
     logits of a few units changes the distribution a lot (checked), so a kernel without it fails."""
     B, T, H, V, cap = 2, 5, 48, 1000, 2.0
@@ -279,19 +279,19 @@ def test_softcap_matches_reference(device, dtype, chunk_size, with_bias, return_
         return linear_token_logprobs(h, w, ids, bias=b, temperature=0.7, return_entropy=return_entropy,
                                      chunk_size=chunk_size, softcap=cap)
 
-    def spec(dt, softcap=cap):
-        return lambda h, w, b=None: reference.linear_token_logprobs(h, w, ids, bias=b, temperature=0.7,
+    def spec_head(dt, softcap=cap):
+        return lambda h, w, b=None: spec.linear_token_logprobs(h, w, ids, bias=b, temperature=0.7,
                                                                      return_entropy=return_entropy, dtype=dt,
                                                                      softcap=softcap)
 
     got = run(ours, params)
-    r32 = run(spec(torch.float32), [p.float() for p in params])
-    r_low = run(spec(dtype), [p.float() for p in params]) if dtype != torch.float32 else [None] * len(r32)
-    uncapped = run(spec(torch.float32, None), [p.float() for p in params])
+    r32 = run(spec_head(torch.float32), [p.float() for p in params])
+    r_low = run(spec_head(dtype), [p.float() for p in params]) if dtype != torch.float32 else [None] * len(r32)
+    uncapped = run(spec_head(torch.float32, None), [p.float() for p in params])
     assert (uncapped[0] - r32[0]).abs().max() > 0.5  # the cap matters here
     names = ["logp", "entropy"][:n_out] + ["d_hidden", "d_weight", "d_bias"][:len(params)]
     for name, a, b, c in zip(names, got, r32, r_low):
-        assert_as_close_as_reference(a, b, c, factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, b, c, factor=LINEAR_FACTOR, name=name)
 
 
 @pytest.mark.parametrize("softcap", [0.0, -30.0, float("inf"), float("nan"), "30"])

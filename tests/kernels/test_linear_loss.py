@@ -1,11 +1,11 @@
-"""linear_grpo_loss: every loss_type and importance-sampling level against the reference."""
+"""linear_grpo_loss: every loss_type and importance-sampling level against the spec."""
 
 import pytest
 import torch
 
-from lowmem_grpo.kernels import linear_grpo_loss, reference
+from lowmem_grpo.kernels import linear_grpo_loss, spec
 
-from .helpers import assert_as_close_as_reference
+from .helpers import assert_as_close_as_low_precision
 
 LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 VARIANTS = ["dapo", "cispo", "sapo", "vespo"]  # one loss type per per-token variant
@@ -21,7 +21,7 @@ def _batch(device, dtype=torch.float32, B=3, T=6, H=24, V=500, with_bias=True, b
     lengths = torch.tensor([T, T - 2, 0] + [1] * (B - 3), device=device)[:B, None]  # row 2: all padding
     mask = torch.arange(T, device=device)[None] < lengths  # ragged completions
     with torch.no_grad():
-        logp = reference.linear_token_logprobs(hidden, weight, ids, bias=bias)
+        logp = spec.linear_token_logprobs(hidden, weight, ids, bias=bias)
     old = logp + 0.3 * torch.randn(B, T, device=device) if with_old else None
     ref = logp + 0.5 * torch.randn(B, T, device=device) if beta > 0 else None
     adv = torch.randn((B, T) if per_token_adv else (B,), device=device)
@@ -38,25 +38,25 @@ def _compare(batch, dtype=torch.float32, chunk_size=None, **kwargs):
         ref_params = [p.detach().float().requires_grad_() for p in params]
         ref_batch = dict(batch, hidden=ref_params[0], weight=ref_params[1],
                          bias=ref_params[2] if batch["bias"] is not None else None)
-        r_loss, r_metrics = reference.linear_grpo_loss(**ref_batch, dtype=dt, **kwargs)
+        r_loss, r_metrics = spec.linear_grpo_loss(**ref_batch, dtype=dt, **kwargs)
         results[dt] = (r_loss, r_metrics, torch.autograd.grad(r_loss, ref_params))
     (l32, m32, g32), (l_low, m_low, g_low) = results[torch.float32], results[dtype]
     low = dtype != torch.float32
     assert loss.dim() == 0 and loss.dtype == torch.float32
-    # A scalar sum of per-token errors: how close the bf16 reference lands is luck (its errors may
+    # A scalar sum of per-token errors: how close the bf16 spec lands is luck (its errors may
     # cancel), so in bf16 the loss also gets a floor of 1% of its scale (bf16 resolves 0.4%).
-    assert_as_close_as_reference(loss, l32, l_low if low else None, factor=1.5, floor=1e-2 if low else 2e-5,
-                                 name="loss")
+    assert_as_close_as_low_precision(loss, l32, l_low if low else None, factor=1.5, floor=1e-2 if low else 2e-5,
+                                     name="loss")
     for name, a, b, c in zip(("d_hidden", "d_weight", "d_bias"), got, g32, g_low):
         assert a.dtype == dtype
-        assert_as_close_as_reference(a, b, c if low else None, factor=1.5, name=name)
+        assert_as_close_as_low_precision(a, b, c if low else None, factor=1.5, name=name)
     assert metrics.keys() == m32.keys()
     for key in metrics:
         assert not metrics[key].requires_grad
         if low:
             # vespo's phi = exp(a sum of T log-ratios) multiplies every token's bf16 error: 5% of phi's scale
             floor = 5e-2 if key == "vespo_phi_mean" else 1e-3
-            assert_as_close_as_reference(metrics[key], m32[key], m_low[key], factor=1.5, floor=floor, name=key)
+            assert_as_close_as_low_precision(metrics[key], m32[key], m_low[key], factor=1.5, floor=floor, name=key)
         else:
             torch.testing.assert_close(metrics[key], m32[key], msg=key)
     return metrics
@@ -64,7 +64,7 @@ def _compare(batch, dtype=torch.float32, chunk_size=None, **kwargs):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", LEVELS)
-def test_matches_reference(device, loss_type, level):
+def test_matches_spec(device, loss_type, level):
     batch = _batch(device, per_token_adv=(loss_type == "bnpo"))
     metrics = _compare(batch, loss_type=loss_type, importance_sampling_level=level, epsilon_high=0.28,
                        temperature=0.9, max_completion_length=10 if loss_type == "dr_grpo" else None)
@@ -74,7 +74,7 @@ def test_matches_reference(device, loss_type, level):
 
 @pytest.mark.parametrize("dtype, level", [(torch.float32, "token"), (torch.float32, "sequence"),
                                           (torch.bfloat16, "token")])
-def test_softcap_matches_reference(device, dtype, level):
+def test_softcap_matches_spec(device, dtype, level):
     """softcap (Gemma 2's final_logit_softcapping) reaches the head: loss, metrics and gradients as the spec's.
     (bf16 at the sequence level lands at 1.52x the bf16 spec's distance on d_hidden, over this file's 1.5x.)"""
     batch = _batch(device, dtype)
@@ -109,7 +109,7 @@ OPTIONS = {
 @pytest.mark.parametrize("loss_type", VARIANTS)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("option", list(OPTIONS))
-def test_options_match_reference(device, loss_type, level, option):
+def test_options_match_spec(device, loss_type, level, option):
     if level == "sequence" and option == "all" and loss_type == "vespo":
         pytest.skip("covered at the token level (vespo's phi is per sequence at both levels)")
     torch.manual_seed(1)
@@ -142,10 +142,10 @@ def test_random_upstream_gradient_odd_shapes(device):
     loss, _ = linear_grpo_loss(**batch, **kwargs)
     got = torch.autograd.grad(loss * g, params)
     ref_params = [p.detach().float().requires_grad_() for p in params]
-    r_loss, _ = reference.linear_grpo_loss(**dict(batch, hidden=ref_params[0], weight=ref_params[1],
-                                                  bias=ref_params[2]), **kwargs)
+    r_loss, _ = spec.linear_grpo_loss(**dict(batch, hidden=ref_params[0], weight=ref_params[1],
+                                             bias=ref_params[2]), **kwargs)
     for a, b in zip(got, torch.autograd.grad(r_loss * g, ref_params)):
-        assert_as_close_as_reference(a, b, factor=1.5)
+        assert_as_close_as_low_precision(a, b, factor=1.5)
 
 
 def test_defaults_without_mask_old_ref_or_bias(device):

@@ -1,11 +1,11 @@
-"""token_logprobs (op 1) against the reference, forward and backward, on every path."""
+"""token_logprobs against the spec, forward and backward, on every path."""
 
 import pytest
 import torch
 
-from lowmem_grpo.kernels import reference, token_logprobs
+from lowmem_grpo.kernels import spec, token_logprobs
 
-from .helpers import assert_as_close_as_reference
+from .helpers import assert_as_close_as_low_precision
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -17,7 +17,7 @@ def _case(shape, dtype, device, scale=3.0):
 
 
 def _check(base, ids, temperature, return_entropy):
-    """Run the op on a non-leaf view of `base` (the in-place backward path) and the references."""
+    """Run the op on a non-leaf view of `base` (the in-place backward path) and the spec (fp32, base's dtype)."""
     g_logp = torch.randn(ids.shape, device=ids.device)
     g_ent = torch.randn(ids.shape, device=ids.device)
     out = token_logprobs(base * 1, ids, temperature=temperature, return_entropy=return_entropy)
@@ -28,23 +28,23 @@ def _check(base, ids, temperature, return_entropy):
     results = {}
     for dt in (torch.float32, base.dtype):
         ref_base = base.detach().float().requires_grad_()
-        ref = reference.token_logprobs(ref_base, ids, temperature=temperature, return_entropy=return_entropy, dtype=dt)
+        ref = spec.token_logprobs(ref_base, ids, temperature=temperature, return_entropy=return_entropy, dtype=dt)
         ref = ref if return_entropy else (ref,)
         (ref_grad,) = torch.autograd.grad(ref, ref_base, ups)
         results[dt] = (ref, ref_grad)
     (ref32, grad32), (ref_low, grad_low) = results[torch.float32], results[base.dtype]
     for i, name in enumerate(["logp", "entropy"][: len(outs)]):
         assert outs[i].dtype == torch.float32
-        assert_as_close_as_reference(outs[i], ref32[i], ref_low[i] if base.dtype != torch.float32 else None, name=name)
+        assert_as_close_as_low_precision(outs[i], ref32[i], ref_low[i] if base.dtype != torch.float32 else None, name=name)
     assert grad.dtype == base.dtype
-    assert_as_close_as_reference(grad, grad32, grad_low if base.dtype != torch.float32 else None, name="dlogits")
+    assert_as_close_as_low_precision(grad, grad32, grad_low if base.dtype != torch.float32 else None, name="dlogits")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 5, 123), (7, 1000), (1, 4099)], ids=str)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_matches_reference(device, dtype, shape, temperature, return_entropy):
+def test_matches_spec(device, dtype, shape, temperature, return_entropy):
     base, ids = _case(shape, dtype, device)
     _check(base, ids, temperature, return_entropy)
 
@@ -90,7 +90,7 @@ def test_non_contiguous_logits(device):
     full = torch.randn(3, 6, 257, device=device)
     logits = full[:, :-1, :]  # the usual shift: a strided view
     ids = torch.randint(0, 257, (3, 5), device=device)
-    torch.testing.assert_close(token_logprobs(logits, ids), reference.token_logprobs(logits, ids))
+    torch.testing.assert_close(token_logprobs(logits, ids), spec.token_logprobs(logits, ids))
 
 
 def test_no_grad_and_empty(device):
@@ -123,7 +123,7 @@ def test_entropy_of_a_peaked_distribution(device):
     logits[:, 7] = 20.0
     ids = torch.full((3,), 7, device=device)
     _, entropy = token_logprobs(logits, ids, return_entropy=True)
-    _, expected = reference.token_logprobs(logits.double(), ids, return_entropy=True, dtype=torch.float64)
+    _, expected = spec.token_logprobs(logits.double(), ids, return_entropy=True, dtype=torch.float64)
     torch.testing.assert_close(entropy, expected, rtol=1e-3, atol=1e-9)
 
 
@@ -135,7 +135,7 @@ def test_minus_inf_logits_are_banned_tokens(device):
     ids = torch.randint(0, 100, (4,), device=device)
     logp, entropy = token_logprobs(base * 1, ids, return_entropy=True)
     (grad,) = torch.autograd.grad((logp.sum() + entropy.sum()), base)
-    ref_logp, ref_entropy = reference.token_logprobs(base, ids, return_entropy=True)
+    ref_logp, ref_entropy = spec.token_logprobs(base, ids, return_entropy=True)
     keep = torch.isfinite(base.detach())
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(entropy, torch.where(torch.isnan(ref_entropy), entropy, ref_entropy))
@@ -155,8 +155,8 @@ def test_minus_inf_whole_blocks(device, banned):
     logp, entropy = token_logprobs(base * 1, ids, return_entropy=True)
     (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), base)
     ref_base = base.detach()[:, cut[1]:].double().requires_grad_()  # banned tokens have probability 0
-    ref_logp, ref_entropy = reference.token_logprobs(ref_base, ids - cut[1], return_entropy=True,
-                                                     dtype=torch.float64)
+    ref_logp, ref_entropy = spec.token_logprobs(ref_base, ids - cut[1], return_entropy=True,
+                                                dtype=torch.float64)
     (ref_grad,) = torch.autograd.grad(ref_logp.sum() + ref_entropy.sum(), ref_base)
     torch.testing.assert_close(logp.double(), ref_logp.double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy.double(), ref_entropy.double(), rtol=1e-5, atol=1e-5)

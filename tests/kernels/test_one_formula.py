@@ -1,5 +1,5 @@
 """Each per-token loss variant is written once in torch (grpo_loss.policy_terms) and once in Triton
-(grpo_loss_triton.grpo_token_terms); both match the spec (reference.grpo_token_terms), values and the
+(grpo_loss_triton.grpo_token_terms); both match the spec (spec.grpo_token_terms), values and the
 closed-form gradient, and every torch caller goes through the one torch copy."""
 
 import math
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lowmem_grpo.kernels import grpo_loss, grpo_token_terms, linear_grpo_loss, reference, use_backend
+from lowmem_grpo.kernels import grpo_loss, grpo_token_terms, linear_grpo_loss, spec, use_backend
 from lowmem_grpo.kernels._backend import HAS_TRITON, interpreter_enabled
 from lowmem_grpo.kernels.grpo_loss import Variant, term_params
 
@@ -32,7 +32,7 @@ def _token_inputs(n=257, seed=0, rows=1):
 
 
 def _vespo_phi(logp, old, adv, is_ratio=None):
-    return reference.vespo_phi(logp - old, adv, torch.ones_like(logp), is_ratio)
+    return spec.vespo_phi(logp - old, adv, torch.ones_like(logp), is_ratio)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -52,18 +52,18 @@ def test_policy_terms_match_spec_values_and_gradient(loss_type, beta, bias_kl, e
     loss, kl, low, high, dloss, dkl = grpo_loss.policy_terms(logp - old, adv, logp, ref,
                                                              None if loss_type == "vespo" else weight, coef, p)
     x = logp.clone().requires_grad_()
-    spec = reference.grpo_token_terms(x, adv, old_logp=old, ref_logp=ref, epsilon_low=eps_low, epsilon_high=eps_high,
-                                      beta=beta, loss_type=loss_type, delta=delta, use_bias_correction_kl=bias_kl,
-                                      importance_sampling_ratio=weight)
-    torch.testing.assert_close(loss, spec["loss"].detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(kl, spec["kl"].detach(), rtol=1e-6, atol=1e-7)
-    assert torch.equal(low, spec["is_low_clipped"]) and torch.equal(high, spec["is_high_clipped"])
+    expected = spec.grpo_token_terms(x, adv, old_logp=old, ref_logp=ref, epsilon_low=eps_low, epsilon_high=eps_high,
+                                     beta=beta, loss_type=loss_type, delta=delta, use_bias_correction_kl=bias_kl,
+                                     importance_sampling_ratio=weight)
+    torch.testing.assert_close(loss, expected["loss"].detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(kl, expected["kl"].detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(low, expected["is_low_clipped"]) and torch.equal(high, expected["is_high_clipped"])
     if loss_type in ("grpo", "cispo"):
         assert high.any() and not high.all()  # the inputs reach the clipped regions
-    (grad,) = torch.autograd.grad(spec["loss"].sum(), x, retain_graph=True)  # autograd of the spec = closed form
+    (grad,) = torch.autograd.grad(expected["loss"].sum(), x, retain_graph=True)  # autograd of the spec = closed form
     torch.testing.assert_close(dloss, grad, rtol=1e-5, atol=1e-6)
     if beta:
-        (grad_kl,) = torch.autograd.grad(spec["kl"].sum(), x)
+        (grad_kl,) = torch.autograd.grad(expected["kl"].sum(), x)
         torch.testing.assert_close(dkl, grad_kl, rtol=1e-5, atol=1e-6)
 
 
@@ -101,7 +101,7 @@ def test_hand_derived_values():
 def test_vespo_phi_is_one_at_ratio_one_and_smaller_away_from_it():
     A = torch.tensor([1.0, -1.0, 1.0])
     log_ratio = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.3, 0.4]])
-    phi = reference.vespo_phi(log_ratio, A, torch.ones(3, 2))
+    phi = spec.vespo_phi(log_ratio, A, torch.ones(3, 2))
     torch.testing.assert_close(phi[:2], torch.ones(2, 1))
     w = math.exp(0.7)  # k = 2, lambda = 3 for A >= 0: phi = e^3 w^2 e^(-3 w)
     torch.testing.assert_close(phi[2, 0], torch.tensor(math.exp(3) * w ** 2 * math.exp(-3 * w)))

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from lowmem_grpo.kernels import linear_grpo_loss, reference
+from lowmem_grpo.kernels import linear_grpo_loss, spec
 
 MODELS = {
     # Qwen2.5 ties the lm_head to the embedding and has no lm_head bias
@@ -40,22 +40,22 @@ def test_fused_head_matches_model_logits(name):
     hidden = model.model(input_ids).last_hidden_state[:, P - 1:-1]  # (B, C, H)
     ours, _ = linear_grpo_loss(hidden, model.lm_head.weight, completion_ids, adv, **kwargs)
     ours_grads = grads(ours)
-    # reference: the model's own logits, log-softmax in fp32
+    # the spec on the model's own logits, log-softmax in fp32
     logits = model(input_ids).logits[:, P - 1:-1]  # (B, C, V)
-    ref_loss = _reference_from_logits(logits, completion_ids, adv, **kwargs)
-    ref_grads = grads(ref_loss)
+    spec_loss = _spec_loss_from_logits(logits, completion_ids, adv, **kwargs)
+    spec_grads = grads(spec_loss)
 
-    torch.testing.assert_close(ours, ref_loss)
-    assert ours_grads.keys() == ref_grads.keys()
+    torch.testing.assert_close(ours, spec_loss)
+    assert ours_grads.keys() == spec_grads.keys()
     for n in ours_grads:
-        torch.testing.assert_close(ours_grads[n], ref_grads[n], msg=n)
+        torch.testing.assert_close(ours_grads[n], spec_grads[n], msg=n)
     if config.tie_word_embeddings:
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def _reference_from_logits(logits, ids, adv, *, mask, old_logp, ref_logp, beta, epsilon_high, loss_type):
-    terms = reference.grpo_token_loss(logits, ids, adv, mask=mask, old_logp=old_logp, ref_logp=ref_logp, beta=beta,
-                                      epsilon_high=epsilon_high)
+def _spec_loss_from_logits(logits, ids, adv, *, mask, old_logp, ref_logp, beta, epsilon_high, loss_type):
+    terms = spec.grpo_token_loss(logits, ids, adv, mask=mask, old_logp=old_logp, ref_logp=ref_logp, beta=beta,
+                                 epsilon_high=epsilon_high)
     m = mask.float()
     assert loss_type == "grpo"
     return ((terms["loss"] * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()

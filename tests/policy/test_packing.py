@@ -24,13 +24,13 @@ from torch import nn
 from lowmem_grpo.kernels import linear_token_logprobs
 from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.policy.batch import Batch
-from lowmem_grpo.policy.logprobs import completion_hidden, token_logprobs
+from lowmem_grpo.policy.logprobs import completion_hidden, completion_logprobs
 from lowmem_grpo.policy.model import build_head, enable_checkpointing
 from lowmem_grpo.policy.packing import (Packing, PackingError, pack, packed_completion_hidden, packing_supported,
                                         planned_token_counts, probe_packing, resolve_pack_prompts, should_pack,
                                         token_counts)
 from lowmem_grpo.policy.reference import Reference
-from tests.kernels.helpers import assert_as_close_as_reference
+from tests.kernels.helpers import assert_as_close_as_low_precision
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -102,10 +102,10 @@ def test_packed_matches_unpacked_fp32(name, attn, checkpointing):
         mb = make_batch(model.config.vocab_size).rows(start, stop)
         logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
         logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
-        assert_as_close_as_reference(logp_p, logp, floor=1e-5, name="logp")
+        assert_as_close_as_low_precision(logp_p, logp, floor=1e-5, name="logp")
         assert grads.keys() == grads_p.keys()
         for n in grads:
-            assert_as_close_as_reference(grads_p[n], grads[n], floor=1e-5, name=n)
+            assert_as_close_as_low_precision(grads_p[n], grads[n], floor=1e-5, name=n)
 
 
 @pytest.mark.parametrize("precision", ["bf16_weights", "bf16_autocast"])
@@ -122,10 +122,10 @@ def test_packed_bf16_as_close_as_unpacked(name, attn, checkpointing, precision):
     logp32, grads32 = logp_and_grads(ref, mb, pack=Packing.OFF)
     logp, grads = logp_and_grads(low, mb, pack=Packing.OFF, autocast=not bf16_weights)
     logp_p, grads_p = logp_and_grads(low, mb, pack=Packing.ALWAYS, autocast=not bf16_weights)
-    assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
+    assert_as_close_as_low_precision(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
-        assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
-                                     name=n)
+        assert_as_close_as_low_precision(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
+                                         name=n)
 
 
 def test_layout_of_a_packed_micro_batch():
@@ -177,12 +177,12 @@ def test_identical_prompts_of_different_groups_share_a_row():
     assert pack(mb).shape[0] == 2
 
 
-def test_token_logprobs_packed_in_micro_batches():
+def test_completion_logprobs_packed_in_micro_batches():
     model = make_model("qwen2").eval()
     head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=4, device=torch.device("cpu"))
-    plain = token_logprobs(head, batch, **kw)
-    packed = token_logprobs(head, batch, **kw, pack=Packing.ALWAYS)
+    plain = completion_logprobs(head, batch, **kw)
+    packed = completion_logprobs(head, batch, **kw, pack=Packing.ALWAYS)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
     assert (packed[4] == 0).all() and (packed[2, 1:] == 0).all()
 
@@ -195,8 +195,8 @@ def test_reference_packed(mode):
     plain = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4)
     packed = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4, pack=Packing.ALWAYS)
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
-    expected = token_logprobs(build_head(model), batch, temperature=TEMPERATURE, micro_batch=4,
-                              device=torch.device("cpu"))
+    expected = completion_logprobs(build_head(model), batch, temperature=TEMPERATURE, micro_batch=4,
+                                   device=torch.device("cpu"))
     torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -318,8 +318,8 @@ def test_packed_matches_unpacked_flex_attention_forward():
     model = make_model("llama", attn="flex_attention").eval()
     head, batch = build_head(model), make_batch(model.config.vocab_size)
     kw = dict(temperature=TEMPERATURE, micro_batch=5, device=torch.device("cpu"))
-    torch.testing.assert_close(token_logprobs(head, batch, **kw, pack=Packing.ALWAYS), token_logprobs(head, batch, **kw),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(completion_logprobs(head, batch, **kw, pack=Packing.ALWAYS),
+                               completion_logprobs(head, batch, **kw), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda
@@ -331,8 +331,8 @@ def test_packed_matches_unpacked_on_cuda(attn):
     logp32, grads32 = logp_and_grads(ref, mb, pack=Packing.OFF)
     logp, grads = logp_and_grads(model, mb, pack=Packing.OFF)
     logp_p, grads_p = logp_and_grads(model, mb, pack=Packing.ALWAYS)
-    assert_as_close_as_reference(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
+    assert_as_close_as_low_precision(logp_p, logp32, logp, factor=LOGP_BF16_FACTOR, floor=1e-5, name="logp")
     for n in grads32:
-        assert_as_close_as_reference(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
-                                     name=n)
+        assert_as_close_as_low_precision(grads_p[n], grads32[n], grads[n], factor=GRAD_BF16_FACTOR, floor=1e-5,
+                                         name=n)
     assert packed_completion_hidden(model.model, mb).shape == (*mb.completion_ids.shape, model.config.hidden_size)

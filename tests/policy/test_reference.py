@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lowmem_grpo.policy.batch import Batch, eos_mask, left_pad
-from lowmem_grpo.policy.logprobs import token_logprobs
+from lowmem_grpo.policy.logprobs import completion_logprobs
 from lowmem_grpo.policy.model import build_head
 from lowmem_grpo.policy.reference import Reference
 
@@ -31,8 +31,8 @@ def _batch():
 @pytest.mark.parametrize("mode", ["cpu", "stream"])
 def test_reference_logprobs_match_a_plain_forward(mode):
     model = _model()
-    expected = token_logprobs(build_head(model), _batch(), temperature=0.8, micro_batch=2,
-                              device=torch.device("cpu"))
+    expected = completion_logprobs(build_head(model), _batch(), temperature=0.8, micro_batch=2,
+                                   device=torch.device("cpu"))
     ref = Reference(copy.deepcopy(model), torch.device("cpu"), mode)
     got = ref.logprobs(_batch(), temperature=0.8, micro_batch=2)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -49,8 +49,8 @@ def test_reference_logprobs_match_a_plain_forward(mode):
 def test_streamed_reference_on_cuda_matches_and_keeps_weights_on_the_host():
     model = _model()
     device = torch.device("cuda")
-    expected = token_logprobs(build_head(copy.deepcopy(model).to(device)), _batch(), temperature=0.8,
-                              micro_batch=2, device=device)
+    expected = completion_logprobs(build_head(copy.deepcopy(model).to(device)), _batch(), temperature=0.8,
+                                   micro_batch=2, device=device)
     ref = Reference(copy.deepcopy(model), device, "stream")
     got = ref.logprobs(_batch(), temperature=0.8, micro_batch=2)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from lowmem_grpo.policy.logprobs import token_logprobs
+from lowmem_grpo.policy.logprobs import completion_logprobs
 from lowmem_grpo.policy.model import build_head
 from lowmem_grpo.policy.reference import Reference
 from tests.policy.test_packing import make_batch
@@ -53,7 +53,7 @@ def test_log_probs_are_transformers_soft_capped_ones(where):
     head = build_head(model)
     assert head.softcap == 3.0
     if where == "policy":
-        got = token_logprobs(head, batch, temperature=TEMPERATURE, micro_batch=4, device=torch.device("cpu"))
+        got = completion_logprobs(head, batch, temperature=TEMPERATURE, micro_batch=4, device=torch.device("cpu"))
     else:
         ref = Reference(copy.deepcopy(model), torch.device("cpu"), where.split("-")[1])
         got = ref.logprobs(batch, temperature=TEMPERATURE, micro_batch=4)

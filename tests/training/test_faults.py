@@ -263,7 +263,8 @@ def test_out_of_memory_names_the_phase_and_the_cheapest_fix_and_saves(toy_config
     if phase == "rollout":
         monkeypatch.setattr(generation, "generate", _raise_oom_on_second_call(generation.generate))
     elif phase == "old log-probs":
-        monkeypatch.setattr(generation, "token_logprobs", _raise_oom_on_second_call(generation.token_logprobs))
+        monkeypatch.setattr(generation, "completion_logprobs",
+                            _raise_oom_on_second_call(generation.completion_logprobs))
     elif phase == "reference log-probs":
         calls = {"n": 0}
 
