@@ -14,6 +14,8 @@ Clip codes: 0 = not clipped, 1 = low-clipped (rho < 1 - eps_low, A < 0), 2 = hig
 
 from __future__ import annotations
 
+import warnings
+
 import triton
 import triton.language as tl
 
@@ -175,3 +177,14 @@ def grpo_row_launch(logits, ids, adv, mask, old, ref, weight, outputs, *, inv_te
             int(p.bias_kl), p.sapo_pos, p.sapo_neg, HAS_MASK=mask is not None, HAS_OLD=old is not None,
             HAS_REF=ref is not None, HAS_WEIGHT=weight is not None, BLOCK_V=block, num_warps=warps,
         )
+
+
+def __getattr__(name: str):
+    """The per-token function's old name, `grpo_token_terms` (the torch op's name too), warns and gives
+    `block_terms`."""
+    if name == "grpo_token_terms":
+        warnings.warn("lowmem_grpo.kernels.grpo_loss_triton.grpo_token_terms is deprecated: the Triton per-token "
+                      "function is grpo_loss_triton.block_terms (lowmem_grpo.kernels.grpo_token_terms is the op)",
+                      DeprecationWarning, stacklevel=2)
+        return block_terms
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

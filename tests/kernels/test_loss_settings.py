@@ -171,3 +171,11 @@ def test_liger_dropin_binds_one_settings_object_and_passes_it(monkeypatch):
     hidden, weight, ids, mask, adv, old, ref = _inputs()
     loss_fn(hidden, weight, ids, mask, adv, ref_per_token_logps=ref, old_per_token_logps=old)
     assert len(seen) == 1 and seen[0] is loss_fn.settings
+
+
+def test_the_triton_functions_old_name_warns_and_gives_block_terms():
+    with pytest.warns(DeprecationWarning, match="grpo_loss_triton.block_terms"):
+        old = grpo_loss_triton.grpo_token_terms
+    assert old is grpo_loss_triton.block_terms
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        grpo_loss_triton.nope
