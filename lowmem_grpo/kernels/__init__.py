@@ -18,11 +18,12 @@ from ._backend import HAS_TRITON, get_backend, set_backend, use_backend
 from .fused_linear_grpo import FusedLinearGRPOLoss
 from .grpo_loss import GRPOTokenLoss, grpo_token_loss, grpo_token_terms
 from .linear import linear_token_logprobs
-from .linear_loss import ISLevel, LossType, linear_grpo_loss
+from .linear_loss import linear_grpo_loss
 from .logprobs import token_logprobs
+from .loss_settings import GRPOLossSettings, ISLevel, LossType
 
 __all__ = [
     "token_logprobs", "grpo_token_loss", "linear_token_logprobs", "linear_grpo_loss",
-    "grpo_token_terms", "GRPOTokenLoss", "FusedLinearGRPOLoss", "LossType", "ISLevel",
+    "grpo_token_terms", "GRPOTokenLoss", "FusedLinearGRPOLoss", "GRPOLossSettings", "LossType", "ISLevel",
     "HAS_TRITON", "get_backend", "set_backend", "use_backend",
 ]

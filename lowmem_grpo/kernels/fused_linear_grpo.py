@@ -22,13 +22,14 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..ranges import BETA, DELTA, EPSILON_HIGH, EPSILON_LOW, SAPO_TEMPERATURE
+from ..ranges import BETA
 from . import grpo_loss
 from ._backend import debug_checks
-from ._checks import _tracing, check_mask, check_shape, check_temperature
-from .grpo_loss import _expand_advantages, per_token_weights, term_params
+from ._checks import _tracing, check_mask, check_shape
+from .grpo_loss import _expand_advantages, per_token_weights
 from .linear import linear_token_logprobs
-from .linear_loss import ISLevel, LossType, linear_grpo_loss, parse_enum
+from .linear_loss import linear_grpo_loss
+from .loss_settings import GRPOLossSettings, ISLevel, LossType
 
 SUPPORTED_LOSS_TYPES = tuple(t.value for t in LossType)
 _NO_SEQUENCE_LEVEL = ("cispo", "sapo", "vespo")  # Liger refuses these with importance_sampling_level="sequence"
@@ -44,31 +45,20 @@ class FusedLinearGRPOLoss(nn.Module):
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, temperature: float = 1.0,
                  delta: Optional[float] = None, use_bias_correction_kl: bool = False, vespo_k_pos: float = 2.0,
                  vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
-        """Arguments as LigerFusedLinearGRPOLoss's; each setting is checked here, so a bad one fails before
-        any forward (the sequence-level refusal of cispo / sapo / vespo comes at forward, as Liger's)."""
+        """Arguments as LigerFusedLinearGRPOLoss's; they are checked and bound here, once, into `settings` (a
+        GRPOLossSettings: a bad one fails before any forward; the sequence-level refusal of cispo / sapo / vespo
+        comes at forward, as Liger's). use_ref_model=False binds beta 0 into it (no KL term)."""
         super().__init__()
-        loss_type = parse_enum(LossType, loss_type, "loss_type").value
-        importance_sampling_level = parse_enum(ISLevel, importance_sampling_level, "importance_sampling_level").value
-        SAPO_TEMPERATURE.check(sapo_temperature_pos, "sapo_temperature_pos")
-        SAPO_TEMPERATURE.check(sapo_temperature_neg, "sapo_temperature_neg")
-        if delta is not None:
-            DELTA.check(delta, "delta (the two-sided clip's cap on the ratio; None disables it)")
-        EPSILON_LOW.check(epsilon_low, "epsilon_low")
-        EPSILON_HIGH.check(epsilon_high, "epsilon_high")
-        BETA.check(beta, "beta")
-        check_temperature(temperature)
+        self.settings = GRPOLossSettings(
+            loss_type=loss_type, importance_sampling_level=importance_sampling_level, epsilon_low=epsilon_low,
+            epsilon_high=epsilon_high, beta=beta if use_ref_model else 0.0, temperature=temperature, delta=delta,
+            use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+            vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg, max_completion_length=max_completion_length)
+        BETA.check(beta, "beta")  # checked even when use_ref_model=False leaves it out of the loss
         if loss_type == "dr_grpo" and max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' divides by max_completion_length: pass max_completion_length=...")
-        if max_completion_length is not None and not max_completion_length > 0:
-            raise ValueError(f"max_completion_length must be > 0, got {max_completion_length}")
         self.beta, self.compiled, self.use_ref_model, self.chunk_size = beta, compiled, use_ref_model, chunk_size
-        self.epsilon_low, self.epsilon_high = epsilon_low, epsilon_high
-        self.loss_type, self.max_completion_length = loss_type, max_completion_length
-        self.importance_sampling_level, self.temperature = importance_sampling_level, temperature
-        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
-        self.delta, self.use_bias_correction_kl = delta, use_bias_correction_kl
-        self.vespo_k_pos, self.vespo_lambda_pos = vespo_k_pos, vespo_lambda_pos
-        self.vespo_k_neg, self.vespo_lambda_neg = vespo_k_neg, vespo_lambda_neg
 
     def forward(self, _input: Tensor, lin_weight: Tensor, selected_token_ids: Tensor, attention_mask: Tensor,
                 advantages: Tensor, bias: Optional[Tensor] = None, ref_per_token_logps: Optional[Tensor] = None,
@@ -81,9 +71,10 @@ class FusedLinearGRPOLoss(nn.Module):
         policy term (vespo: folded into phi); num_items_in_batch: dapo / cispo / vespo's token count.
 
         Returns (loss, metrics): metrics = (kl, clip_ratio) when beta != 0, else (clip_ratio,)."""
-        if self.importance_sampling_level == "sequence" and self.loss_type in _NO_SEQUENCE_LEVEL:
+        settings = self.settings
+        if settings.importance_sampling_level is ISLevel.SEQUENCE and settings.loss_type in _NO_SEQUENCE_LEVEL:
             raise ValueError(f"Sequence-level importance sampling is not supported for loss_type="
-                             f"'{self.loss_type}' (as in Liger): use importance_sampling_level='token'")
+                             f"'{settings.loss_type.value}' (as in Liger): use importance_sampling_level='token'")
         if not isinstance(_input, Tensor) or _input.dim() != 3:
             raise ValueError(f"_input must have shape (B, T, H), got {tuple(getattr(_input, 'shape', ()))}")
         B, T = _input.shape[:2]
@@ -91,26 +82,18 @@ class FusedLinearGRPOLoss(nn.Module):
         if mask is None:
             mask = torch.ones(B, T, dtype=torch.bool, device=_input.device)
         is_ratio = _check_is_ratio(vllm_is_ratio, B, T, _input.device)
-        if self.loss_type == "luspo":
+        if settings.loss_type is LossType.LUSPO:
             _check_padding_ids(selected_token_ids, mask, lin_weight.shape[0])
         ref = self._reference_logps(selected_token_ids, mask, ref_per_token_logps, ref_input, ref_weight, ref_bias)
-        beta = self.beta if ref is not None else 0.0  # no reference: Liger's k3(logp, sg[logp]) = 0, no gradient
-        terms = dict(epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, beta=beta, delta=self.delta,
-                     use_bias_correction_kl=self.use_bias_correction_kl, sapo_temperature_pos=self.sapo_temperature_pos,
-                     sapo_temperature_neg=self.sapo_temperature_neg)
-        if self.loss_type == "luspo":
+        if settings.loss_type is LossType.LUSPO:
             loss, kl, clip_ratio = self._luspo(_input, lin_weight, selected_token_ids, mask, advantages, bias,
-                                               old_per_token_logps, ref, is_ratio, terms)
+                                               old_per_token_logps, ref, is_ratio, settings)
         else:
-            num_items = (dapo_normalizer(mask, num_items_in_batch) if self.loss_type in _DAPO_NORMALISED else None)
+            num_items = dapo_normalizer(mask, num_items_in_batch) if settings.loss_type in _DAPO_NORMALISED else None
             loss, metrics = linear_grpo_loss(
                 _input, lin_weight, selected_token_ids, advantages, mask=mask, old_logp=old_per_token_logps,
-                ref_logp=ref, bias=bias, temperature=self.temperature, loss_type=self.loss_type,
-                importance_sampling_level=self.importance_sampling_level,
-                max_completion_length=self.max_completion_length, num_items_in_batch=num_items,
-                importance_sampling_ratio=is_ratio, vespo_k_pos=self.vespo_k_pos,
-                vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
-                vespo_lambda_neg=self.vespo_lambda_neg, **terms)
+                ref_logp=ref, bias=bias, num_items_in_batch=num_items, importance_sampling_ratio=is_ratio,
+                settings=settings)
             kl, clip_ratio = metrics["kl"], metrics["clip_ratio"]
         return loss, ((kl,) if self.beta != 0.0 else ()) + (clip_ratio,)
 
@@ -135,25 +118,26 @@ class FusedLinearGRPOLoss(nn.Module):
         if ref_weight is None:
             raise ValueError("ref_input needs ref_weight (the reference model's lm_head weight, (V, H)); "
                              "or pass ref_per_token_logps instead")
-        if self.loss_type != "luspo":  # luspo reads every position; the others drop the padding's ids
+        settings = self.settings
+        if settings.loss_type is not LossType.LUSPO:  # luspo reads every position; the others drop the padding's ids
             ids = ids.masked_fill(~mask, 0)
         with torch.no_grad():  # as Liger: the reference head has no gradient
-            return linear_token_logprobs(ref_input, ref_weight, ids, bias=ref_bias, temperature=self.temperature)
+            return linear_token_logprobs(ref_input, ref_weight, ids, bias=ref_bias, temperature=settings.temperature)
 
     def _luspo(self, hidden: Tensor, weight: Tensor, ids: Tensor, mask: Tensor, advantages: Tensor,
                bias: Optional[Tensor], old: Optional[Tensor], ref: Optional[Tensor], is_ratio: Optional[Tensor],
-               terms: dict) -> tuple[Tensor, Tensor, Tensor]:
+               settings: GRPOLossSettings) -> tuple[Tensor, Tensor, Tensor]:
         """Liger's luspo: sum over all B x T positions, padding included, of each token's loss times its
         sequence's length, / (B T). The head runs on every row; the per-token loss is policy_terms'."""
         B, T = mask.shape
-        logp = linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=self.temperature)  # (B, T)
+        logp = linear_token_logprobs(hidden, weight, ids, bias=bias, temperature=settings.temperature)  # (B, T)
         maskf = mask.to(torch.float32)
         for name, t in (("old_per_token_logps", old), ("ref_per_token_logps", ref)):
             check_shape(t, (B, T), name, logp.device)
         log_ratio = logp - (logp.detach() if old is None else old.to(torch.float32))
-        if self.importance_sampling_level == "sequence":
+        if settings.importance_sampling_level is ISLevel.SEQUENCE:
             log_ratio = ((log_ratio * maskf).sum(-1) / maskf.sum(-1).clamp(min=1.0))[:, None]  # (B, 1)
-        p = term_params("luspo", ref_logp=ref, **terms)
+        p = settings.terms
         adv = _expand_advantages(advantages, B, T, logp.device)
         pg_weight = per_token_weights((B, T), logp.device, is_ratio, None, p.variant)
         per_token, kl, low, high, _, _ = grpo_loss.policy_terms(

@@ -1,11 +1,12 @@
-"""Ops 2 and 3: the per-token GRPO loss, on log-probs or fused with the log-softmax over logits.
+"""The per-token GRPO loss, on log-probs (`grpo_token_terms`) or fused with the log-softmax over logits.
 
     grpo_token_loss(logits (B, T, V), ids (B, T), advantages (B,) | (B, T), ...) -> GRPOTokenLoss
         loss = policy term of the loss_type (PPO-clip, cispo, sapo; policy_terms) + beta * k3   per token
 
-`grpo_token_terms` (op 2) is the same arithmetic on per-token vectors, for callers that already hold
-logp (the fused lm-head loss uses it). Both compute the derivatives in closed form in the forward;
-the backward of op 3 then writes dlogits in place into the logits buffer like op 1 does.
+`grpo_token_terms` is the same arithmetic on per-token vectors, for callers that already hold logp (the
+fused lm-head loss uses it). Both compute the derivatives in closed form in the forward; the backward of
+grpo_token_loss then writes dlogits in place into the logits buffer as token_logprobs' does. Both take
+the loss's settings as one GRPOLossSettings (`settings=`) or as keywords (loss_settings.py).
 
 Design notes: docs/kernels.md
 """
@@ -14,16 +15,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..ranges import BETA, DELTA, EPSILON_HIGH, EPSILON_LOW, SAPO_TEMPERATURE
 from ._backend import use_triton
-from ._checks import check_float, check_ids, check_mask, check_shape, check_temperature
+from ._checks import check_float, check_ids, check_mask, check_shape
 from .logprobs import _token_logprobs_backward_op, finalize_stats, logits_stats, may_overwrite, new_stats
+from .loss_settings import (VARIANT_OF_LOSS_TYPE, GRPOLossSettings, ISLevel, TermParams, Variant,  # noqa: F401
+                            check_grpo_hparams, settings_of, term_params)
+
+# The loss settings each op's keyword form accepts (the others do not apply to it).
+TERMS_KEYWORDS = ("loss_type", "epsilon_low", "epsilon_high", "beta", "delta", "use_bias_correction_kl",
+                  "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+                  "vespo_lambda_neg")
+TOKEN_LOSS_KEYWORDS = ("loss_type", "epsilon_low", "epsilon_high", "beta", "temperature", "delta",
+                       "use_bias_correction_kl", "sapo_temperature_pos", "sapo_temperature_neg")
 
 
 @dataclass
@@ -38,71 +46,10 @@ class GRPOTokenLoss:
     is_high_clipped: Tensor  # bool: rho > 1 + epsilon_high and A > 0
 
 
-class Variant(IntEnum):
-    """Which per-token policy-gradient term the ops compute (the loss types sharing a term share a code)."""
-
-    PPO_CLIP = 0  # grpo, bnpo, dapo, dr_grpo, luspo
-    CISPO = 1
-    SAPO = 2
-    VESPO = 3
-
-
-VARIANT_OF_LOSS_TYPE = {"grpo": Variant.PPO_CLIP, "bnpo": Variant.PPO_CLIP, "dapo": Variant.PPO_CLIP,
-                        "dr_grpo": Variant.PPO_CLIP, "luspo": Variant.PPO_CLIP, "cispo": Variant.CISPO,
-                        "sapo": Variant.SAPO, "vespo": Variant.VESPO}
-
-
-@dataclass(frozen=True)
-class TermParams:
-    """The scalar settings of the per-token terms, checked (`term_params`); `delta` inf means no upper clamp."""
-
-    variant: int = Variant.PPO_CLIP
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    delta: float = math.inf
-    beta: float = 0.0
-    bias_kl: bool = False
-    sapo_pos: float = 1.0
-    sapo_neg: float = 1.05
-
-    def op_args(self) -> tuple:
-        """In the custom ops' argument order."""
-        return (int(self.variant), self.eps_low, self.eps_high, self.delta, self.beta, self.bias_kl,
-                self.sapo_pos, self.sapo_neg)
-
-
-def check_grpo_hparams(epsilon_low: float, epsilon_high: Optional[float], beta: float,
-                       ref_logp) -> tuple[float, float, float]:
-    """The clip ranges and KL coefficient as floats, checked against the ranges the config also checks
-    (lowmem_grpo/ranges.py); epsilon_high None means epsilon_low."""
-    epsilon_low = EPSILON_LOW.check(epsilon_low, "epsilon_low")
-    epsilon_high = epsilon_low if epsilon_high is None else EPSILON_HIGH.check(epsilon_high, "epsilon_high")
-    beta = BETA.check(beta, "beta")
-    if beta > 0.0 and ref_logp is None:
-        raise ValueError(f"beta={beta} > 0 adds a KL penalty and needs ref_logp (reference-model log-probs); "
-                         "pass ref_logp=... or set beta=0.0")
-    return epsilon_low, epsilon_high, beta
-
-
-def term_params(loss_type: str, epsilon_low: float, epsilon_high: Optional[float], beta: float, ref_logp, *,
-                delta: Optional[float] = None, use_bias_correction_kl: bool = False,
-                sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05) -> TermParams:
-    """Every scalar setting checked (the ranges in lowmem_grpo/ranges.py) into one TermParams."""
-    if loss_type not in VARIANT_OF_LOSS_TYPE:
-        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(map(repr, VARIANT_OF_LOSS_TYPE))}")
-    epsilon_low, epsilon_high, beta = check_grpo_hparams(epsilon_low, epsilon_high, beta, ref_logp)
-    return TermParams(
-        variant=VARIANT_OF_LOSS_TYPE[loss_type], eps_low=epsilon_low, eps_high=epsilon_high,
-        delta=math.inf if delta is None else DELTA.check(delta, "delta"), beta=beta,
-        bias_kl=bool(use_bias_correction_kl),
-        sapo_pos=SAPO_TEMPERATURE.check(sapo_temperature_pos, "sapo_temperature_pos"),
-        sapo_neg=SAPO_TEMPERATURE.check(sapo_temperature_neg, "sapo_temperature_neg"))
-
-
 def policy_terms(log_ratio: Tensor, adv: Tensor, logp: Tensor, ref: Optional[Tensor], weight: Optional[Tensor],
                  coef: Optional[Tensor], p: TermParams) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The per-token loss of every variant, the one torch copy of it (the Triton copy is
-    grpo_loss_triton.grpo_token_terms; both are tested against reference.grpo_token_terms).
+    grpo_loss_triton.block_terms; both are tested against spec.grpo_token_terms).
 
         rho = exp(log_ratio)      log_ratio = logp - old (token) or a sequence mean broadcast (GSPO)
         PPO_CLIP  pg = -min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A)
@@ -153,7 +100,7 @@ def policy_terms(log_ratio: Tensor, adv: Tensor, logp: Tensor, ref: Optional[Ten
 
 
 def _torch_token_terms(logp, adv, mask, old, ref, weight, coef, p: TermParams):
-    """Op 2's torch path, token-level ratio: (loss, kl, code, dloss, dkl), zero where the mask is 0."""
+    """grpo_token_terms' torch path, token-level ratio: (loss, kl, code, dloss, dkl), zero where the mask is 0."""
     log_ratio = logp - (logp if old is None else old)
     loss, kl, low, high, dloss, dkl = policy_terms(log_ratio, adv, logp, ref, weight, coef, p)
     code = low.to(torch.int8) + 2 * high.to(torch.int8)
@@ -176,7 +123,7 @@ def sequence_level_terms(logp: Tensor, adv: Tensor, maskf: Tensor, old: Optional
     return loss * maskf, kl * maskf, code
 
 
-# ---- op 2: per-token terms on log-probs ---------------------------------------------------------
+# ---- grpo_token_terms: per-token terms on log-probs ---------------------------------------------
 
 
 @torch.library.custom_op("lowmem_grpo::grpo_token_terms", mutates_args=())
@@ -243,10 +190,10 @@ def per_token_weights(shape: tuple[int, int], device, importance_sampling_ratio:
     return None if weight is None else weight.contiguous()
 
 
-def vespo_coef(log_ratio: Tensor, adv: Tensor, maskf: Tensor, importance_sampling_ratio: Optional[Tensor], *,
-               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> Tensor:
-    """VESPO's phi of each sequence, broadcast to (B, T), no gradient (reference.vespo_phi is the spec).
-    `log_ratio` (B, T) = logp - old; `adv` (B, T)."""
+def vespo_coef(log_ratio: Tensor, adv: Tensor, maskf: Tensor, importance_sampling_ratio: Optional[Tensor],
+               settings: GRPOLossSettings) -> Tensor:
+    """VESPO's phi of each sequence, broadcast to (B, T), no gradient (spec.vespo_phi is the spec).
+    `log_ratio` (B, T) = logp - old; `adv` (B, T); k and lambda from the settings' vespo_*."""
     with torch.no_grad():
         floor = math.log(1e-8)
         log_w = (log_ratio.clamp(-20.0, 20.0) * maskf).sum(-1, keepdim=True)  # (B, 1)
@@ -255,31 +202,38 @@ def vespo_coef(log_ratio: Tensor, adv: Tensor, maskf: Tensor, importance_samplin
             ratio = ratio if ratio.dim() == 2 else ratio[:, None]
             log_w = log_w + ratio.float().log().clamp(floor, 20.0).sum(-1, keepdim=True)
         log_w = log_w.clamp(floor, 20.0)
-        k = torch.where(adv >= 0, k_pos, k_neg)
-        lam = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+        k = torch.where(adv >= 0, settings.vespo_k_pos, settings.vespo_k_neg)
+        lam = torch.where(adv >= 0, settings.vespo_lambda_pos, settings.vespo_lambda_neg).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * log_w.exp())
         return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).expand_as(adv).contiguous()
 
 
 def grpo_token_terms(logp: Tensor, advantages: Tensor, *, mask: Optional[Tensor] = None,
                      old_logp: Optional[Tensor] = None, ref_logp: Optional[Tensor] = None,
-                     epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-                     loss_type: str = "grpo", delta: Optional[float] = None, use_bias_correction_kl: bool = False,
                      importance_sampling_ratio: Optional[Tensor] = None, entropy_mask: Optional[Tensor] = None,
-                     sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
-                     vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0,
-                     vespo_lambda_neg: float = 2.0) -> tuple[Tensor, Tensor, Tensor]:
+                     settings: Optional[GRPOLossSettings] = None, **keywords) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token GRPO loss of any loss_type from log-probs (token-level ratio): all tensors shaped like logp (fp32).
 
-    `loss_type` picks the per-token term (grpo / bnpo / dapo / dr_grpo / luspo share PPO-clip; cispo, sapo,
-    vespo; see policy_terms); `delta` caps the unclipped ratio (two-sided clip); `use_bias_correction_kl`
-    multiplies k3 by the ratio; `importance_sampling_ratio` ((B,), (B, 1) or like logp) and `entropy_mask`
-    multiply the policy term. vespo needs logp (B, T) (phi is per sequence).
+    `settings` (a GRPOLossSettings), or its fields as keywords (loss_type default "grpo" here; the names in
+    TERMS_KEYWORDS), pick the per-token term (grpo / bnpo / dapo / dr_grpo / luspo share PPO-clip; cispo, sapo,
+    vespo; see policy_terms), `delta` (caps the unclipped ratio), `use_bias_correction_kl` (k3 times the
+    ratio). The settings' temperature and max_completion_length do not apply (logp is given, nothing is
+    reduced); importance_sampling_level "sequence" and top_entropy_quantile < 1 are refused (linear_grpo_loss
+    computes them). `importance_sampling_ratio` ((B,), (B, 1) or like logp) and `entropy_mask` multiply the
+    policy term. vespo needs logp (B, T) (phi is per sequence).
     Returns (loss, kl, clip_code) with clip_code int8: 0 none, 1 low-clipped, 2 high-clipped.
     Differentiable w.r.t. `logp` (old/ref/advantages are constants)."""
-    p = term_params(loss_type, epsilon_low, epsilon_high, beta, ref_logp, delta=delta,
-                    use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
-                    sapo_temperature_neg=sapo_temperature_neg)
+    s = settings_of(settings, keywords, "grpo_token_terms", TERMS_KEYWORDS, loss_type="grpo")
+    _check_per_token(s, "grpo_token_terms")
+    s.check_reference(ref_logp)
+    return token_terms(logp, advantages, mask, old_logp, ref_logp, importance_sampling_ratio, entropy_mask, s)
+
+
+def token_terms(logp: Tensor, advantages: Tensor, mask: Optional[Tensor], old_logp: Optional[Tensor],
+                ref_logp: Optional[Tensor], importance_sampling_ratio: Optional[Tensor], entropy_mask: Optional[Tensor],
+                s: GRPOLossSettings) -> tuple[Tensor, Tensor, Tensor]:
+    """grpo_token_terms once its settings are checked (linear_grpo_loss calls it with its entropy mask)."""
+    p = s.terms
     shape, dev = logp.shape, logp.device
     for name, t in (("advantages", advantages), ("old_logp", old_logp), ("ref_logp", ref_logp),
                     ("entropy_mask", entropy_mask)):
@@ -294,9 +248,7 @@ def grpo_token_terms(logp: Tensor, advantages: Tensor, *, mask: Optional[Tensor]
         if p.variant == Variant.VESPO:
             maskf = torch.ones(shape, device=dev) if mask is None else mask.float()
             old = logp.detach() if old_logp is None else old_logp.float()
-            coef = vespo_coef(logp.detach() - old, advantages.float(), maskf, importance_sampling_ratio,
-                              k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos, k_neg=vespo_k_neg,
-                              lambda_neg=vespo_lambda_neg)
+            coef = vespo_coef(logp.detach() - old, advantages.float(), maskf, importance_sampling_ratio, s)
 
     def flat(t):
         return None if t is None else t.reshape(-1).to(torch.float32).contiguous()
@@ -307,7 +259,7 @@ def grpo_token_terms(logp: Tensor, advantages: Tensor, *, mask: Optional[Tensor]
     return loss.view(shape), kl.view(shape), code.view(shape)
 
 
-# ---- op 3: logits -> per-token loss in one row kernel ---------------------------------------
+# ---- grpo_token_loss: logits -> per-token loss in one row kernel ------------------------------
 
 
 @torch.library.custom_op("lowmem_grpo::grpo_token_loss", mutates_args=())
@@ -375,11 +327,8 @@ _grpo_token_loss_op.register_autograd(_loss_backward, setup_context=_loss_setup_
 
 def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Optional[Tensor] = None,
                     old_logp: Optional[Tensor] = None, ref_logp: Optional[Tensor] = None,
-                    epsilon_low: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-                    temperature: float = 1.0, loss_type: str = "grpo", delta: Optional[float] = None,
-                    use_bias_correction_kl: bool = False, importance_sampling_ratio: Optional[Tensor] = None,
-                    entropy_mask: Optional[Tensor] = None, sapo_temperature_pos: float = 1.0,
-                    sapo_temperature_neg: float = 1.05) -> GRPOTokenLoss:
+                    importance_sampling_ratio: Optional[Tensor] = None, entropy_mask: Optional[Tensor] = None,
+                    settings: Optional[GRPOLossSettings] = None, **keywords) -> GRPOTokenLoss:
     """Per-token GRPO loss (policy term + k3 KL) straight from logits, in one pass over each row.
 
     Args:
@@ -390,11 +339,12 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
         mask: (B, T) bool or 0/1; masked tokens cost nothing and get zero outputs and gradient.
         old_logp: (B, T) log-probs of the sampling policy; None means logp.detach() (rho == 1).
         ref_logp: (B, T) reference log-probs; required when beta > 0.
-        epsilon_low / epsilon_high: clip range [1 - eps_low, 1 + eps_high]; eps_high None = eps_low.
-        beta: weight of the k3 KL penalty.
-        temperature: logits are divided by it before the softmax.
-        loss_type, delta, use_bias_correction_kl, importance_sampling_ratio, entropy_mask, sapo_*: as in
-            grpo_token_terms; loss_type 'vespo' (a per-sequence weight) is not computed here.
+        importance_sampling_ratio, entropy_mask: as in grpo_token_terms.
+        settings: a GRPOLossSettings; or its fields as keywords (loss_type default "grpo" here; the names in
+            TOKEN_LOSS_KEYWORDS): epsilon_low / epsilon_high (clip range [1 - eps_low, 1 + eps_high]),
+            beta (weight of the k3 KL penalty), temperature (the logits are divided by it), loss_type, delta,
+            use_bias_correction_kl, sapo_*: as in grpo_token_terms. loss_type 'vespo' (a per-sequence
+            weight) is not computed here; max_completion_length does not apply.
 
     Returns:
         GRPOTokenLoss with (B, T) fields loss, logp, kl (fp32, differentiable w.r.t. logits) and
@@ -403,10 +353,10 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
     check_float(logits, "logits")
     if logits.dim() != 3:
         raise ValueError(f"logits must have shape (B, T, V), got {tuple(logits.shape)}")
-    temperature = check_temperature(temperature)
-    p = term_params(loss_type, epsilon_low, epsilon_high, beta, ref_logp, delta=delta,
-                    use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
-                    sapo_temperature_neg=sapo_temperature_neg)
+    s = settings_of(settings, keywords, "grpo_token_loss", TOKEN_LOSS_KEYWORDS, loss_type="grpo")
+    _check_per_token(s, "grpo_token_loss")
+    s.check_reference(ref_logp)
+    p = s.terms
     if p.variant == Variant.VESPO:
         raise ValueError("loss_type='vespo' weighs each sequence by phi of its whole log-ratio, which this "
                          "per-row op does not see: use grpo_token_terms on the log-probs, or linear_grpo_loss")
@@ -427,10 +377,22 @@ def grpo_token_loss(logits: Tensor, ids: Tensor, advantages: Tensor, *, mask: Op
         rows = rows.contiguous()
     loss, logp, kl, code, _, _, _ = _grpo_token_loss_op(
         rows, flat_ids, adv.reshape(-1), None if mask is None else mask.reshape(-1).to(torch.uint8).contiguous(),
-        flat(old_logp), flat(ref_logp), flat(weight), temperature, *p.op_args())
+        flat(old_logp), flat(ref_logp), flat(weight), s.temperature, *p.op_args())
     code = code.view(B, T)
     return GRPOTokenLoss(loss=loss.view(B, T), logp=logp.view(B, T), kl=kl.view(B, T),
                          is_clipped=code != 0, is_low_clipped=code == 1, is_high_clipped=code == 2)
+
+
+def _check_per_token(settings: GRPOLossSettings, op: str) -> None:
+    """The per-token ops see no sequence and no entropy: refuse the settings that need them."""
+    if settings.importance_sampling_level is not ISLevel.TOKEN:
+        raise ValueError(f"{op} computes a token-level ratio; importance_sampling_level="
+                         f"'{settings.importance_sampling_level.value}' needs each sequence's mean: use "
+                         "linear_grpo_loss, or settings with importance_sampling_level='token'")
+    if settings.top_entropy_quantile < 1.0:
+        raise ValueError(f"{op} sees no entropies; top_entropy_quantile={settings.top_entropy_quantile} needs "
+                         "them: pass entropy_mask=... (linear_grpo_loss computes it), or settings with "
+                         "top_entropy_quantile=1.0")
 
 
 def _expand_advantages(advantages: Tensor, B: int, T: int, device: torch.device) -> Tensor:

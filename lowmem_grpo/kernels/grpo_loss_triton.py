@@ -6,13 +6,15 @@ per-token weight, plus beta * k3 (times rho when bias-corrected), k3 = exp(ref -
 The closed-form derivatives are written in the forward, so the backward is one multiply per token
 (plus, for the row kernel, the dlogits pass of logprobs_triton.logits_grad_kernel).
 
-Two kernels: `grpo_token_kernel` on per-token vectors (op 2, for callers that already hold logp),
-and `grpo_row_kernel`, which also does the log-softmax-gather over the logits row (op 3) so the
-logits are read once and nothing of size V is written.
+Two kernels, both on `block_terms`: `grpo_token_kernel` on per-token vectors (grpo_token_terms, for
+callers that already hold logp), and `grpo_row_kernel`, which also does the log-softmax-gather over the
+logits row (grpo_token_loss) so the logits are read once and nothing of size V is written.
 Clip codes: 0 = not clipped, 1 = low-clipped (rho < 1 - eps_low, A < 0), 2 = high-clipped.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import triton
 import triton.language as tl
@@ -25,11 +27,15 @@ TOKEN_WARPS = 4
 
 
 @triton.jit
-def grpo_token_terms(logp, old, ref, adv, weight, coef, variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos,
-                     sapo_neg, HAS_REF: tl.constexpr):
-    """(loss, k3, dloss/dlogp, dk3/dlogp, clip code) for one token or a block of tokens. `variant` as
-    grpo_loss.Variant (0 PPO-clip, 1 cispo, 2 sapo, 3 vespo with `coef` = phi), a runtime value: every
-    variant's few flops are computed and one is selected, so one compiled kernel serves them all."""
+def block_terms(tokens, params, HAS_REF: tl.constexpr):
+    """(loss, k3, dloss/dlogp, dk3/dlogp, clip code) for one token or a block of tokens.
+
+    tokens = (logp, old, ref, adv, weight, coef), values or blocks of one shape; params = TermParams.op_args()
+    = (variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg). `variant` as grpo_loss.Variant
+    (0 PPO-clip, 1 cispo, 2 sapo, 3 vespo with `coef` = phi), a runtime value: every variant's few flops are
+    computed and one is selected, so one compiled kernel serves them all."""
+    logp, old, ref, adv, weight, coef = tokens
+    variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg = params
     rho = tl.exp(logp - old)
     # PPO-clip, the unclipped ratio capped at delta (inf: no cap)
     clipped = tl.minimum(tl.maximum(rho, 1.0 - eps_low), 1.0 + eps_high)
@@ -85,8 +91,9 @@ def grpo_token_kernel(
     ref = tl.load(ref_ptr + offs, mask=valid, other=0.0) if HAS_REF else logp
     weight = tl.load(weight_ptr + offs, mask=valid, other=0.0) if HAS_WEIGHT else logp * 0.0 + 1.0
     coef = tl.load(coef_ptr + offs, mask=valid, other=0.0) if HAS_COEF else logp * 0.0
-    loss, kl, dloss, dkl, code = grpo_token_terms(logp, old, ref, adv, weight, coef, variant, eps_low, eps_high, delta,
-                                                  beta, bias_kl, sapo_pos, sapo_neg, HAS_REF)
+    loss, kl, dloss, dkl, code = block_terms((logp, old, ref, adv, weight, coef),
+                                             (variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg),
+                                             HAS_REF)
     if HAS_MASK:
         keep = tl.load(mask_ptr + offs, mask=valid, other=0) != 0
         loss = tl.where(keep, loss, 0.0)
@@ -131,8 +138,9 @@ def grpo_row_kernel(
     ref = tl.load(ref_ptr + row) if HAS_REF else logp
     weight = tl.load(weight_ptr + row) if HAS_WEIGHT else 1.0
     adv = tl.load(adv_ptr + row)
-    loss, kl, dloss, dkl, code = grpo_token_terms(logp, old, ref, adv, weight, 0.0, variant, eps_low, eps_high, delta,
-                                                  beta, bias_kl, sapo_pos, sapo_neg, HAS_REF)
+    loss, kl, dloss, dkl, code = block_terms((logp, old, ref, adv, weight, 0.0),
+                                             (variant, eps_low, eps_high, delta, beta, bias_kl, sapo_pos, sapo_neg),
+                                             HAS_REF)
     tl.store(loss_ptr + row, loss)
     tl.store(logp_ptr + row, logp)
     tl.store(kl_ptr + row, kl)
@@ -143,7 +151,7 @@ def grpo_row_kernel(
 
 
 def grpo_token_terms_launch(logp, adv, mask, old, ref, weight, coef, outputs, p):
-    """outputs = (loss, kl, code, dloss, dkl), all [N]; mask is uint8 or None; p: grpo_loss.TermParams."""
+    """outputs = (loss, kl, code, dloss, dkl), all [N]; mask is uint8 or None; p: loss_settings.TermParams."""
     loss, kl, code, dloss, dkl = outputs
     n = logp.numel()
     grid = (triton.cdiv(n, TOKEN_BLOCK),)
@@ -158,7 +166,7 @@ def grpo_token_terms_launch(logp, adv, mask, old, ref, weight, coef, outputs, p)
 
 
 def grpo_row_launch(logits, ids, adv, mask, old, ref, weight, outputs, *, inv_temp, p):
-    """outputs = (loss, logp, kl, code, dloss, dkl, lse), all [N]; logits [N, V]; p: grpo_loss.TermParams."""
+    """outputs = (loss, logp, kl, code, dloss, dkl, lse), all [N]; logits [N, V]; p: loss_settings.TermParams."""
     n_rows, n_cols = logits.shape
     block, warps = block_config(n_cols)
     with launch_guard(logits):
@@ -169,3 +177,14 @@ def grpo_row_launch(logits, ids, adv, mask, old, ref, weight, outputs, *, inv_te
             int(p.bias_kl), p.sapo_pos, p.sapo_neg, HAS_MASK=mask is not None, HAS_OLD=old is not None,
             HAS_REF=ref is not None, HAS_WEIGHT=weight is not None, BLOCK_V=block, num_warps=warps,
         )
+
+
+def __getattr__(name: str):
+    """The per-token function's old name, `grpo_token_terms` (the torch op's name too), warns and gives
+    `block_terms`."""
+    if name == "grpo_token_terms":
+        warnings.warn("lowmem_grpo.kernels.grpo_loss_triton.grpo_token_terms is deprecated: the Triton per-token "
+                      "function is grpo_loss_triton.block_terms (lowmem_grpo.kernels.grpo_token_terms is the op)",
+                      DeprecationWarning, stacklevel=2)
+        return block_terms
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

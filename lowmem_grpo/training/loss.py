@@ -19,13 +19,13 @@ import torch
 from torch import Tensor, nn
 
 from ..config import Config
-from ..kernels import linear_grpo_loss
+from ..kernels import GRPOLossSettings, linear_grpo_loss
 from ..policy.batch import Batch
 from ..policy.logprobs import completion_hidden
 from ..policy.model import Head, decoder_of, logit_softcap
 from ..policy.packing import Packing
 from .activation_offload import offload_activations
-from .micro_batch import loss_denominator, loss_factor
+from .micro_batch import loss_denominator, step_loss_factor
 
 
 class PolicyLoss(nn.Module):
@@ -34,6 +34,10 @@ class PolicyLoss(nn.Module):
         super().__init__()
         self.policy = policy
         self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
+        # The loss's settings, read from the config and checked once, here: forward reads no config field.
+        self.settings = loss_settings(cfg)
+        self.gradient_accumulation_steps = cfg.train.gradient_accumulation_steps
+        self.offload = cfg.model.offload_activations
         # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
         self.head = Head(decoder=decoder_of(policy), output=policy.get_output_embeddings(),
                          softcap=logit_softcap(policy))
@@ -47,27 +51,35 @@ class PolicyLoss(nn.Module):
         completion tokens of the optimizer step summed over ranks. `scale` multiplies the loss (the
         denominators of skipped rows; 0 for a rank that only takes part in the collectives). `tokens`:
         `mb.completion_mask.sum()` if the caller counted it on the host (the head then drops the
-        padding without a device sync)."""
-        t, g = self.cfg.train, self.cfg.generation
+        padding without a device sync). The loss's settings are `self.settings`, bound at construction."""
+        s = self.settings
+        loss_type = s.loss_type.value
         device_type = mb.completion_ids.device.type
-        offload = (offload_activations(copy_on_cpu=self.offload_copy_on_cpu) if self.cfg.model.offload_activations
+        offload = (offload_activations(copy_on_cpu=self.offload_copy_on_cpu) if self.offload
                    else contextlib.nullcontext())
         head = self.head
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast), offload:
             hidden = completion_hidden(head, mb, self.pack)  # (b, c, H)
             loss, metrics = linear_grpo_loss(
-                hidden, head.weight, mb.completion_ids, mb.advantages, bias=head.bias,
+                hidden, head.weight, mb.completion_ids, mb.advantages, bias=head.bias, softcap=head.softcap,
                 mask=mb.completion_mask, old_logp=mb.old_logp, ref_logp=mb.ref_logp,
-                epsilon_low=t.epsilon, epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature,
-                loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level,
-                max_completion_length=g.max_completion_length,
-                num_items_in_batch=loss_denominator(t.loss_type, num_items), mask_count=tokens, delta=t.delta,
-                use_bias_correction_kl=t.use_bias_correction_kl, top_entropy_quantile=t.top_entropy_quantile,
-                sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
-                vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
-                vespo_lambda_neg=t.vespo_lambda_neg, importance_sampling_ratio=mb.is_weight, softcap=head.softcap)
-        factor = loss_factor(scale, t, self.world_size)  # micro_batch.py: per loss_type
-        return (loss if factor == 1.0 else loss * factor), loss_metrics(metrics, t.loss_type)
+                importance_sampling_ratio=mb.is_weight, num_items_in_batch=loss_denominator(loss_type, num_items),
+                mask_count=tokens, settings=s)
+        factor = step_loss_factor(scale, loss_type, self.gradient_accumulation_steps, self.world_size)
+        return (loss if factor == 1.0 else loss * factor), loss_metrics(metrics, loss_type)
+
+
+def loss_settings(cfg: Config) -> GRPOLossSettings:
+    """The fused head's loss settings from the config's train and generation sections, checked (TRL's names;
+    the config's `epsilon` is the lower clip, epsilon_low)."""
+    t, g = cfg.train, cfg.generation
+    return GRPOLossSettings(
+        loss_type=t.loss_type, importance_sampling_level=t.importance_sampling_level, epsilon_low=t.epsilon,
+        epsilon_high=t.epsilon_high, beta=t.beta, temperature=g.temperature, delta=t.delta,
+        use_bias_correction_kl=t.use_bias_correction_kl, top_entropy_quantile=t.top_entropy_quantile,
+        sapo_temperature_pos=t.sapo_temperature_pos, sapo_temperature_neg=t.sapo_temperature_neg,
+        vespo_k_pos=t.vespo_k_pos, vespo_lambda_pos=t.vespo_lambda_pos, vespo_k_neg=t.vespo_k_neg,
+        vespo_lambda_neg=t.vespo_lambda_neg, max_completion_length=g.max_completion_length)
 
 
 def loss_metrics(metrics: dict, loss_type: str) -> dict:

@@ -5,6 +5,7 @@ divided by, and the token counts the step reports. Pure functions of the micro-b
     plan_micro_batch(mb, train, d)  MicroBatchWork: the rows to run, their scale and completion tokens
     loss_denominator(loss_type, n)  dapo, cispo, vespo: n, the step's completion tokens over every rank
     loss_factor(scale, train, ws)   what the fused head's loss is multiplied by before backward
+                                    (step_loss_factor: the same from the two settings it reads)
     computed_tokens(mb, pack, dec)  decoder positions the micro-batch computes (tokens_per_second)
 
 The fused head normalises grpo, sapo, luspo, bnpo and dr_grpo per micro-batch, and dapo, cispo and
@@ -103,13 +104,19 @@ def loss_denominator(loss_type: str, num_items: int) -> Optional[int]:
 
 
 def loss_factor(scale: float, train: TrainConfig, world_size: int) -> float:
+    """What the fused head's loss is multiplied by: `step_loss_factor` of train's loss_type and
+    gradient_accumulation_steps."""
+    return step_loss_factor(scale, train.loss_type, train.gradient_accumulation_steps, world_size)
+
+
+def step_loss_factor(scale: float, loss_type: str, gradient_accumulation_steps: int, world_size: int) -> float:
     """What the fused head's loss is multiplied by. dapo, cispo, vespo: each rank's sum over its tokens /
     the global count; data parallelism averages the ranks' gradients, so multiply by the number of ranks to get the
     sum (as TRL). Otherwise a per-micro-batch mean, averaged over the accumulation (and over ranks by
     the averaging)."""
-    if train.loss_type in GLOBAL_TOKEN_COUNT:
+    if loss_type in GLOBAL_TOKEN_COUNT:
         return scale * world_size
-    return scale / train.gradient_accumulation_steps
+    return scale / gradient_accumulation_steps
 
 
 def computed_tokens(mb: Batch, pack: Packing, decoder) -> int:

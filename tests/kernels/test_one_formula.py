@@ -1,5 +1,5 @@
 """Each per-token loss variant is written once in torch (grpo_loss.policy_terms) and once in Triton
-(grpo_loss_triton.grpo_token_terms); both match the spec (spec.grpo_token_terms), values and the
+(grpo_loss_triton.block_terms); both match the spec (spec.grpo_token_terms), values and the
 closed-form gradient, and every torch caller goes through the one torch copy."""
 
 import math
