@@ -2,24 +2,19 @@
 
 `host_categories` counts the reference model, the offloaded optimizer (states, weight copy, gradient buffer)
 and the offloaded activations, with the same arithmetic as the code that allocates them (host_arena.py
-`arena_bytes`); `pinned_host_categories` names the page-locked ones; `host_plan` adds the reward models
-and vLLM on a CPU for plan().
+`arena_bytes`); `pinned_host_categories` names the page-locked ones. plan() adds the reward models and
+vLLM on a CPU (reward_plan.py, vllm_plan.py).
 
 Design notes: docs/planner.md
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..config import Config
 from ..host_arena import arena_bytes, round_up
 from ..optim.offload import staging_bytes
 from ..optim.optimizers import optimizer_state_bytes
-from . import reward_plan, vllm_plan
-
-if TYPE_CHECKING:
-    from .plan import Arch, StepSizes
+from .arch import Arch
 
 
 def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
@@ -65,19 +60,3 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
     if cfg.model.offload_activations:
         pinned.append("activations (offloaded)")
     return pinned
-
-
-def host_plan(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int], list[str]]:
-    """(host RAM per category, the pinned categories) of plan(): host_categories() with the offloaded
-    activations, the reward models and vLLM on a CPU."""
-    cfg, arch, device = sizes.cfg, sizes.arch, sizes.device
-    offloaded = (arch.layers * sizes.layer_input_bytes + sizes.costs.norm_offloaded * sizes.train.positions
-                 if sizes.offloads_activations else 0)
-    host = host_categories(cfg, arch, offloaded, device)
-    pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
-    if reward_plan.host_bytes(rewards, where, device):
-        host["reward models"] = reward_plan.host_bytes(rewards, where, device)
-        pinned += ["reward models"] if where == "stream" and device != "cpu" else []
-    if vllm_plan.uses_vllm(cfg) and device == "cpu":
-        host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
-    return host, pinned

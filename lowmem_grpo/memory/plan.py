@@ -14,67 +14,23 @@ Design notes: docs/planner.md (what each category counts, phase by phase)
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import Config, ConfigError, batch_plan, importance_sampling_correction
+from ..config import Config, batch_plan, importance_sampling_correction
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..training.activation_offload import MIN_BYTES
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from . import reward_plan, vllm_plan
-from .host_plan import host_categories, host_plan, pinned_host_categories  # noqa: F401 (also ours)
+from .arch import Arch  # noqa: F401 (importable from here, as before)
+from .host_plan import host_categories, pinned_host_categories
 from .layer_probe import LayerCosts, layer_costs
 
 GiB = 2**30
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
-
-
-@dataclass
-class Arch:
-    """The shapes that memory depends on, read from a transformers config."""
-
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied: bool
-    tensor_sizes: list[int] = field(default_factory=list)  # numel of every parameter tensor (tied once)
-    config: dict = field(default_factory=dict)  # the transformers config (for the layer probe)
-
-    @classmethod
-    def from_config(cls, conf) -> "Arch":
-        """From a transformers PretrainedConfig (or a dict with model_type)."""
-        if isinstance(conf, dict):
-            from transformers import AutoConfig
-            conf = dict(conf)
-            conf = AutoConfig.for_model(conf.pop("model_type"), **conf)
-        from transformers import AutoModelForCausalLM
-        with torch.device("meta"):  # shapes only: no memory, no weights
-            model = AutoModelForCausalLM.from_config(conf)
-        sizes = [p.numel() for p in model.parameters()]  # parameters() yields a tied weight once
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-                   if not isinstance(getattr(conf, k, None), int)]
-        if missing:
-            raise ConfigError(f"the planner reads decoder-only configs of the Llama/Qwen family; this "
-                              f"{conf.model_type} config has no {', '.join(missing)}")
-        head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // conf.num_attention_heads
-        return cls(conf.vocab_size, conf.hidden_size, conf.intermediate_size, conf.num_hidden_layers,
-                   conf.num_attention_heads, getattr(conf, "num_key_value_heads", conf.num_attention_heads),
-                   head_dim, bool(getattr(conf, "tie_word_embeddings", False)), sizes, conf.to_dict())
-
-    @property
-    def params(self) -> int:
-        return sum(self.tensor_sizes)
-
-    def layer_params(self) -> int:
-        attn = self.hidden * (self.heads * self.head_dim) * 2 + self.hidden * (self.kv_heads * self.head_dim) * 2
-        return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
 
 def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:
@@ -454,9 +410,25 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     vllm_entry = vllm_plan.summary(cfg, vllm_plan.need(cfg, arch, autocast, device), card_bytes) if vllm else None
     if vllm and device != "cpu":  # vLLM's share of the card, taken at start-up and kept all run
         phases = {p: {**cats, "vLLM": vllm_entry["share_bytes"]} for p, cats in phases.items()}
-    host, pinned = host_plan(sizes, rewards, where)
+    host, pinned = host_ram(sizes, rewards, where)
     return MemoryPlan({p: {c: int(v) for c, v in cats.items()} for p, cats in phases.items()}, host, pinned,
                       vllm_entry)
+
+
+def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int], list[str]]:
+    """(host RAM per category, the pinned categories) of plan(): host_categories() with the offloaded
+    activations, the reward models and vLLM on a CPU."""
+    cfg, arch, device = sizes.cfg, sizes.arch, sizes.device
+    offloaded = (arch.layers * sizes.layer_input_bytes + sizes.costs.norm_offloaded * sizes.train.positions
+                 if sizes.offloads_activations else 0)
+    host = host_categories(cfg, arch, offloaded, device)
+    pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
+    if reward_plan.host_bytes(rewards, where, device):
+        host["reward models"] = reward_plan.host_bytes(rewards, where, device)
+        pinned += ["reward models"] if where == "stream" and device != "cpu" else []
+    if vllm_plan.uses_vllm(cfg) and device == "cpu":
+        host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
+    return host, pinned
 
 
 def activations_offloaded(cfg: Config, layer_io: int) -> bool:
@@ -537,13 +509,3 @@ FRAGMENTATION = 0.05
 
 def margin_bytes(peak: int) -> int:
     return int(CONTEXT_BYTES + FRAGMENTATION * peak)
-
-
-def __getattr__(name: str):
-    """Deprecated: the suggestions moved to memory/suggest.py (they import plan())."""
-    if name in ("suggestions", "SUGGESTIONS"):
-        from . import suggest
-        warnings.warn(f"lowmem_grpo.memory.plan.{name} is deprecated: import lowmem_grpo.memory.suggest.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(suggest, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -94,13 +94,3 @@ def test_reading_the_result_as_a_dict_warns_and_still_works():
     assert found
     with pytest.warns(DeprecationWarning, match=r"read \.change"):
         assert found[0]["change"] == found[0].change
-
-
-def test_suggestions_moved_and_the_old_import_warns():
-    import lowmem_grpo.memory.plan as plan_module
-    import lowmem_grpo.memory.suggest as suggest_module
-    for name in ("suggestions", "SUGGESTIONS"):
-        with pytest.warns(DeprecationWarning, match=f"lowmem_grpo.memory.suggest.{name}"):
-            assert getattr(plan_module, name) is getattr(suggest_module, name)
-    with pytest.raises(AttributeError):
-        plan_module.no_such_name
