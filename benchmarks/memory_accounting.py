@@ -42,10 +42,10 @@ def tables() -> dict:
         cfg = load_config(RECIPES / recipe)
         result = plan(cfg, Arch.from_config(preset(arch_name)))
         verdict = "" if budget is None else (f" (budget {budget} GiB: "
-                                             f"{'OK' if result['peak_bytes'] / GiB <= budget else 'OVER'})")
+                                             f"{'OK' if result.peak_bytes / GiB <= budget else 'OVER'})")
         print(f"== {recipe} on {arch_name}{verdict}")
         print(format_plan(result) + "\n")
-        out[recipe] = {"arch": arch_name, "budget_gib": budget, **result}
+        out[recipe] = {"arch": arch_name, "budget_gib": budget, **result.to_dict()}
     return out
 
 
@@ -64,9 +64,9 @@ def measure_cpu(prompt_len: int, completion_len: int, steps: int) -> dict:
                  for s in opt.state.values() for k, v in s.items()
                  if isinstance(v, torch.Tensor) and k not in ("qmap1", "qmap2"))  # qmaps: shared 256-entry tables
     planned = plan(trainer.cfg, Arch.from_config(preset("Qwen2.5-1.5B")))
-    predicted = planned["phase_categories"]["forward"]
+    predicted = planned.phase_categories["forward"]
     # offload_optimizer: the states live in host RAM (the planner's host categories)
-    predicted_states = planned["host_categories"].get("optimizer states", predicted["optimizer states"])
+    predicted_states = planned.host_categories.get("optimizer states", predicted["optimizer states"])
     rows = {"weights": (weights, predicted["weights"]), "optimizer states": (states, predicted_states)}
     print(f"most .grad bytes alive at once in backward: {live / GiB:.4f} GiB (autograd's buffers not included; "
           "benchmarks/plan_accuracy.py measures every allocation)")

@@ -76,15 +76,15 @@ def from_shapes(args) -> dict:
     cfg = load_config(args.recipe, args.overrides, check=False)
     arch = Arch.from_config(conf)
     planned = plan(cfg, arch)
-    host, wb = planned["host_categories"], 2 if cfg.model.precision == "bf16_sr" else 4
+    host, wb = planned.host_categories, 2 if cfg.model.precision == "bf16_sr" else 4
     sizes = [wb * n for n in arch.tensor_sizes]
     rows = {}
     if cfg.optim.offload_optimizer:
         copies = [] if (cfg.optim.optimizer == "adamw" and wb == 2) else sizes
         buffers = copies + sizes + [4 * len(sizes)] + ([wb * arch.vocab * arch.hidden] if arch.tied else [])
         rows["offloaded optimizer"] = {"exact": sum(buffers), "planned": sum(
-            host[c] for c in planned["host_pinned"] if c != "reference model"), "per_tensor": sum(map(_pow2, buffers))}
-    if "reference model" in planned["host_pinned"]:
+            host[c] for c in planned.host_pinned if c != "reference model"), "per_tensor": sum(map(_pow2, buffers))}
+    if "reference model" in planned.host_pinned:
         rows["streamed reference"] = {"exact": sum(sizes), "planned": host["reference model"],
                                       "per_tensor": sum(map(_pow2, sizes))}
     return rows
@@ -118,7 +118,7 @@ def measure(args) -> dict:
     buffers = ([h for p, h in opt.host.items() if h.dtype == p.dtype] + list(opt.host_grad.values())
                + [opt._host_norm_slots] + ([opt.head_host] if opt.head_host is not None else []))
     rows["offloaded optimizer"] = {
-        "planned": sum(planned["host_categories"][c] for c in planned["host_pinned"] if c != "reference model"),
+        "planned": sum(planned.host_categories[c] for c in planned.host_pinned if c != "reference model"),
         "pinned": sum(b.nbytes for b in blocks) + (0 if staging is None else staging.nbytes),
         "registered": all(b.pinned for b in blocks) and (staging is None or staging.is_pinned()),
         "rss_growth": (process_ram() or 0) - rss, "caching_alloc": _cached_bytes(device) - cached,
@@ -136,7 +136,7 @@ def measure(args) -> dict:
             for p in params:
                 p.data = arena.take(p.shape, p.dtype).copy_(p.data)
         rows["streamed reference"] = {
-            "planned": planned["host_categories"]["reference model"], "pinned": arena.nbytes,
+            "planned": planned.host_categories["reference model"], "pinned": arena.nbytes,
             "registered": arena.pinned, "rss_growth": (process_ram() or 0) - rss,
             "caching_alloc": _cached_bytes(device) - cached, "per_tensor": _per_tensor(params, device)}
     return rows

@@ -101,28 +101,28 @@ def measure(name: str, steps: int, device: str, tiny: bool = False) -> dict:
            "step_times_s": times, "measured_peak_bytes": measured, "measured_peak_phase": summary["peak_phase"],
            "measured_at_peak": summary["categories"], "measured_phases": {p: v["peak_bytes"] for p, v in
                                                                          summary["phases"].items()},
-           "predicted_peak_bytes": predicted["peak_bytes"], "predicted_peak_phase": predicted["peak_phase"],
-           "predicted_categories": predicted["categories"], "predicted_phases": predicted["phases"],
-           "predicted_host_categories": predicted["host_categories"],
-           "error": (predicted["peak_bytes"] - measured) / measured}
+           "predicted_peak_bytes": predicted.peak_bytes, "predicted_peak_phase": predicted.peak_phase,
+           "predicted_categories": predicted.categories, "predicted_phases": predicted.phases,
+           "predicted_host_categories": predicted.host_categories,
+           "error": (predicted.peak_bytes - measured) / measured}
     print(f"\n== {name}: {arch_name}, {recipe} + {overrides}, prompt {prompt_len} / completion {completion_len}, "
           f"autocast {trainer.autocast}, {device}")
     print(f"{'MiB at the peak of':<20} {'measured':>10} {'predicted':>10}   (phase: {summary['peak_phase']})")
-    at = predicted["phase_categories"].get(summary["peak_phase"], {})
+    at = predicted.phase_categories.get(summary["peak_phase"], {})
     for c in CATEGORIES:
         meas, pred = summary["categories"].get(c, 0), at.get(c, 0)
         if meas or pred:
             print(f"{c:<20} {meas / 2**20:>10.1f} {pred / 2**20:>10.1f}")
     print(f"{'phase peak (MiB)':<20} {'measured':>10} {'predicted':>10}")
-    for p in predicted["phases"]:
-        print(f"{p:<20} {row['measured_phases'].get(p, 0) / 2**20:>10.1f} {predicted['phases'][p] / 2**20:>10.1f}")
+    for p in predicted.phases:
+        print(f"{p:<20} {row['measured_phases'].get(p, 0) / 2**20:>10.1f} {predicted.phases[p] / 2**20:>10.1f}")
     offloaded = prof.result.devices["host"].summary()["category_max"].get("activations (offloaded)", 0)
-    if offloaded or "activations (offloaded)" in predicted["host_categories"]:  # host RAM: most alive at once
+    if offloaded or "activations (offloaded)" in predicted.host_categories:  # host RAM: most alive at once
         row["measured_offloaded_bytes"] = offloaded
         print(f"{'host: offloaded activations (MiB)':<36} {offloaded / 2**20:>10.1f} "
-              f"{predicted['host_categories'].get('activations (offloaded)', 0) / 2**20:>10.1f}")
+              f"{predicted.host_categories.get('activations (offloaded)', 0) / 2**20:>10.1f}")
     print(f"peak: measured {measured / GiB:.3f} GiB ({summary['peak_phase']}), predicted "
-          f"{predicted['peak_bytes'] / GiB:.3f} GiB ({predicted['peak_phase']}): {row['error']:+.1%}")
+          f"{predicted.peak_bytes / GiB:.3f} GiB ({predicted.peak_phase}): {row['error']:+.1%}")
     return row
 
 

@@ -245,15 +245,15 @@ def main(argv=None) -> int:
         "completion_len": args.completion_len,
         "overrides": args.overrides, "allocator": allocator, "setup_s": setup_s, "steps": [], "peak_bytes": 0,
         "peak_memory_meaning": "CUDA allocator peak" if device.type == "cuda" else "process peak RSS (host)",
-        "memory_cap": cap, "planned_peak_bytes": planned["peak_bytes"],
-        "planned_peak_phase": planned["peak_phase"],
-        "planned_pinned_host_bytes": planned["host_pinned_bytes"],
-        "planned_pinned_host": {c: planned["host_categories"][c] for c in planned["host_pinned"]},
+        "memory_cap": cap, "planned_peak_bytes": planned.peak_bytes,
+        "planned_peak_phase": planned.peak_phase,
+        "planned_pinned_host_bytes": planned.host_pinned_bytes,
+        "planned_pinned_host": {c: planned.host_categories[c] for c in planned.host_pinned},
         "pinned_after_setup": pinned_host_bytes(device),
     }
     pinned = result["pinned_after_setup"]["total_bytes"]
     print(f"setup {setup_s:.1f} s; pinned host memory {pinned / GiB:.3f} GiB "
-          f"(planned {planned['host_pinned_bytes'] / GiB:.3f} GiB)", flush=True)
+          f"(planned {planned.host_pinned_bytes / GiB:.3f} GiB)", flush=True)
     if args.json:  # after setup: a run stopped in its first step still leaves this
         Path(args.json).write_text(json.dumps(result, indent=2))
     host_update = HostUpdateClock(trainer.optimizer)
@@ -288,7 +288,7 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(result, indent=2))
     times = [round(s["step_s"], 1) for s in result["steps"]]
     print(f"{args.arch} on {result['device_name']}: peak {result['peak_bytes'] / GiB:.2f} GiB "
-          f"(planned {planned['peak_bytes'] / GiB:.2f} GiB), step times {times} s")
+          f"(planned {planned.peak_bytes / GiB:.2f} GiB), step times {times} s")
     return 0
 
 

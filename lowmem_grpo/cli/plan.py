@@ -24,10 +24,11 @@ from pathlib import Path
 from ..config import Config, ConfigError, batch_plan, load_config
 from ..memory.cards import card as find_card
 from ..memory.parallel_plan import per_rank
-from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan, suggestions
+from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan
 from ..memory.presets import PRESETS, preset
 from ..memory.reward_plan import resolve_folders
 from ..memory.step_time import estimate, format_step_time
+from ..memory.suggest import suggestions
 from ..memory.vllm_plan import format_summary as format_vllm
 
 
@@ -119,24 +120,25 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
                               "offload_optimizer=false")
     card_bytes = card["total_bytes"] if card and budget_source != "--gpu-memory" else budget  # vLLM takes a share of it
     result = per_rank(plan(cfg, arch, card_bytes=card_bytes), cfg, arch, nproc, strategy, nnodes)
-    margin = margin_bytes(result["peak_bytes"])
-    total = result["peak_bytes"] + margin
-    vllm = result.get("vllm")
+    margin = margin_bytes(result.peak_bytes)
+    total = result.peak_bytes + margin
+    vllm = result.vllm
     fits = total <= budget and not (vllm and vllm["problem"])
     ideas = [] if fits or nproc > 1 else suggestions(cfg, arch, budget, card_bytes=card_bytes)  # (one process)
-    host_fits = result["host_bytes"] <= host_budget
+    host_fits = result.host_bytes <= host_budget
     step = estimate(cfg, arch, target) if target is not None else None
     if as_json:
         print(json.dumps({"model": source, "params": arch.params, "gpu_memory_bytes": budget,
                           "gpu_memory_source": budget_source, "card": card or None, "nproc": nproc,
                           "nnodes": nnodes,
                           "strategy": strategy if nproc > 1 else None,
-                          "peak_bytes": result["peak_bytes"], "margin_bytes": margin, "total_bytes": total,
-                          "fits": fits, "peak_phase": result["peak_phase"], "phases": result["phases"],
-                          "categories": result["categories"], "phase_categories": result["phase_categories"],
-                          "host_bytes": result["host_bytes"], "host_categories": result["host_categories"],
-                          "host_pinned_bytes": result["host_pinned_bytes"], "host_pinned": result["host_pinned"],
-                          "host_memory_bytes": host_budget, "host_fits": host_fits, "suggestions": ideas,
+                          "peak_bytes": result.peak_bytes, "margin_bytes": margin, "total_bytes": total,
+                          "fits": fits, "peak_phase": result.peak_phase, "phases": result.phases,
+                          "categories": result.categories, "phase_categories": result.phase_categories,
+                          "host_bytes": result.host_bytes, "host_categories": result.host_categories,
+                          "host_pinned_bytes": result.host_pinned_bytes, "host_pinned": result.host_pinned,
+                          "host_memory_bytes": host_budget, "host_fits": host_fits,
+                          "suggestions": [s.to_dict() for s in ideas],
                           "vllm": vllm, "step_time_card": target.as_dict() if step else None,
                           "step_time_s": step.seconds() if step else None,
                           "transfer_bytes": step.transfer_bytes() if step else None,
@@ -155,14 +157,14 @@ def run(recipe: str | None, model: str | None, gpu_memory: str | None, overrides
         print(f"  (this machine's {card['device']} has {card['free_bytes'] / GiB:.2f} of "
               f"{card['total_bytes'] / GiB:.2f} GiB free now)")
     for s in ideas:
-        mark = "fits" if s["fits"] else "still over"
-        host = f", host RAM {s['host_bytes'] / GiB:.1f} GiB" if s["host_bytes"] else ""
-        print(f"  {'combined: ' if s.get('combined') else ''}{s['change']}: {s['total_bytes'] / GiB:.3f} GiB "
+        mark = "fits" if s.fits else "still over"
+        host = f", host RAM {s.host_bytes / GiB:.1f} GiB" if s.host_bytes else ""
+        print(f"  {'combined: ' if s.combined else ''}{s.change}: {s.total_bytes / GiB:.3f} GiB "
               f"({mark}{host})")
     if step is not None:
         print(format_step_time(step))
     if not host_fits:
-        print(f"error: the run keeps {result['host_bytes'] / GiB:.2f} GiB in host RAM but "
+        print(f"error: the run keeps {result.host_bytes / GiB:.2f} GiB in host RAM but "
               f"{'--host-memory is' if host_memory else 'this machine has'} {host_budget / GiB:.2f} GiB: "
               "turn off optim.offload_optimizer / model.offload_activations, or use a machine with more RAM")
     return 0 if fits and host_fits else 1

@@ -49,10 +49,11 @@ def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Opt
     summary = result.as_dict()
     summary.update(recipe=recipe, overrides=overrides, device=str(trainer.device), steps=steps, step_times_s=times,
                    training_device=kind, measured_peak_bytes=measured, device_equivalent=equivalent,
-                   plan={k: predicted[k]
+                   plan={k: getattr(predicted, k)
                          for k in ("peak_bytes", "peak_phase", "phases", "categories", "phase_categories")},
                    observed_lengths={"prompt": prompt_len, "completion": completion_len},
-                   plan_at_observed_lengths={k: predicted_observed[k] for k in ("peak_bytes", "peak_phase", "phases")})
+                   plan_at_observed_lengths={k: getattr(predicted_observed, k)
+                                             for k in ("peak_bytes", "peak_phase", "phases")})
     main = summary["devices"][kind]  # the plan command's keys, for the training device
     summary.update(peak_bytes=main["peak_bytes"], phases={p: v["peak_bytes"] for p, v in main["phases"].items()},
                    categories=main["categories"])
@@ -69,8 +70,8 @@ def run(recipe: str, cfg: Config, overrides: list[str], steps: int, out_dir: Opt
     for label, pred in ((f"at the recipe's maximum lengths ({g.max_prompt_length} + {g.max_completion_length})",
                          predicted),
                         (f"at this run's lengths ({prompt_len} + {completion_len} tokens)", predicted_observed)):
-        diff = (pred["peak_bytes"] - measured) / max(measured, 1)
-        print(f"planner {label}: {format_bytes(pred['peak_bytes'])} in {pred['peak_phase']} ({diff:+.1%})")
+        diff = (pred.peak_bytes - measured) / max(measured, 1)
+        print(f"planner {label}: {format_bytes(pred.peak_bytes)} in {pred.peak_phase} ({diff:+.1%})")
     try:
         plot_timeline(result, str(out / "timeline.png"),
                       title=f"{Path(recipe).name}: {steps} step(s) on {trainer.device}")

@@ -3,6 +3,7 @@
     track.py          memory.track(): peak memory around any code (CUDA allocator / CPU profiler events)
     profile.py        MemoryProfile: per-phase, per-category memory of real trainer steps over time
     plan.py           plan(): the predicted peak of each phase from a model config and settings alone
+                      (a MemoryPlan; arch.py: Arch; host_plan.py: host RAM; suggest.py: changes that fit)
     fit.py            the card's free memory against plan()'s peak, checked before weights load
     layer_probe.py    the per-token activation costs plan() uses, measured on a one-layer model
     presets.py        architectures (config dicts) of the models people train, for plan() and benchmarks

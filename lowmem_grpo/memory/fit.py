@@ -19,8 +19,9 @@ from typing import Optional
 import torch
 
 from ..config import Config, ConfigError
-from .plan import GiB, Arch, margin_bytes, plan, suggestions
+from .plan import GiB, Arch, margin_bytes, plan
 from .reward_plan import reward_archs
+from .suggest import suggestions
 
 logger = logging.getLogger(__name__)
 
@@ -95,23 +96,23 @@ def predicted_fit(cfg: Config, arch: Arch, device: torch.device, autocast: Optio
     free, total = device_free_bytes(device)
     result = per_rank(plan(cfg, arch, autocast=autocast, card_bytes=total), cfg, arch, nproc, cfg.train.strategy,
                       nnodes)
-    return Fit(result["peak_bytes"], margin_bytes(result["peak_bytes"]), free, total, result["peak_phase"],
-               (result.get("vllm") or {}).get("problem"))
+    return Fit(result.peak_bytes, margin_bytes(result.peak_bytes), free, total, result.peak_phase,
+               (result.vllm or {}).get("problem"))
 
 
 def cheapest_fix(cfg: Config, arch: Arch, budget: int, nproc: int = 1, autocast: Optional[bool] = None,
                  card_bytes: Optional[int] = None) -> str:
-    """The first change (cheapest first, plan.SUGGESTIONS) that brings the run under `budget`, else the
+    """The first change (cheapest first, suggest.SUGGESTIONS) that brings the run under `budget`, else the
     combination, else what is left to do."""
     if nproc > 1:
         return (f"`lowmem-grpo plan RECIPE --nproc {nproc}` shows each phase; lower per_device_train_batch_size, "
                 "generation_micro_batch_size or eval_batch_size, or use strategy=fsdp")
     ideas = suggestions(cfg, arch, budget, autocast, card_bytes)
-    fitting = [s for s in ideas if s["fits"] and not s.get("combined")] or [s for s in ideas if s["fits"]]
+    fitting = [s for s in ideas if s.fits and not s.combined] or [s for s in ideas if s.fits]
     if not fitting:
         return "none of the planner's changes is enough: a card with more free memory (close what else uses it)"
     best = fitting[0]
-    return f"{best['change']} ({best['total_bytes'] / GiB:.2f} GiB with the margin)"
+    return f"{best.change} ({best.total_bytes / GiB:.2f} GiB with the margin)"
 
 
 def check_run(cfg: Config) -> Optional[Fit]:
@@ -147,7 +148,7 @@ def place_reward_models(cfg: Config, arch: Arch, device: torch.device, autocast:
     free with the reward models' weights on it, else stream. Writes the choice into `cfg` (logged)."""
     if cfg.rewards.model_placement != "auto" or not reward_archs(cfg):
         return
-    on_device = plan(cfg, arch, autocast=autocast, reward_placement="gpu")["peak_bytes"]
+    on_device = plan(cfg, arch, autocast=autocast, reward_placement="gpu").peak_bytes
     free, _ = device_free_bytes(device)
     fits = on_device + margin_bytes(on_device) <= free
     cfg.rewards.model_placement = "gpu" if fits else "stream"

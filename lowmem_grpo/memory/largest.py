@@ -72,9 +72,9 @@ def candidates(cfg: Config, budget: int, host_budget: int, names: Optional[Itera
         except ConfigError as e:
             c.error = str(e)
         else:
-            c.error = (result["vllm"] or {}).get("problem")  # vLLM would not start in its share
-            c.peak_bytes, c.peak_phase = result["peak_bytes"], result["peak_phase"]
-            c.margin_bytes, c.host_bytes = margin_bytes(result["peak_bytes"]), result["host_bytes"]
+            c.error = (result.vllm or {}).get("problem")  # vLLM would not start in its share
+            c.peak_bytes, c.peak_phase = result.peak_bytes, result.peak_phase
+            c.margin_bytes, c.host_bytes = margin_bytes(result.peak_bytes), result.host_bytes
         out.append(c)
     return sorted(out, key=lambda c: c.params)
 

@@ -10,7 +10,7 @@ Design notes: docs/planner.md ("Several GPUs")
 
 from __future__ import annotations
 
-from .plan import Arch
+from .plan import Arch, MemoryPlan
 
 STRATEGIES = ("ddp", "fsdp")
 # The phases run inside distributed.full_weights, every FSDP unit gathered: the rollout and the reward scoring
@@ -18,9 +18,9 @@ STRATEGIES = ("ddp", "fsdp")
 GATHERED_PHASES = ("rollout", "rewards", "old log-probs", "reference log-probs", "evaluation")
 
 
-def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: int = 1) -> dict:
+def per_rank(result: MemoryPlan, cfg, arch: Arch, nproc: int, strategy: str, nnodes: int = 1) -> MemoryPlan:
     """`result` (plan() of the rank's settings) as one rank's prediction under `strategy` with `nproc` ranks
-    in all, spread evenly over `nnodes` nodes (host RAM is a node's)."""
+    in all, spread evenly over `nnodes` nodes (host RAM is a node's); `result` itself with one rank."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if nnodes < 1 or nproc % nnodes:
@@ -33,7 +33,7 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
     # FSDP2 gathers fp32 weights in bf16 under autocast (on by default on a GPU: plan.py's assumption)
     gathered = 2 if cfg.model.bf16 is not False else wb
     phases = {}
-    for phase, cats in result["phase_categories"].items():
+    for phase, cats in result.phase_categories.items():
         cats = dict(cats)
         if strategy == "ddp":
             cats["gradients"] = max(cats.get("gradients", 0), grads)
@@ -53,14 +53,9 @@ def per_rank(result: dict, cfg, arch: Arch, nproc: int, strategy: str, nnodes: i
                 if phase == "backward":
                     cats["gradients"] = cats.get("gradients", 0) + root + layer
         phases[phase] = {k: int(v) for k, v in cats.items()}
-    totals = {p: sum(c.values()) for p, c in phases.items()}
-    peak = max(totals, key=totals.get)
     # Host RAM of a node's ranks: each keeps its own, except the reference model run on the CPU, which
     # the ranks share (distributed.share_on_node; streamed, each rank pins its own copy).
     shared = {"reference model"} if cfg.train.reference_compute == "cpu" else set()
     per_node = nproc // nnodes
-    host = {k: v * (1 if k in shared else per_node) for k, v in result["host_categories"].items()}
-    return {**result, "categories": phases[peak], "phases": totals, "phase_categories": phases,
-            "peak_bytes": totals[peak], "peak_phase": peak, "nproc": nproc, "nnodes": nnodes, "strategy": strategy,
-            "host_categories": host, "host_bytes": sum(host.values()),
-            "host_pinned_bytes": sum(host[c] for c in result.get("host_pinned", []))}
+    host = {k: v * (1 if k in shared else per_node) for k, v in result.host_categories.items()}
+    return MemoryPlan(phases, host, result.host_pinned, result.vllm)

@@ -95,7 +95,7 @@ def tiny_recipe(tmp_path, monkeypatch):
 
 def _needed(recipe: str) -> int:
     result = plan(load_config(recipe), Arch.from_config(TINY_LLAMA), autocast=False)  # model.bf16: false
-    return result["peak_bytes"] + margin_bytes(result["peak_bytes"])  # ~0.5 GiB: the margin's context
+    return result.peak_bytes + margin_bytes(result.peak_bytes)  # ~0.5 GiB: the margin's context
 
 
 def test_train_refuses_before_loading_weights_a_run_the_card_cannot_hold(tiny_recipe, monkeypatch, capsys):
@@ -122,7 +122,7 @@ def test_the_refusal_names_the_cheapest_change_that_fits(tiny_recipe, monkeypatc
     evalf = write_jsonl(Path(tiny_recipe()).parent / "eval.jsonl", toy_rows(64, seed=1))
     recipe = tiny_recipe(data={"eval_file": evalf}, generation={"max_prompt_length": 32, "max_completion_length": 32})
     wide = plan(load_config(recipe), Arch.from_config(TINY_LLAMA), autocast=False)
-    assert wide["peak_phase"] == "evaluation"
+    assert wide.peak_phase == "evaluation"
     fake_card(monkeypatch, free=_needed(recipe) - 1)
     assert main(["train", recipe]) == 2
     assert "cheapest fix: eval_batch_size=8 (" in capsys.readouterr().err

@@ -43,17 +43,17 @@ def test_pinned_host_bytes_equal_the_plan(config, precision, optimizer, accumula
         pinned += opt.staging_ring().nbytes
 
     planned = plan(cfg, Arch.from_config(config))  # device cuda: what the plan is for
-    host = planned["host_categories"]
-    assert planned["host_pinned_bytes"] == pinned
-    assert sum(host[c] for c in planned["host_pinned"]) == pinned
+    host = planned.host_categories
+    assert planned.host_pinned_bytes == pinned
+    assert sum(host[c] for c in planned.host_pinned) == pinned
     block = next(iter(opt.host_grad.values())).untyped_storage().data_ptr()
     masters = [h for p, h in opt.host.items() if h.dtype != p.dtype]
     if optimizer == "adamw" and precision == "bf16_sr":  # fp32 masters: ordinary memory, outside the block
-        assert planned["host_pinned"] == ["gradient buffer"]
+        assert planned.host_pinned == ["gradient buffer"]
         assert host["weights copy"] == sum(4 * h.numel() for h in masters) == 4 * sum(p.numel() for p in opt.host)
         assert all(h.untyped_storage().data_ptr() != block for h in masters)
     else:  # the weight copy is in the weight dtype: it crosses PCIe, so it is in the block
-        assert not masters and planned["host_pinned"] == ["weights copy", "gradient buffer"]
+        assert not masters and planned.host_pinned == ["weights copy", "gradient buffer"]
         assert all(h.untyped_storage().data_ptr() == block for h in opt.host.values())
     # The states (ordinary memory, made at the first step) are what the start-up check was told.
     sizes = [p.numel() for p in model.parameters()]
@@ -76,8 +76,8 @@ def test_streamed_reference_block_equals_the_plan(monkeypatch):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # still tied
     cfg = load_config(None, MINIMAL + ["precision=bf16_sr", "beta=0.04", "reference_compute=stream"])
     planned = plan(cfg, Arch.from_config(TINY))
-    assert planned["host_pinned"] == ["reference model"]
-    assert planned["host_categories"]["reference model"] == arena.nbytes == planned["host_pinned_bytes"]
+    assert planned.host_pinned == ["reference model"]
+    assert planned.host_categories["reference model"] == arena.nbytes == planned.host_pinned_bytes
     arena.release()
     assert registered[-1] == "unregistered"
 

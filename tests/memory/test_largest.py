@@ -36,9 +36,9 @@ def test_the_3b_recipe_at_7_5_gib_the_largest_is_qwen2_5_3b():
     assert best.name == "Qwen2.5-3B"
     # each figure is the planner's for that preset, as `lowmem-grpo plan RECIPE --model NAME` prints it
     result = plan(cfg, Arch.from_config(preset("Qwen2.5-3B")))
-    assert (best.peak_bytes, best.peak_phase) == (result["peak_bytes"], result["peak_phase"])
-    assert best.total_bytes == result["peak_bytes"] + margin_bytes(result["peak_bytes"])
-    assert best.host_bytes == result["host_bytes"]
+    assert (best.peak_bytes, best.peak_phase) == (result.peak_bytes, result.peak_phase)
+    assert best.total_bytes == result.peak_bytes + margin_bytes(result.peak_bytes)
+    assert best.host_bytes == result.host_bytes
     assert round(best.total_bytes / GiB, 3) == 7.443  # the recipe header's figure
     assert "largest that fits: Qwen2.5-3B" in verdict(found)
     assert "no (GPU)" in format_candidates(found)
@@ -132,7 +132,7 @@ def test_gemma_3_is_planned_with_its_own_layer():
     assert costs.kv_cache == 2 * 1 * 256 * 2  # keys + values of one KV head of 256, bf16
     assert costs.saved > 1152 * 2  # at least the layer's output
     cfg = load_config(Path(__file__).parents[2] / "recipes" / "gemma-3-1b_gsm8k_8gb.yaml")
-    assert plan(cfg, arch)["peak_bytes"] < 7 * GiB
+    assert plan(cfg, arch).peak_bytes < 7 * GiB
 
 
 def _cli_takes_largest() -> bool:

@@ -25,30 +25,30 @@ def test_ddp_holds_every_gradient_in_every_phase():
     cfg, arch, one = _setup()
     two = per_rank(one, cfg, arch, 2, "ddp")
     grads = 4 * arch.params  # fp32 weights: DDP's buckets are the gradients, from wrapping to the end
-    for phase, cats in two["phase_categories"].items():
-        assert cats["gradients"] == max(one["phase_categories"][phase].get("gradients", 0), grads), phase
-        assert cats["weights"] == one["phase_categories"][phase]["weights"]
-    assert two["phases"]["rollout"] == one["phases"]["rollout"] + grads
-    assert two["host_bytes"] == one["host_bytes"]  # reference_compute=cpu: the node's ranks share one copy
+    for phase, cats in two.phase_categories.items():
+        assert cats["gradients"] == max(one.phase_categories[phase].get("gradients", 0), grads), phase
+        assert cats["weights"] == one.phase_categories[phase]["weights"]
+    assert two.phases["rollout"] == one.phases["rollout"] + grads
+    assert two.host_bytes == one.host_bytes  # reference_compute=cpu: the node's ranks share one copy
     streamed = per_rank(plan(cfg, arch), load_config(None, ["beta=0.04", "reference_compute=stream"], check=False),
                         arch, 2, "ddp")
-    assert streamed["host_bytes"] == 2 * one["host_bytes"]  # streamed: each rank pins its own copy
+    assert streamed.host_bytes == 2 * one.host_bytes  # streamed: each rank pins its own copy
 
 
 def test_fsdp_shards_states_and_weights_and_gathers_the_model_for_rollouts():
     cfg, arch, one = _setup("precision=bf16_sr", "optimizer=adamw_8bit")
     two = per_rank(one, cfg, arch, 2, "fsdp")
     weights = 2 * arch.params  # bf16
-    cats = two["phase_categories"]
+    cats = two.phase_categories
     assert cats["rollout"]["weights"] == weights // 2 + weights  # the shard + the gathered model
     assert cats["optimizer"]["weights"] == weights // 2
-    assert cats["optimizer"]["optimizer states"] == one["phase_categories"]["optimizer"]["optimizer states"] // 2
-    assert cats["optimizer"]["gradients"] == one["phase_categories"]["optimizer"]["gradients"] // 2
+    assert cats["optimizer"]["optimizer states"] == one.phase_categories["optimizer"]["optimizer states"] // 2
+    assert cats["optimizer"]["gradients"] == one.phase_categories["optimizer"]["gradients"] // 2
     root = 2 * (arch.vocab * arch.hidden + arch.hidden)  # tied: one (V, H) tensor, plus the final norm
     layer = 2 * arch.layer_params()
     assert cats["forward"]["weights"] == weights // 2 + root + 2 * layer
     four = per_rank(one, cfg, arch, 4, "fsdp")
-    assert four["phases"]["optimizer"] < two["phases"]["optimizer"]
+    assert four.phases["optimizer"] < two.phases["optimizer"]
 
 
 def test_fsdp_scores_rewards_with_the_gathered_model(tmp_path):
@@ -61,10 +61,10 @@ def test_fsdp_scores_rewards_with_the_gathered_model(tmp_path):
     one = plan(cfg, arch)
     two = per_rank(one, cfg, arch, 2, "fsdp")
     weights = 2 * arch.params  # bf16
-    rewards = two["phase_categories"]["rewards"]
+    rewards = two.phase_categories["rewards"]
     assert rewards["weights"] == weights // 2 + weights  # the shard + the gathered model
-    assert rewards["reward buffers"] == one["phase_categories"]["rewards"]["reward buffers"] > 0
-    assert two["phases"]["rewards"] > two["phases"]["optimizer"]
+    assert rewards["reward buffers"] == one.phase_categories["rewards"]["reward buffers"] > 0
+    assert two.phases["rewards"] > two.phases["optimizer"]
 
 
 def test_plan_cli_per_rank_and_refusals(capsys):
@@ -101,4 +101,4 @@ def test_the_two_card_recipe_fits_a_desktop_budget_per_rank():
     cfg = load_config(Path(__file__).parents[2] / "recipes" / "qwen2.5-1.5b_gsm8k_2x8gb.yaml")
     arch = Arch.from_config(preset("Qwen2.5-1.5B"))
     result = per_rank(plan(cfg, arch), cfg, arch, 2, cfg.train.strategy)
-    assert result["peak_bytes"] / 2**30 <= 6.67, result  # 7.5 GiB with the margin (0.5 GiB + 5%)
+    assert result.peak_bytes / 2**30 <= 6.67, result  # 7.5 GiB with the margin (0.5 GiB + 5%)

@@ -34,16 +34,16 @@ def test_weights_gradients_and_states_by_precision_and_optimizer_mode():
     arch = Arch.from_config(TINY)
     p, embedding = arch.params, 1000 * 64
     assert p == embedding + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64  # tied head counted once
-    fp32 = plan(load_config(None, MINIMAL), arch, device="cuda")["phase_categories"]
+    fp32 = plan(load_config(None, MINIMAL), arch, device="cuda").phase_categories
     assert fp32["forward"]["weights"] == 4 * p
     assert fp32["forward"]["gradients"] == 0  # one micro-batch per step: no gradient exists during forward
     assert fp32["optimizer"]["gradients"] == 4 * p  # every gradient at the step
     assert fp32["optimizer"]["optimizer states"] == optimizer_state_bytes(arch.tensor_sizes, "adamw_8bit", 4)
     accumulating = plan(load_config(None, MINIMAL + ["gradient_accumulation_steps=2", "per_device_train_batch_size=4"]),
-                        arch)["phase_categories"]
+                        arch).phase_categories
     assert accumulating["forward"]["gradients"] == 4 * p  # kept from the previous micro-batch
     bf16 = plan(load_config(None, MINIMAL + ["precision=bf16_sr", "optimizer_in_backward=true"]), arch)
-    cats = bf16["phase_categories"]
+    cats = bf16.phase_categories
     assert cats["forward"]["weights"] == 2 * p and "optimizer" not in cats  # the step runs inside backward
     others = sorted(s for s in arch.tensor_sizes if s != embedding)
     # tied embedding (alive from the head to the lookup) + the largest other, + the embedding's second
@@ -52,7 +52,7 @@ def test_weights_gradients_and_states_by_precision_and_optimizer_mode():
     lag = min(LAG_BYTES, 2 * p)
     assert cats["backward"]["gradients"] - lag in (2 * (embedding + others[-1]), 2 * (2 * embedding + others[-1]))
     assert cats["backward"]["optimizer states"] == fp32["optimizer"]["optimizer states"]  # 8-bit: dtype-independent
-    torch_adamw = plan(load_config(None, MINIMAL + ["optimizer=adamw"]), arch)["phase_categories"]["optimizer"]
+    torch_adamw = plan(load_config(None, MINIMAL + ["optimizer=adamw"]), arch).phase_categories["optimizer"]
     assert torch_adamw["optimizer states"] == 8 * p + 8 * p  # two fp32 states + foreach temporaries
 
 
@@ -72,11 +72,11 @@ def test_phase_categories_add_up_and_checkpointing_trades_activations():
     ckpt = plan(load_config(None, MINIMAL), arch)
     full = plan(load_config(None, MINIMAL + ["gradient_checkpointing=false"]), arch)
     for result in (ckpt, full):
-        for name, cats in result["phase_categories"].items():
-            assert sum(cats.values()) == result["phases"][name]
-        assert result["peak_bytes"] == max(result["phases"].values())
-        assert sum(result["categories"].values()) == result["peak_bytes"]
-    assert full["phase_categories"]["forward"]["activations"] > 3 * ckpt["phase_categories"]["forward"]["activations"]
+        for name, cats in result.phase_categories.items():
+            assert sum(cats.values()) == result.phases[name]
+        assert result.peak_bytes == max(result.phases.values())
+        assert sum(result.categories.values()) == result.peak_bytes
+    assert full.phase_categories["forward"]["activations"] > 3 * ckpt.phase_categories["forward"]["activations"]
 
 
 # Budgets for the allocator peak: 6.5 GiB leaves >= 1 GiB under a desktop's 7.5 GiB; the
@@ -96,8 +96,8 @@ def test_8gb_recipes_are_predicted_within_budget(recipe, arch, budget):
     from pathlib import Path
     cfg = load_config(Path(__file__).parents[2] / "recipes" / recipe)
     result = plan(cfg, Arch.from_config(preset(arch)))
-    assert result["peak_bytes"] / 2**30 <= budget, result
-    assert "evaluation" in result["phases"]  # every 8 GB recipe has held-out prompts: evaluation is planned
+    assert result.peak_bytes / 2**30 <= budget, result
+    assert "evaluation" in result.phases  # every 8 GB recipe has held-out prompts: evaluation is planned
 
 
 def _plan_json(capsys, *argv):
@@ -164,10 +164,10 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
     offloaded = plan(load_config(None, common + ["offload_optimizer=true"]), arch)
     states = optimizer_state_bytes(arch.tensor_sizes, "adamw_8bit", 2)
     embedding = 1000 * 64  # the tied (V, H) weight: its head gradient goes to its own host buffer (offload.py)
-    for phase, cats in offloaded["phase_categories"].items():
+    for phase, cats in offloaded.phase_categories.items():
         assert cats["optimizer states"] == 0, phase  # no state and no update temporaries on the device
         if phase != "backward":
-            assert cats.get("gradients", 0) == on_device["phase_categories"][phase].get("gradients", 0), phase
+            assert cats.get("gradients", 0) == on_device.phase_categories[phase].get("gradients", 0), phase
     # Pinned on a GPU, in blocks laid out as host_arena.py lays them out: each tensor starts
     # on a 64-byte boundary, each block is whole pages (tests/memory/test_host_ram_plan.py checks them
     # against the real buffers). Every tensor of this model is a multiple of 64 bytes in bf16.
@@ -175,21 +175,21 @@ def test_offloaded_optimizer_moves_states_to_the_host_and_counts_host_ram():
     pages = lambda n: -(-n // PAGE) * PAGE  # noqa: E731
     ref = pages(2 * p)  # the streamed reference: one block
     copy_and_grads = pages(2 * p + 2 * p + 4 * len(arch.tensor_sizes))  # + one fp32 norm slot per tensor
-    assert on_device["host_categories"] == {"reference model": ref}  # beta > 0: the frozen copy in CPU RAM
-    assert offloaded["host_categories"] == {"reference model": ref, "optimizer states": states,
+    assert on_device.host_categories == {"reference model": ref}  # beta > 0: the frozen copy in CPU RAM
+    assert offloaded.host_categories == {"reference model": ref, "optimizer states": states,
                                             "weights copy": 2 * p,
                                             "gradient buffer": copy_and_grads - 2 * p + pages(2 * embedding)}
-    assert offloaded["host_bytes"] == ref + copy_and_grads + pages(2 * embedding) + states
-    assert offloaded["host_pinned_bytes"] == offloaded["host_bytes"] - states  # all but the states
+    assert offloaded.host_bytes == ref + copy_and_grads + pages(2 * embedding) + states
+    assert offloaded.host_pinned_bytes == offloaded.host_bytes - states  # all but the states
     masters = plan(load_config(None, common + ["offload_optimizer=true", "optimizer=adamw"]), arch)
-    assert masters["host_categories"] == {"reference model": ref, "optimizer states": 8 * p,  # fp32 m and v
+    assert masters.host_categories == {"reference model": ref, "optimizer states": 8 * p,  # fp32 m and v
                                           "weights copy": 4 * p,  # fp32 master (not pinned), bf16 grads
                                           "gradient buffer": pages(2 * p + 4 * len(arch.tensor_sizes))
                                           + pages(2 * embedding)}
-    assert masters["host_pinned"] == ["reference model", "gradient buffer"]
+    assert masters.host_pinned == ["reference model", "gradient buffer"]
     on_cpu = plan(load_config(None, common + ["offload_optimizer=true", "reference_compute=cpu"]), arch)
-    assert on_cpu["host_categories"]["reference model"] == 2 * p  # run on the CPU: plain tensors, not pinned
-    assert on_cpu["host_pinned"] == ["weights copy", "gradient buffer"]
+    assert on_cpu.host_categories["reference model"] == 2 * p  # run on the CPU: plain tensors, not pinned
+    assert on_cpu.host_pinned == ["weights copy", "gradient buffer"]
 
 
 def test_offloaded_accumulation_keeps_the_gradients_on_the_host():
@@ -203,17 +203,17 @@ def test_offloaded_accumulation_keeps_the_gradients_on_the_host():
     four = plan(load_config(None, common + ["gradient_accumulation_steps=4"]), arch)
     plain = plan(load_config(None, MINIMAL + ["precision=bf16_sr", "steps_per_generation=4",
                                               "gradient_accumulation_steps=4"]), arch)
-    for phase in four["phase_categories"]:
-        assert four["phase_categories"][phase].get("gradients", 0) == one["phase_categories"][phase].get("gradients", 0)
-    assert four["phase_categories"]["forward"].get("gradients", 0) == 0  # plain: every gradient, from micro-batch 2
-    assert plain["phase_categories"]["forward"]["gradients"] == 2 * arch.params
-    assert four["host_categories"]["gradient buffer"] == one["host_categories"]["gradient buffer"] + staging_bytes()
+    for phase in four.phase_categories:
+        assert four.phase_categories[phase].get("gradients", 0) == one.phase_categories[phase].get("gradients", 0)
+    assert four.phase_categories["forward"].get("gradients", 0) == 0  # plain: every gradient, from micro-batch 2
+    assert plain.phase_categories["forward"]["gradients"] == 2 * arch.params
+    assert four.host_categories["gradient buffer"] == one.host_categories["gradient buffer"] + staging_bytes()
     # no optimizer phase holding every gradient on the device: the update runs on the host, whether or not
     # optimizer_in_backward is also set (it is implied)
-    assert "optimizer" not in four["phases"] and "optimizer" not in one["phases"]
+    assert "optimizer" not in four.phases and "optimizer" not in one.phases
     in_backward = plan(load_config(None, common + ["gradient_accumulation_steps=1", "optimizer_in_backward=true"]),
                        arch)
-    assert one["phase_categories"] == in_backward["phase_categories"]
+    assert one.phase_categories == in_backward.phase_categories
 
 
 def test_offload_splits_the_tied_embedding_gradients_at_the_lookup(monkeypatch):
@@ -233,7 +233,7 @@ def test_offload_splits_the_tied_embedding_gradients_at_the_lookup(monkeypatch):
                         "max_completion_length=128", "num_generations=8", "steps_per_generation=8"]
     grads = {}
     for offload in (False, True):
-        cats = plan(load_config(None, common + [f"offload_optimizer={offload}"]), arch)["phase_categories"]
+        cats = plan(load_config(None, common + [f"offload_optimizer={offload}"]), arch).phase_categories
         grads[offload] = cats["backward"]["gradients"]
     assert grads[False] == 2 * (2 * vh + mlp) + LAG_BYTES  # 1.232 GiB
     assert grads[True] == 2 * (vh + mlp) + LAG_BYTES  # 0.653 GiB
@@ -265,17 +265,17 @@ def test_evaluation_is_a_phase_where_there_are_held_out_prompts():
     # between steps: the weights and states stay, no gradient exists; its rows cost what rollout rows cost
     from lowmem_grpo.memory.plan import evaluation_rows
     arch = Arch.from_config(preset("SmolLM2-135M"))
-    assert "evaluation" not in plan(_eval_config(), arch)["phases"]  # no held-out prompts: no evaluation
+    assert "evaluation" not in plan(_eval_config(), arch).phases  # no held-out prompts: no evaluation
     assert evaluation_rows(_eval_config()) == 0
     assert evaluation_rows(_eval_config("eval_file=x.jsonl")) == 64  # the default eval_batch_size
     assert evaluation_rows(_eval_config("eval_file=x.jsonl", "eval_max_samples=20")) == 20
     assert evaluation_rows(_eval_config("eval_holdout=10")) == 10  # only 10 prompts to evaluate
-    same = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=8"), arch)["phase_categories"]
+    same = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=8"), arch).phase_categories
     assert same["evaluation"] == same["rollout"]  # as many rows as the rollout's generation micro-batch
-    wide = plan(_eval_config("eval_file=x.jsonl"), arch)["phase_categories"]["evaluation"]
+    wide = plan(_eval_config("eval_file=x.jsonl"), arch).phase_categories["evaluation"]
     assert wide["weights"] == same["evaluation"]["weights"] and "gradients" not in wide
     kv16 = plan(_eval_config("eval_file=x.jsonl", "eval_batch_size=16"),
-                arch)["phase_categories"]["evaluation"]["KV cache"]
+                arch).phase_categories["evaluation"]["KV cache"]
     kv8, kv64 = same["evaluation"]["KV cache"], wide["KV cache"]
     # per row: the cache and the logits (or the prefill); once: autocast's weight copies
     assert kv64 - kv8 == pytest.approx(7 * (kv16 - kv8), abs=8) and kv16 > kv8
@@ -284,16 +284,17 @@ def test_evaluation_is_a_phase_where_there_are_held_out_prompts():
 def test_3b_recipe_plans_its_evaluation_and_plan_names_the_eval_batch_as_the_fix():
     from pathlib import Path
     # (the 3B one-layer probe: 3.2 s on this 2-core CPU, shared with the slow budget test's)
-    from lowmem_grpo.memory.plan import margin_bytes, suggestions
+    from lowmem_grpo.memory.plan import margin_bytes
+    from lowmem_grpo.memory.suggest import suggestions
     recipe = Path(__file__).parents[2] / "recipes" / "qwen2.5-3b_gsm8k_8gb.yaml"
     arch, budget = Arch.from_config(preset("Qwen2.5-3B")), int(7.5 * 2**30)
     shipped = plan(load_config(recipe), arch)
-    assert "evaluation" in shipped["phases"] and shipped["peak_bytes"] + margin_bytes(shipped["peak_bytes"]) <= budget
+    assert "evaluation" in shipped.phases and shipped.peak_bytes + margin_bytes(shipped.peak_bytes) <= budget
     wide_cfg = load_config(recipe, ["eval_batch_size=64"])  # the default: 64 generation rows of 640 tokens
     wide = plan(wide_cfg, arch)
-    assert wide["peak_phase"] == "evaluation" and wide["peak_bytes"] + margin_bytes(wide["peak_bytes"]) > budget
+    assert wide.peak_phase == "evaluation" and wide.peak_bytes + margin_bytes(wide.peak_bytes) > budget
     first = suggestions(wide_cfg, arch, budget)[0]
-    assert first["change"] == "eval_batch_size=16" and first["fits"]  # the cheapest: evaluation time only
+    assert first.change == "eval_batch_size=16" and first.fits  # the cheapest: evaluation time only
 
 
 def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures_them():
@@ -338,11 +339,11 @@ def test_padding_mask_and_sdpas_copy_of_it_are_counted_as_a_tracked_run_measures
     measured = peak(padded) - peak(full)
     assert measured == pytest.approx(held + per_call, rel=0.1), (measured, held, per_call)
     # and plan() adds them where a layer runs: the mask all step, one copy per layer at work
-    sdpa = plan(cfg, arch, autocast=False, device="cpu")["phase_categories"]
+    sdpa = plan(cfg, arch, autocast=False, device="cpu").phase_categories
     flex = plan(load_config(None, MINIMAL + [f"per_device_train_batch_size={B}", "num_generations=4",
                                              f"max_prompt_length={P}", f"max_completion_length={C}",
                                              "pack_prompts=false", "attn_implementation=flex_attention"]),
-                arch, autocast=False, device="cpu")["phase_categories"]
+                arch, autocast=False, device="cpu").phase_categories
     assert sdpa["backward"]["activations"] - flex["backward"]["activations"] == held + per_call
 
 
@@ -365,20 +366,20 @@ def test_activation_offload_moves_layer_inputs_and_the_norms_saves_over_its_mini
 
     small = 2 * length * 64 * 2  # 2 rows: 0.5 MiB per layer input
     assert small < MIN_BYTES
-    assert planned(2, "true")["phase_categories"] == planned(2, "false")["phase_categories"]
-    assert "activations (offloaded)" not in planned(2, "true")["host_categories"]
+    assert planned(2, "true").phase_categories == planned(2, "false").phase_categories
+    assert "activations (offloaded)" not in planned(2, "true").host_categories
     T = 4 * length  # 4 rows: 1 MiB per layer input, moved
     on, off = planned(4, "true"), planned(4, "false")
     costs = layer_costs(arch.config, torch.bfloat16, False)
     # each saved tensor moves once (the fp32 input too, which pow and mul both save); its output stays
     assert costs.norm_offloaded + costs.norm_left_offloaded == costs.norm_saved and costs.norm_left_offloaded > 0
     layer_io = T * 64 * 2
-    assert on["host_categories"]["activations (offloaded)"] == int(2 * layer_io + costs.norm_offloaded * T)
-    assert "activations (offloaded)" not in off["host_categories"]
+    assert on.host_categories["activations (offloaded)"] == int(2 * layer_io + costs.norm_offloaded * T)
+    assert "activations (offloaded)" not in off.host_categories
     # forward: two layer inputs kept, against the one on its way to the host; backward: its end (the last
     # layer's input back, every gradient made) is the same either way
-    assert off["phases"]["forward"] - on["phases"]["forward"] >= layer_io
-    assert on["phases"]["backward"] <= off["phases"]["backward"]
+    assert off.phases["forward"] - on.phases["forward"] >= layer_io
+    assert on.phases["backward"] <= off.phases["backward"]
 
 
 def test_plan_exits_1_when_the_run_does_not_fit_and_refuses_an_empty_card(capsys):

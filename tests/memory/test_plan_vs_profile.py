@@ -61,18 +61,18 @@ def test_long_completion_modes_tracked_bytes_agree_with_the_plan_within_10_perce
     # CPU profile counts apart, as the planner's host RAM: one micro-batch's at a time.
     host = prof.result.devices["host"].summary()
     offloaded = host["category_max"]["activations (offloaded)"]
-    assert offloaded == pytest.approx(predicted["host_categories"]["activations (offloaded)"], rel=0.01)
+    assert offloaded == pytest.approx(predicted.host_categories["activations (offloaded)"], rel=0.01)
     layer_inputs = ARCH["num_hidden_layers"] * 4 * (PROMPT + COMPLETION) * ARCH["hidden_size"] * 2
     assert offloaded > layer_inputs  # every layer's input, and the norm's
     assert "activations (offloaded)" not in measured["categories"]  # the device-equivalent figure leaves them out
 
     # The device-equivalent peak, and each training phase's, as the planner predicts them. (Offload is a
     # no-op on a CPU outside profiling: before, the layer inputs stayed, 10% of this peak and more.)
-    assert layer_inputs > 0.1 * predicted["peak_bytes"]
-    assert measured["peak_bytes"] == pytest.approx(predicted["peak_bytes"], rel=0.10), (
-        measured["peak_bytes"] / MiB, predicted["peak_bytes"] / MiB)
+    assert layer_inputs > 0.1 * predicted.peak_bytes
+    assert measured["peak_bytes"] == pytest.approx(predicted.peak_bytes, rel=0.10), (
+        measured["peak_bytes"] / MiB, predicted.peak_bytes / MiB)
     for phase in ("rollout", "forward", "backward"):
-        assert measured["phases"][phase]["peak_bytes"] == pytest.approx(predicted["phases"][phase], rel=0.10), phase
+        assert measured["phases"][phase]["peak_bytes"] == pytest.approx(predicted.phases[phase], rel=0.10), phase
 
 
 def test_cpu_loss_head_bytes_are_the_profiled_ones_forward_and_backward():

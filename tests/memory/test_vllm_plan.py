@@ -14,7 +14,8 @@ from lowmem_grpo.cli import main
 from lowmem_grpo.config import ConfigError, load_config, rollout_engine, validate
 from lowmem_grpo.memory import fit as fit_module
 from lowmem_grpo.memory import vllm_plan
-from lowmem_grpo.memory.plan import Arch, plan, suggestions
+from lowmem_grpo.memory.plan import Arch, plan
+from lowmem_grpo.memory.suggest import suggestions
 from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.policy.vllm_engine import BATCHED_TOKENS, engine_sizes
 from tests.memory.test_fit import fake_card
@@ -35,14 +36,14 @@ def test_vllm_takes_its_share_in_every_phase_and_the_trainer_no_kv_cache():
     a = arch("Qwen2.5-1.5B")
     before, after = plan(native, a), plan(cfg, a, card_bytes=12 * GiB)
     share = math.ceil(12 * GiB * cfg.generation.vllm_gpu_memory_utilization)
-    assert after["vllm"]["share_bytes"] == share
-    assert all(cats["vLLM"] == share for cats in after["phase_categories"].values())
-    assert "KV cache" not in after["phase_categories"]["rollout"]
-    assert before["phase_categories"]["rollout"]["KV cache"] > 0
+    assert after.vllm["share_bytes"] == share
+    assert all(cats["vLLM"] == share for cats in after.phase_categories.values())
+    assert "KV cache" not in after.phase_categories["rollout"]
+    assert before.phase_categories["rollout"]["KV cache"] > 0
     # the phases the trainer shares with the native plan are the same, vLLM's share on top
     for phase in ("forward", "backward", "evaluation"):
-        assert after["phases"][phase] == before["phases"][phase] + share
-    assert before["vllm"] is None and "vLLM" not in before["categories"]
+        assert after.phases[phase] == before.phases[phase] + share
+    assert before.vllm is None and "vLLM" not in before.categories
 
 
 def test_the_corrections_old_logprob_pass_is_counted():
@@ -50,10 +51,10 @@ def test_the_corrections_old_logprob_pass_is_counted():
     needs one (the trainer's log-probs of vLLM's samples), unless the correction is off."""
     a = arch("Qwen2.5-0.5B")
     overrides = ["per_device_train_batch_size=32", "gradient_accumulation_steps=1"]
-    assert "old log-probs" not in plan(load_config(R05, overrides, check=False), a)["phases"]
-    assert "old log-probs" in plan(load_config(R05, overrides + ["engine=vllm"], check=False), a)["phases"]
+    assert "old log-probs" not in plan(load_config(R05, overrides, check=False), a).phases
+    assert "old log-probs" in plan(load_config(R05, overrides + ["engine=vllm"], check=False), a).phases
     off = load_config(R05, overrides + ["engine=vllm", "vllm_importance_sampling_correction=false"], check=False)
-    assert "old log-probs" not in plan(off, a)["phases"]
+    assert "old log-probs" not in plan(off, a).phases
 
 
 @pytest.mark.parametrize("autocast, precision, bytes_", [(True, "fp32", 2), (False, "fp32", 4), (True, "bf16_sr", 2)])
@@ -82,16 +83,16 @@ def test_the_engine_holds_one_generation_batch_and_the_length_limit():
 def test_a_share_too_small_names_the_utilization_that_starts():
     a = arch("Qwen2.5-1.5B")
     cfg = load_config(R15, ["engine=vllm", "vllm_gpu_memory_utilization=0.1"], check=False)
-    entry = plan(cfg, a, card_bytes=8 * GiB)["vllm"]
+    entry = plan(cfg, a, card_bytes=8 * GiB).vllm
     least = entry["least_utilization"]
     assert entry["problem"] and f"vllm_gpu_memory_utilization={least} at least" in entry["problem"]
     assert "or engine=native" in entry["problem"]
     # the named utilization starts, a hundredth less does not
     assert plan(load_config(R15, ["engine=vllm", f"vllm_gpu_memory_utilization={least}"], check=False), a,
-                card_bytes=8 * GiB)["vllm"]["problem"] is None
+                card_bytes=8 * GiB).vllm["problem"] is None
     lower = round(least - 0.01, 2)
     assert plan(load_config(R15, ["engine=vllm", f"vllm_gpu_memory_utilization={lower}"], check=False), a,
-                card_bytes=8 * GiB)["vllm"]["problem"] is not None
+                card_bytes=8 * GiB).vllm["problem"] is not None
     assert entry["least_bytes"] <= least * 8 * GiB and entry["whole_batch_bytes"] <= entry["whole_batch_utilization"] \
         * 8 * GiB
 
@@ -102,10 +103,10 @@ def test_suggestions_offer_the_share_vllm_needs_and_the_native_engine():
     a = arch("Qwen2.5-0.5B")
     cfg = load_config(R05, ["engine=vllm", "vllm_gpu_memory_utilization=0.5"], check=False)
     ideas = suggestions(cfg, a, budget=10 * GiB, card_bytes=12 * GiB)
-    whole = plan(cfg, a, card_bytes=12 * GiB)["vllm"]["whole_batch_utilization"]
-    assert ideas[0]["change"] == f"vllm_gpu_memory_utilization={whole}"
-    native = [s for s in ideas if s["change"] == "engine=native"]
-    assert native and native[0]["peak_bytes"] == plan(load_config(R05, check=False), a)["peak_bytes"]
+    whole = plan(cfg, a, card_bytes=12 * GiB).vllm["whole_batch_utilization"]
+    assert ideas[0].change == f"vllm_gpu_memory_utilization={whole}"
+    native = [s for s in ideas if s.change == "engine=native"]
+    assert native and native[0].peak_bytes == plan(load_config(R05, check=False), a).peak_bytes
 
 
 def test_train_refuses_a_vllm_share_too_small_before_loading(monkeypatch):
@@ -117,7 +118,7 @@ def test_train_refuses_a_vllm_share_too_small_before_loading(monkeypatch):
     fine = load_config(R15, ["engine=vllm", "vllm_gpu_memory_utilization=0.3"], check=False)
     got = fit_module.check_device_memory(fine, arch("Qwen2.5-1.5B"), torch.device("cuda", 0), autocast=True)
     assert got.fits and got.vllm_problem is None
-    assert got.peak_bytes == plan(fine, arch("Qwen2.5-1.5B"), autocast=True, card_bytes=24 * GiB)["peak_bytes"]
+    assert got.peak_bytes == plan(fine, arch("Qwen2.5-1.5B"), autocast=True, card_bytes=24 * GiB).peak_bytes
 
 
 def test_plan_prints_vllms_share(capsys, monkeypatch):
@@ -135,8 +136,8 @@ def test_vllm_on_the_cpu_is_host_ram():
     a = arch("Qwen2.5-0.5B")
     cfg = load_config(R05, ["engine=vllm", "vllm_cpu_kv_cache_gib=2"], check=False)
     result = plan(cfg, a, device="cpu")
-    assert result["host_categories"]["vLLM"] == 4 * a.params + 2 * GiB
-    assert "vLLM" not in result["categories"]
+    assert result.host_categories["vLLM"] == 4 * a.params + 2 * GiB
+    assert "vLLM" not in result.categories
 
 
 def test_trls_names_choose_the_engine(monkeypatch):
@@ -154,11 +155,11 @@ def test_the_figures_in_docs_are_the_planners(recipe, name, utilization):
     """docs/rollouts.md's table of the shipped recipes with vLLM, row by row."""
     from lowmem_grpo.memory.plan import margin_bytes
     a = arch(name)
-    with_margin = lambda r: (r["peak_bytes"] + margin_bytes(r["peak_bytes"])) / GiB  # noqa: E731
+    with_margin = lambda r: (r.peak_bytes + margin_bytes(r.peak_bytes)) / GiB  # noqa: E731
     native = plan(load_config(recipe, check=False), a)
     cfg = load_config(recipe, ["engine=vllm", f"vllm_gpu_memory_utilization={utilization}"], check=False)
     vllm = plan(cfg, a, card_bytes=12 * GiB)
-    entry = vllm["vllm"]
+    entry = vllm.vllm
     assert entry["whole_batch_utilization"] == utilization and entry["problem"] is None
     row = (f"| `{Path(recipe).name}` | {with_margin(native):.2f} GiB | {entry['least_bytes'] / GiB:.2f} / "
            f"{entry['whole_batch_bytes'] / GiB:.2f} GiB | {with_margin(vllm):.2f} GiB (U {utilization} of 12 GiB) |")

@@ -89,7 +89,7 @@ def test_the_offloaded_optimizer_pins_its_planned_bytes_and_unpins_them_when_rel
     assert all(b.is_pinned() for b in buffers)
     assert _cached_host_bytes() == before
     planned = plan(cfg, Arch.from_config({"model_type": "llama", **conf}))
-    assert opt.arena.nbytes + opt.head_arena.nbytes == planned["host_pinned_bytes"]
+    assert opt.arena.nbytes + opt.head_arena.nbytes == planned.host_pinned_bytes
     # a step runs on the registered buffers: every weight comes back as its host copy
     ids = torch.randint(0, 999, (2, 9), device="cuda")
     opt.begin_step()

@@ -220,7 +220,7 @@ def test_planner_counts_the_bf16_copy_of_the_output_head_under_autocast(monkeypa
                              "max_completion_length=28"])
 
     def kv(autocast):
-        phases = planner.plan(cfg, arch, autocast=autocast, device="cpu")["phase_categories"]
+        phases = planner.plan(cfg, arch, autocast=autocast, device="cpu").phase_categories
         return phases["rollout"]["KV cache"]
     copies = 2 * (arch.layers * arch.layer_params() + arch.vocab * arch.hidden)
     assert kv(True) - kv(False) == copies

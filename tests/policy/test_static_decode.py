@@ -144,7 +144,7 @@ def test_planner_counts_the_static_cache_of_the_bucket():
               "max_completion_length=28"]  # a generation batch of 40 rows, sequences of 128
 
     def phases(device, *more):
-        return plan(load_config(None, common + list(more)), arch, device=device)["phase_categories"]
+        return plan(load_config(None, common + list(more)), arch, device=device).phase_categories
 
     def kv(device, *more):
         return phases(device, *more)["rollout"]["KV cache"]

@@ -157,20 +157,20 @@ def test_the_planner_counts_each_placement(random_rm):
         plans[where] = plan(cfg, arch)
     weights = 4 * rm[0].params
     without = plan(load_config(recipe), arch)
-    assert "rewards" not in without["phases"]
+    assert "rewards" not in without.phases
     gpu, stream, cpu = plans["gpu"], plans["stream"], plans["cpu"]
-    assert all(cats["reward model"] == weights for cats in gpu["phase_categories"].values())
-    assert "reward models" not in gpu["host_categories"]
-    assert all("reward model" not in cats for cats in stream["phase_categories"].values())
-    assert stream["host_categories"]["reward models"] >= weights and "reward models" in stream["host_pinned"]
-    assert stream["phase_categories"]["rewards"]["reward buffers"] > cpu["phase_categories"]["rewards"][
+    assert all(cats["reward model"] == weights for cats in gpu.phase_categories.values())
+    assert "reward models" not in gpu.host_categories
+    assert all("reward model" not in cats for cats in stream.phase_categories.values())
+    assert stream.host_categories["reward models"] >= weights and "reward models" in stream.host_pinned
+    assert stream.phase_categories["rewards"]["reward buffers"] > cpu.phase_categories["rewards"][
         "reward buffers"] == 0
-    assert cpu["host_categories"]["reward models"] == weights and "reward models" not in cpu["host_pinned"]
+    assert cpu.host_categories["reward models"] == weights and "reward models" not in cpu.host_pinned
     # the streamed copy is two layers (and the work): less than the whole model on the device
-    assert (stream["phase_categories"]["rewards"]["reward buffers"]
-            < gpu["phase_categories"]["rewards"]["reward buffers"] + weights)
-    assert plan(load_config(recipe, [f"rewards.reward_funcs=['{model}']"]), arch, device="cpu")[
-        "host_categories"]["reward models"] == weights  # auto on the CPU: cpu
+    assert (stream.phase_categories["rewards"]["reward buffers"]
+            < gpu.phase_categories["rewards"]["reward buffers"] + weights)
+    auto = plan(load_config(recipe, [f"rewards.reward_funcs=['{model}']"]), arch, device="cpu")
+    assert auto.host_categories["reward models"] == weights  # auto on the CPU: cpu
 
 
 def test_model_dtype_auto_loads_the_checkpoints_dtype_as_planned(tmp_path):
@@ -198,7 +198,7 @@ def test_auto_placement_goes_on_the_gpu_where_the_plan_fits(random_rm, monkeypat
     recipe = str(ROOT / "recipes" / "char_e.yaml")
     cfg = load_config(recipe, [f"rewards.reward_funcs=['{model}']"])
     arch = Arch.from_config(dict(cfg.model.config))
-    need = plan(cfg, arch, reward_placement="gpu")["peak_bytes"]
+    need = plan(cfg, arch, reward_placement="gpu").peak_bytes
     for free, want in ((need + margin_bytes(need), "gpu"), (need + margin_bytes(need) - 1, "stream")):
         c = load_config(recipe, [f"rewards.reward_funcs=['{model}']"])
         monkeypatch.setattr(fit, "device_free_bytes", lambda device, free=free: (free, 2 * free))

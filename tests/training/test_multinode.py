@@ -91,8 +91,8 @@ def test_the_planner_counts_host_ram_per_node_and_shards_over_every_rank():
     one = plan(cfg, arch)
     one_node = per_rank(one, cfg, arch, 4, "fsdp")
     two_nodes_ = per_rank(plan(cfg, arch), cfg, arch, 4, "fsdp", nnodes=2)
-    assert two_nodes_["phase_categories"] == one_node["phase_categories"]  # a rank's device memory: 1/4 either way
-    assert one_node["host_bytes"] == 4 * one["host_bytes"]  # streamed: each rank pins its own reference
-    assert two_nodes_["host_bytes"] == 2 * one["host_bytes"]  # ... and a node holds 2 of the 4 ranks
+    assert two_nodes_.phase_categories == one_node.phase_categories  # a rank's device memory: 1/4 either way
+    assert one_node.host_bytes == 4 * one.host_bytes  # streamed: each rank pins its own reference
+    assert two_nodes_.host_bytes == 2 * one.host_bytes  # ... and a node holds 2 of the 4 ranks
     with pytest.raises(ValueError, match="multiple of the node count"):
         per_rank(plan(cfg, arch), cfg, arch, 3, "fsdp", nnodes=2)

@@ -1,0 +1,62 @@
+"""Host RAM a run keeps on purpose, per category, for the planner (plan.py).
+
+`host_categories` counts the reference model, the offloaded optimizer (states, weight copy, gradient buffer)
+and the offloaded activations, with the same arithmetic as the code that allocates them (host_arena.py
+`arena_bytes`); `pinned_host_categories` names the page-locked ones. plan() adds the reward models and
+vLLM on a CPU (reward_plan.py, vllm_plan.py).
+
+Design notes: docs/planner.md
+"""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..host_arena import arena_bytes, round_up
+from ..optim.offload import staging_bytes
+from ..optim.optimizers import optimizer_state_bytes
+from .arch import Arch
+
+
+def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
+    """Host RAM the run keeps on purpose, per category (module docstring).
+
+    The offloaded optimizer's weight copy (unless fp32 masters) and gradient buffer are one block of
+    host memory laid out as host_arena.py lays it out, its alignment and page rounding
+    included, and the tied head's buffer another: the two categories sum to the bytes the run pins,
+    to the byte (tests/memory/test_host_ram_plan.py checks it against the real optimizer). The
+    streamed reference model on a GPU is one block too (policy/reference.py)."""
+    wb = 2 if cfg.model.precision == "bf16_sr" else 4
+    host = {}
+    if cfg.train.beta > 0:
+        streamed = device != "cpu" and cfg.train.reference_compute != "cpu"  # auto streams on a GPU
+        host["reference model"] = arena_bytes(wb * n for n in arch.tensor_sizes) if streamed else wb * arch.params
+    if cfg.optim.offload_optimizer:  # torch AdamW steps fp32 masters (optim/offload.py)
+        master = 4 if cfg.optim.optimizer == "adamw" else wb
+        host["optimizer states"] = optimizer_state_bytes(arch.tensor_sizes, cfg.optim.optimizer, master)
+        copies = [wb * n for n in arch.tensor_sizes] if master == wb else []  # in the block, in its order
+        block = arena_bytes(copies + [wb * n for n in arch.tensor_sizes] + [4 * len(arch.tensor_sizes)])
+        host["weights copy"] = sum(round_up(c) for c in copies) if copies else master * arch.params
+        host["gradient buffer"] = block - (host["weights copy"] if copies else 0)  # + norm slots, page tail
+        if arch.tied:  # the tied head's contribution, its own block
+            host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
+        if cfg.train.gradient_accumulation_steps > 1:  # later micro-batches' gradients arrive there
+            host["gradient buffer"] += staging_bytes()
+    if offloaded_activations:
+        host["activations (offloaded)"] = offloaded_activations
+    return {k: int(v) for k, v in host.items()}
+
+
+def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
+    """The host categories that are page-locked (they cannot swap): on a GPU, the buffers that cross PCIe
+    asynchronously. The fp32 masters and the optimizer states are ordinary memory."""
+    if device == "cpu":
+        return []
+    pinned = []
+    if cfg.train.beta > 0 and cfg.train.reference_compute != "cpu":  # streamed: auto on a GPU
+        pinned.append("reference model")
+    if cfg.optim.offload_optimizer:  # the weight copy unless it is an fp32 master of bf16 weights
+        master_of_bf16 = cfg.optim.optimizer == "adamw" and cfg.model.precision == "bf16_sr"
+        pinned += ["gradient buffer"] if master_of_bf16 else ["weights copy", "gradient buffer"]
+    if cfg.model.offload_activations:
+        pinned.append("activations (offloaded)")
+    return pinned

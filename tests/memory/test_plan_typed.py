@@ -1,0 +1,96 @@
+"""plan() returns a typed MemoryPlan whose numbers are those the untyped planner gave, to the byte.
+
+plan_golden.json holds, for every shipped recipe (and three variants: vLLM, no checkpointing with gradient
+accumulation, the CPU), what plan() returned as a dict before it was typed, two recipes' suggestions, and
+`lowmem-grpo plan --json` for two recipes, captured from that code.
+"""
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lowmem_grpo.config import load_config
+from lowmem_grpo.memory.plan import Arch, MemoryPlan, plan
+from lowmem_grpo.memory.presets import preset
+from lowmem_grpo.memory.reward_plan import resolve_folders
+from lowmem_grpo.memory.suggest import Suggestion, suggestions
+
+RECIPES = Path(__file__).parents[2] / "recipes"
+GOLDEN = json.loads((Path(__file__).parent / "plan_golden.json").read_text())
+# case -> (recipe, overrides, preset in place of the recipe's model, device)
+VARIANTS = {"qwen2.5-1.5b_gsm8k_8gb.yaml+vllm": ("qwen2.5-1.5b_gsm8k_8gb.yaml", ["engine=vllm"], None, "cuda"),
+            "qwen2.5-0.5b_gsm8k_8gb.yaml+no-ckpt": ("qwen2.5-0.5b_gsm8k_8gb.yaml", [
+                "gradient_checkpointing=false", "offload_optimizer=false", "gradient_accumulation_steps=2"],
+                None, "cuda"),
+            "smollm2-135m_arithmetic_cpu.yaml@cpu": ("smollm2-135m_arithmetic_cpu.yaml", [], "SmolLM2-135M", "cpu")}
+CASES = sorted(k for k in GOLDEN if not k.startswith("_"))
+
+
+def test_every_shipped_recipe_has_a_golden_plan():
+    """A recipe added later gets its plan captured too (the CPU recipe's GGUF model: by its preset)."""
+    planned = {VARIANTS.get(case, (case,))[0] for case in CASES}
+    assert planned == {p.name for p in RECIPES.glob("*.yaml")}
+
+
+def _case(case: str):
+    recipe, overrides, model, device = VARIANTS.get(case, (case, [], None, "cuda"))
+    cfg = load_config(str(RECIPES / recipe), overrides, check=False)
+    resolve_folders(cfg, RECIPES)
+    if model is None:
+        from lowmem_grpo.cli.plan import architecture
+        return cfg, architecture(cfg, None)[0], device
+    return cfg, Arch.from_config(preset(model)), device
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_is_bit_for_bit_the_untyped_planners(case):
+    cfg, arch, device = _case(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # no consumer on the way reads it as a dict
+        result = plan(cfg, arch, card_bytes=8 * 2**30, device=device)
+    assert isinstance(result, MemoryPlan)
+    assert result.to_dict() == GOLDEN[case]["plan"]
+    assert list(result.to_dict()["phase_categories"]) == list(GOLDEN[case]["plan"]["phase_categories"])  # order
+    if "suggestions" in GOLDEN[case]:
+        found = suggestions(cfg, arch, 5 * 2**30)
+        assert all(isinstance(s, Suggestion) for s in found)
+        assert [s.to_dict() for s in found] == GOLDEN[case]["suggestions"]
+
+
+@pytest.mark.parametrize("command", sorted(GOLDEN["_cli"]))
+def test_plan_json_keeps_its_keys_and_values(command, capsys, monkeypatch):
+    from lowmem_grpo.cli import main
+    from lowmem_grpo.cli import plan as plan_cli
+    monkeypatch.setattr(plan_cli, "_cuda_available", lambda: False)  # the golden was taken without a GPU
+    monkeypatch.chdir(RECIPES.parent)
+    recipe, *extra = command.split()
+    capsys.readouterr()
+    main(["plan", f"recipes/{recipe}", "--json", "--host-memory", "64GiB", *extra])
+    assert capsys.readouterr().out == GOLDEN["_cli"][command]
+
+
+def test_the_fields_agree_with_each_other():
+    cfg, arch, device = _case("qwen2.5-3b_gsm8k_8gb.yaml")
+    result = plan(cfg, arch)
+    assert result.phases == {p: sum(c.values()) for p, c in result.phase_categories.items()}
+    assert result.peak_bytes == max(result.phases.values()) == result.phases[result.peak_phase]
+    assert result.categories is result.phase_categories[result.peak_phase]
+    assert result.host_bytes == sum(result.host_categories.values()) > 0
+    assert result.host_pinned_bytes == sum(result.host_categories[c] for c in result.host_pinned)
+
+
+def test_reading_the_result_as_a_dict_warns_and_still_works():
+    cfg, arch, _ = _case("qwen2.5-0.5b_gsm8k_8gb.yaml")
+    result = plan(cfg, arch)
+    with pytest.warns(DeprecationWarning, match=r"read \.peak_bytes"):
+        assert result["peak_bytes"] == result.peak_bytes
+    with pytest.warns(DeprecationWarning, match=r"read \.vllm"):
+        assert result.get("vllm") is None
+    with pytest.warns(DeprecationWarning), pytest.raises(KeyError):
+        result["no such key"]
+    found = suggestions(cfg, arch, 2 * 2**30)
+    assert found
+    with pytest.warns(DeprecationWarning, match=r"read \.change"):
+        assert found[0]["change"] == found[0].change
