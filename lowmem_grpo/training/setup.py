@@ -147,7 +147,8 @@ def setup_rewards(r: RewardsConfig, device: torch.device, batch_size: int, *, fu
     """The reward functions, each with its weight and rewards.reward_timeout. `funcs` (callables, loaded
     reward models, or what a recipe names) and `processing_classes` replace the config's when given;
     `base_dir` (the recipe's folder) resolves file paths; `batch_size` is the reward models' batch when
-    rewards.model_batch_size is unset. Reward models may draw from torch's generator: after the seed."""
+    rewards.model_batch_size is unset. After the seed, so what loading draws from the generators is the
+    same in every run."""
     models = ModelSettings(reward_model_placement(r.model_placement, device), device, r.model_batch_size or batch_size,
                            r.model_dtype, r.reward_processing_classes if processing_classes is None
                            else processing_classes)
