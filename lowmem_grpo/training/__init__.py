@@ -1,6 +1,7 @@
 """The GRPO training loop and what it keeps between steps.
 
     trainer.py     Trainer: set-up, one optimizer step, and train() (the loop, top to bottom)
+    setup.py       the Trainer's set-up, one function per concern (model, data, rewards, reference, ...)
     loss.py        the loss of one micro-batch as an nn.Module (what DDP and FSDP2 wrap)
     micro_batch.py a micro-batch's arithmetic: rows trained, loss scale and denominator, token counts
     generation.py  a generation batch: rollout -> rewards -> advantages -> old/reference log-probs

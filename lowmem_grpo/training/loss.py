@@ -22,7 +22,7 @@ from ..config import Config
 from ..kernels import GRPOLossSettings, linear_grpo_loss
 from ..policy.batch import Batch
 from ..policy.logprobs import completion_hidden
-from ..policy.model import Head, decoder_of, logit_softcap
+from ..policy.model import Head, build_head
 from ..policy.packing import Packing
 from .activation_offload import offload_activations
 from .micro_batch import loss_denominator, step_loss_factor
@@ -30,7 +30,7 @@ from .micro_batch import loss_denominator, step_loss_factor
 
 class PolicyLoss(nn.Module):
     def __init__(self, policy: nn.Module, cfg: Config, *, autocast: bool, pack: Packing,
-                 world_size: int = 1):
+                 world_size: int = 1, head: Optional[Head] = None):
         super().__init__()
         self.policy = policy
         self.cfg, self.autocast, self.pack, self.world_size = cfg, autocast, pack, world_size
@@ -38,9 +38,9 @@ class PolicyLoss(nn.Module):
         self.settings = loss_settings(cfg)
         self.gradient_accumulation_steps = cfg.train.gradient_accumulation_steps
         self.offload = cfg.model.offload_activations
-        # Head reads the output embedding's weight when used, so under FSDP2 it sees the gathered one.
-        self.head = Head(decoder=decoder_of(policy), output=policy.get_output_embeddings(),
-                         softcap=logit_softcap(policy))
+        # The policy's one head (the trainer's: build_head(policy) if not given). It reads the output
+        # embedding's weight when used, so under FSDP2 it sees the gathered one.
+        self.head = build_head(policy) if head is None else head
         # model.offload_activations on a CPU device: real host copies (a no-op otherwise). Set only while a
         # memory profile runs (memory/profile.py: profile_trainer), so the CPU's tracked bytes show what a
         # GPU would hold; plain CPU training has no device memory to save and skips the copies.

@@ -26,6 +26,7 @@ import torch
 from ..optim.offload import OffloadedOptimizer
 from ..optim.optimizer_in_backward import OptimizerInBackward
 from ..phases import phase
+from ..policy.model import Head
 from . import distributed
 
 
@@ -119,12 +120,12 @@ class InBackwardStep(StepMode):
 
 class OffloadStep(StepMode):
     """Gradients summed on the host, the global norm, one update on the CPU (module docstring). Gives the
-    loss heads their handle on a tied embedding (`split_tied_head`)."""
+    policy's loss head its handle on a tied embedding (`split_tied_head`)."""
 
-    def __init__(self, optimizer: OffloadedOptimizer, model: torch.nn.Module, heads: list):
-        self.optimizer = optimizer
-        optimizer.split_tied_head(model, heads)  # a tied embedding's two (V, H) gradients never meet on the device
-        optimizer.wait_in_forward(model, heads)  # the host update runs on the worker thread
+    def __init__(self, optimizer: OffloadedOptimizer, model: torch.nn.Module, head: Head):
+        self.optimizer, self.head = optimizer, head
+        optimizer.split_tied_head(model, [head])  # a tied embedding's two (V, H) gradients never meet on the device
+        optimizer.wait_in_forward(model, [head])  # the host update runs on the worker thread
 
     def begin(self) -> None:
         self.optimizer.begin_step()
@@ -148,11 +149,11 @@ class OffloadStep(StepMode):
 
 
 def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss_module: torch.nn.Module,
-                   shards, max_grad_norm: float | None, heads: list) -> StepMode:
-    """The mode of the optimizer `build_optimizer` made. `heads`: every loss head that reads the output
-    embedding's weight for the loss (the offload mode may give them a handle of their own)."""
+                   shards, max_grad_norm: float | None, head: Head) -> StepMode:
+    """The mode of the optimizer `build_optimizer` made. `head`: the policy's one loss head, which the loss
+    and the old log-prob pass share (the offload mode may give it a handle of its own on a tied weight)."""
     if isinstance(optimizer, OffloadedOptimizer):
-        return OffloadStep(optimizer, model, heads)
+        return OffloadStep(optimizer, model, head)
     if isinstance(optimizer, OptimizerInBackward):
         return InBackwardStep(optimizer)
     return PlainStep(optimizer, [p for p in model.parameters() if p.requires_grad], loss_module, shards,

@@ -12,7 +12,6 @@ Design notes: docs/training.md, docs/distributed.md
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import re
@@ -28,31 +27,22 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan, rollout_engine
-from ..config.batching import steps_for_epochs
-from ..optim.optimizers import build_optimizer, build_scheduler
-from ..policy.reference import Reference
 from ..phases import phase
-from ..policy.model import (bf16_autocast_wanted, check_bf16_weights, build_head, enable_checkpointing,
-                            load_model, load_tokenizer)
-from ..policy.limits import check_run_limits
-from ..policy.packing import Packing
+from ..policy.model import load_tokenizer
 from ..policy.batch import Batch
-from ..rewards import ModelSettings, load_reward_functions
-from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
 from . import distributed
 from . import output_dir
 from .callbacks import as_callback, notify
 from .context import RolloutContext
-from .data import PromptSampler, build_prompt_set, load_rows, split_eval
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
 from .generation import GenerationBatch, make_generation_batch, make_trainer_state
-from .loss import PolicyLoss
 from .micro_batch import computed_tokens, plan_micro_batch, step_completion_tokens
 from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory, step_means, trl_names
 from .plot import save_run_plot
 from .step_modes import make_step_mode
-from .setup import pick_device, reward_model_placement, seed_everything
+from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_model, setup_optimizer, setup_output,
+                    setup_precision, setup_reference, setup_rewards, setup_training_model, setup_world, special_ids)
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 logger = logging.getLogger(__name__)
@@ -86,87 +76,47 @@ class Trainer:
                  callbacks: Optional[list] = None, reward_processing_classes: Optional[list] = None):
         """Load tokenizer, rewards, model and data; with training=False stop there (evaluation only). Training
         first claims output_dir (output_dir.py: OutputDirError for another run's folder, a live run's, or one
-        it cannot write) and verifies resume_from's checkpoint, before anything loads.
+        it cannot write) and verifies resume_from's checkpoint, before anything loads. Each step is one
+        set-up function of setup.py, whose contract says what must come before it.
 
-        From Python (lowmem_grpo.api) any of them may be given as objects instead: a loaded model and
-        tokenizer, reward functions (callables and loaded reward models mixed with what a recipe names) and
-        their tokenizers, and the rows as a datasets.Dataset or list of dicts (data.train_file / eval_file
-        may then be empty)."""
-        self.cfg = cfg
+        From Python (lowmem_grpo.api) any of them may be given as objects instead, and replace what `cfg`
+        names: a loaded model and tokenizer, reward functions (callables and loaded reward models mixed with
+        what a recipe names) and their tokenizers, and the rows as a datasets.Dataset or list of dicts
+        (data.train_file / eval_file may then be empty)."""
+        self.cfg, m, t, g = cfg, cfg.model, cfg.train, cfg.generation
         self.callbacks = [as_callback(c) for c in callbacks or []]
         self.recipe_dir = None if recipe_dir is None else Path(recipe_dir)
-        # Under torchrun (training only): join the process group; this rank's device is LOCAL_RANK's.
-        self.world, rank_device = (distributed.start(cfg.train.strategy, cfg.train.device, cfg.train.ddp_timeout)
-                                   if training else (distributed.World(), None))
-        distributed.check_supported(cfg, self.world)
-        # output_dir first: checked and locked (rank 0) before anything loads; the checkpoint to resume, verified
-        self.output_lock = (output_dir.claim(cfg.output, self.world, self.checks_previous_run_at_setup)
-                            if training else None)
-        out = cfg.output
-        resume = ckpt.resolve_resume(out.resume_from, out.output_dir) if out.resume_from and training else None
+        self.world, rank_device = setup_world(cfg, training)
+        self.output_lock, resume = setup_output(cfg.output, self.world, training, self.checks_previous_run_at_setup)
         self.plan = batch_plan(cfg, self.world.size)
-        self.device = pick_device(rank_device or cfg.train.device)
-        seed_everything(cfg.train.seed)
-        m, t = cfg.model, cfg.train
-        self.autocast = bf16_autocast_wanted(m.bf16, self.device)
-        if m.precision == "bf16_sr":
-            check_bf16_weights(self.device)
+        self.device = pick_device(rank_device or t.device)
+        seed_everything(t.seed)
+        self.autocast = setup_precision(m, self.device)
         self.tokenizer = load_tokenizer(m) if tokenizer is None else tokenizer
-        r = cfg.rewards
-        models = ModelSettings(reward_model_placement(r.model_placement, self.device), self.device,
-                               r.model_batch_size or t.per_device_train_batch_size, r.model_dtype,
-                               r.reward_processing_classes if reward_processing_classes is None
-                               else reward_processing_classes)
-        self.reward_funcs = with_timeout(
-            load_reward_functions(r.reward_funcs if reward_funcs is None else reward_funcs, r.reward_weights,
-                                  base_dir=recipe_dir, models=models), r.reward_timeout)
-        check_run_limits(m, cfg.generation, self.tokenizer, model)  # before the weights load
-        self.policy = load_model(m, t.seed) if model is None else model
-        self.eos_ids, self.pad_id = self._special_ids()
-        self.train_set, self.eval_set = self._load_data(train_data, eval_data)
-        if t.num_train_epochs is not None:  # TRL's epochs: the step count follows from the prompts
-            t.max_steps = steps_for_epochs(t.num_train_epochs, self.plan, len(self.train_set))
-        self.sampler = PromptSampler(len(self.train_set), t.seed, cfg.data.shuffle)
+        self.reward_funcs = setup_rewards(cfg.rewards, self.device, t.per_device_train_batch_size, funcs=reward_funcs,
+                                          processing_classes=reward_processing_classes, base_dir=recipe_dir)
+        self.policy = setup_model(m, g, self.tokenizer, t.seed, model)
+        self.eos_ids, self.pad_id = special_ids(m, self.tokenizer, self.policy)
+        data = setup_data(cfg.data, t, g.max_prompt_length, self.plan, self.tokenizer,
+                          self.policy.get_output_embeddings().weight.shape[0], train_rows=train_data,
+                          eval_rows=eval_data, recipe_dir=self.recipe_dir)
+        self.train_set, self.eval_set, self.sampler = data.train, data.eval, data.sampler
+        t.max_steps = data.max_steps  # what the schedule, the loop and TrainerState read
         self.step = 0  # optimizer steps done (also what an evaluation-only trainer reports)
         self.num_input_tokens_seen = 0  # prompt + completion tokens generated so far (TRL's num_tokens)
         if not training:
             self.policy.to(self.device)
             self.rollout = self._rollout_context()
             return
-        # The reference is the model as loaded, before any resumed weights: a frozen copy in CPU RAM
-        # (in the weight dtype: fp32, or bf16 with model.precision=bf16_sr).
-        self.ref = None
-        if t.beta > 0:
-            mode = t.reference_compute if t.reference_compute != "auto" else (
-                "stream" if self.device.type == "cuda" else "cpu")
-            reference = copy.deepcopy(self.policy)
-            distributed.share_on_node(reference, self.world)  # torchrun: one copy per node, not one per rank
-            self.ref = Reference(reference, self.device, mode)
-        self.policy.to(self.device)
-        if m.gradient_checkpointing:
-            enable_checkpointing(self.policy)
-        self.policy.config.use_cache = False  # training forwards never need the KV cache
-        self.head = build_head(self.policy)
-        g = cfg.generation
-        self.pack = Packing.resolve(t.pack_prompts, self.policy,
-                                    max_length=g.max_prompt_length + g.max_completion_length)
-        if resume is not None:  # whole weights, before FSDP2 shards them (the rest of the state: _resume)
-            ckpt.load_weights(self.policy, resume)
-        # The loss as a module, made data-parallel under torchrun (FSDP2 shards the weights here, so
-        # before the optimizer is built on them; it steps the local shards).
-        self.loss_module = distributed.wrap(PolicyLoss(self.policy, cfg, autocast=self.autocast, pack=self.pack,
-                                                       world_size=self.world.size), self.policy, self.world,
-                                            autocast=self.autocast)
-        self.shards = distributed.LocalShards(self.policy) if self.world.fsdp else None
-        self.optimizer = build_optimizer(self.shards.module if self.shards else self.policy, cfg.optim,
-                                         stochastic_rounding=m.precision == "bf16_sr",
-                                         in_backward=t.optimizer_in_backward)
+        self.ref = setup_reference(t, self.policy, self.device, self.world)  # the model as loaded
+        self.head, self.pack = setup_training_model(m, t, g, self.policy, self.device, resume)
+        self.loss_module, self.shards = setup_loss(cfg, self.policy, self.head, self.pack, self.autocast, self.world)
+        self.optimizer, self.scheduler = setup_optimizer(
+            cfg.optim, self.shards.module if self.shards else self.policy, t.max_steps,
+            stochastic_rounding=m.precision == "bf16_sr", in_backward=t.optimizer_in_backward)
         # How backwards become an update in this memory mode (step_modes.py)
-        loss = (self.loss_module.module if isinstance(self.loss_module, torch.nn.parallel.DistributedDataParallel)
-                else self.loss_module)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
-                                        cfg.optim.max_grad_norm, heads=[self.head, loss.head])
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+                                        cfg.optim.max_grad_norm, head=self.head)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -210,51 +160,7 @@ class Trainer:
         from ..policy.vllm_engine import engine_for_run
         return engine_for_run(self.cfg, self.policy, self.device, self.autocast)
 
-    # ----- setup -------------------------------------------------------------------------------
-    def _special_ids(self) -> tuple[list[int], int]:
-        m, tok, gen = self.cfg.model, self.tokenizer, self.policy.generation_config
-        eos = m.eos_token_id
-        if eos is None:
-            eos = tok.eos_token_id if tok is not None else gen.eos_token_id
-        if eos is None:
-            raise ConfigError("no EOS token id: set model.eos_token_id")
-        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-        if tok is not None and tok.eos_token_id is not None and tok.eos_token_id not in eos_ids:
-            eos_ids.append(tok.eos_token_id)
-        pad = m.pad_token_id
-        if pad is None:
-            pad = tok.pad_token_id if tok is not None else gen.pad_token_id
-        return eos_ids, int(eos_ids[0] if pad is None else pad)
-
-    def _load_data(self, train_data=None, eval_data=None):
-        d, g = self.cfg.data, self.cfg.generation
-        if not d.train_file and train_data is None:
-            raise ConfigError("data.train_file is not set: point it at a .jsonl/.json/.csv/.parquet file or a "
-                             "datasets folder with a prompt (or prompt_ids) column")
-        train_name = d.train_file or "train_dataset"  # rows given as objects: named by the API's arguments
-        eval_name = d.eval_file or ("eval_dataset" if eval_data is not None else train_name)
-        rows = load_rows(self._find(d.train_file)) if train_data is None else load_rows(train_data, train_name)
-        eval_rows = (load_rows(eval_data, eval_name) if eval_data is not None else
-                     load_rows(self._find(d.eval_file)) if d.eval_file else [])
-        if not d.eval_file and d.eval_holdout and eval_data is None:
-            rows, eval_rows = split_eval(rows, d.eval_holdout)
-        vocab = self.policy.get_output_embeddings().weight.shape[0]
-        build = lambda r, src: build_prompt_set(r, self.tokenizer, d, g.max_prompt_length, src, vocab_size=vocab)
-        train = build(rows, train_name)
-        if train.num_truncated:
-            logger.info(f"left-truncated {train.num_truncated} prompts to {g.max_prompt_length} tokens")
-        if len(train) < self.plan.prompts_per_generation:
-            logger.info(f"note: {len(train)} training prompts, fewer than the "
-                        f"{self.plan.prompts_per_generation} per generation batch; prompts repeat within a batch")
-        return train, (build(eval_rows, eval_name) if eval_rows else None)
-
-    def _find(self, path: str) -> str:
-        """A data path as given (relative to the working directory), else relative to the recipe's folder."""
-        if Path(path).exists() or self.recipe_dir is None or Path(path).is_absolute():
-            return path
-        beside = self.recipe_dir / path
-        return str(beside) if beside.exists() else path
-
+    # ----- resume and save -----------------------------------------------------------------------
     def _resume(self, path: Path) -> None:
         """Continue from checkpoint `path` (its weights are already loaded)."""
         state = ckpt.load_state(path)

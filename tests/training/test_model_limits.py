@@ -23,7 +23,7 @@ def no_weights(monkeypatch):
     """Fail if a model is built: the checks must come before the weights."""
     def refuse(*args, **kwargs):
         raise AssertionError("weights loaded before the check")
-    monkeypatch.setattr("lowmem_grpo.training.trainer.load_model", refuse)
+    monkeypatch.setattr("lowmem_grpo.training.setup.load_model", refuse)
 
 
 @pytest.mark.parametrize("training", [True, False])

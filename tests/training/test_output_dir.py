@@ -199,7 +199,7 @@ def test_a_read_only_output_dir_is_one_line_before_the_model_loads(toy_config, t
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", read_only)
-    monkeypatch.setattr("lowmem_grpo.training.trainer.load_model", lambda *a: pytest.fail("the model loaded"))
+    monkeypatch.setattr("lowmem_grpo.training.setup.load_model", lambda *a: pytest.fail("the model loaded"))
     try:
         assert main(["train", _recipe(tmp_path, toy_config())]) == 2
     finally:
