@@ -15,10 +15,19 @@ Three paths on the same inputs:
             the step at batch-size buckets;
   compiled  the same step under torch.compile, as generation.compile_decode runs it (on CUDA: CUDA graphs
             per batch x length bucket, captured by each rollout: policy/decode_graphs.py).
+  packed    refill with the Linear weights packed once per rollout into oneDNN's GEMM layout
+            (generation.pack_decode_weights, policy/packed_linear.py; CPU only);
   vllm      generation.engine=vllm (policy/vllm_engine.py): vLLM in this process on a copy of the weights
             (needs vLLM: `make test-vllm`'s venv; with --eos-hazard 0, since the EOS bias below is a hook on
             this process's model, which vLLM does not run).
 Only the paths named in --paths run (default generate, fast, refill).
+
+The GEMM-only bound, measured in the same run (benchmarks/decode_profile.py): one decode step's bare GEMMs
+(every Linear weight times a (micro-batch, in) input through torch.matmul), fp32 and bf16, timed before
+each repeat's paths; "gemm_bound_tokens_per_s" = micro-batch / the fastest step's seconds, and each path's
+"fraction_of_gemm_bound" divides its tokens/s by the bound in the dtype its matmuls run in (bf16 with
+--dtype bf16 or --autocast). --profile: after the timed runs, one more rollout of each sampler path under
+torch.profiler, its time split into GEMM / attention / the model's other ops / sampling and loop / untraced.
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
 row runs --max-new tokens) --dtype bf16. The compiled path's warm-up (one whole rollout, which compiles and
@@ -59,6 +68,7 @@ import time
 import torch
 
 from bench_utils import machine_info, write_json
+from decode_profile import gemm_bound, profile_parts, step_gflop
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.policy.batch import eos_mask
@@ -122,7 +132,7 @@ def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed, 
     else:
         completions = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=pad, device=device, stats=stats,
                              refill=path != "fast", decode=DECODE.get(path, "dynamic"),
-                             autocast_bf16=autocast)
+                             autocast_bf16=autocast, packed=path == "packed")
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -135,7 +145,7 @@ def generate_row_steps(lengths, micro_batch: int) -> int:
     return sum(len(chunk) * (int(chunk.max()) - 1) for chunk in lengths.split(micro_batch))
 
 
-PATHS = ("generate", "fast", "refill", "static", "compiled", "vllm")
+PATHS = ("generate", "fast", "refill", "static", "compiled", "packed", "vllm")
 ENGINE: dict = {}  # the vLLM engine of the run, when --paths names it
 DECODE = {"static": "static", "compiled": "compiled"}  # sample()'s decode per path (else "dynamic")
 
@@ -159,6 +169,8 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true",
                         help="decode under bf16 autocast (with --dtype fp32: the fp32-master-weight recipes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more rollout per sampler path under torch.profiler: time by part")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
     paths = [p for p in args.paths.split(",") if p]
@@ -196,8 +208,15 @@ def main() -> None:
                            path, seed=0, **kw)[0]
         print(f"  warm-up  {path:8s} {warmup[path]:7.2f} s")
     runs: dict[str, list[dict]] = {path: [] for path in paths}
+    bound: dict[str, list[float]] = {"fp32": [], "bf16": []}  # seconds of one step's bare GEMMs, per repeat
     stats = {path: SamplingStats() for path in paths if path not in ("generate", "vllm")}
     for r in range(args.repeats):
+        if device.type == "cpu":
+            for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                bound[name].append(gemm_bound(model, args.micro_batch, dt))
+            print(f"  repeat {r} GEMM bound: fp32 {args.micro_batch / bound['fp32'][-1]:7.1f} tok/s, "
+                  f"bf16 {args.micro_batch / bound['bf16'][-1]:7.1f} tok/s "
+                  f"({step_gflop(model, args.micro_batch):.1f} GFLOP per step)")
         for path in paths:
             seconds, mask, truncated, st = run(model, prompts, distinct, cfg, path, seed=1000 + r, **kw)
             tokens = int(mask.sum())
@@ -235,15 +254,33 @@ def main() -> None:
                 f", {x['decode_row_steps']} row-steps (counted from its lengths)")
         print(f"{path:8s} {x['tokens_per_s']:7.1f} tok/s, median {x['median_seconds']:.2f} s per rollout, "
               f"mean length {x['mean_length']:.1f}{rows}")
+    gemm = {name: args.micro_batch / min(ts) for name, ts in bound.items() if ts}
+    if gemm:
+        matmul_dtype = "bf16" if args.dtype == "bf16" or args.autocast else "fp32"
+        for path, x in summary.items():
+            x["fraction_of_gemm_bound"] = x["tokens_per_s"] / gemm[matmul_dtype]
+        print(f"GEMM-only bound ({step_gflop(model, args.micro_batch):.1f} GFLOP per step): "
+              + ", ".join(f"{k} {v:.1f} tok/s" for k, v in gemm.items()) + "; fraction of the "
+              f"{matmul_dtype} bound: " + ", ".join(f"{p} {x['fraction_of_gemm_bound']:.2f}"
+                                                   for p, x in summary.items()))
+    profiles = {}
+    if args.profile:
+        for path in (p for p in paths if p in stats):
+            profiles[path] = profile_parts(lambda: run(model, prompts, distinct, cfg, path, seed=7, **kw), model)
+            wall = profiles[path]["wall"]
+            print(f"profile {path:8s} {wall:7.2f} s: " + ", ".join(
+                f"{k} {v / wall:.0%}" for k, v in profiles[path].items() if k != "wall"))
     ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
               for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"), ("static", "refill"),
-                           ("compiled", "refill"), ("compiled", "static"), ("vllm", "refill"), ("vllm", "generate"))
+                           ("compiled", "refill"), ("compiled", "static"), ("packed", "refill"), ("packed", "static"),
+                           ("packed", "vllm"), ("vllm", "refill"), ("vllm", "generate"))
               if a in summary and b in summary}
     for name, value in ratios.items():
         print(f"speed-up {name} (tokens/s): {value:.2f}x")
     if args.json:
         write_json(args.json, {"args": vars(args), "machine": machine_info(device.type), "eos_logit_bias": bias,
                                "prompt_lengths": [len(p) for p in distinct], "runs": runs, "summary": summary,
+                               "gemm_bound_tokens_per_s": gemm, "gemm_bound_step_seconds": bound, "profiles": profiles,
                                "speedups_tokens_per_s": ratios})
 
 

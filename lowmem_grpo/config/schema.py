@@ -133,6 +133,12 @@ class GenerationConfig:
                                                        "CUDA, off on the CPU (measured not to pay there: "
                                                        "benchmarks/RESULTS.md); true | false.",
                                                        check=("auto", True, False))
+    pack_decode_weights: bool = setting(False, "CPU, native engine, decode step not compiled: each rollout runs the "
+                                               "Linear layers on copies of their weights packed once into oneDNN's "
+                                               "GEMM layout (policy/packed_linear.py): one more copy of the Linear "
+                                               "weights in host RAM while generating (bf16 under autocast). bf16 "
+                                               "computes the same numbers; fp32 differs by GEMM rounding (~1e-6). "
+                                               "Ignored elsewhere (logged).")
     engine: str = setting("native", "Who samples the rollouts: native (lowmem-grpo's decode loop on the trained "
                                     "weights: no second copy) or vllm (vLLM in this process with its own copy of "
                                     "the weights, sent after every optimizer step; TRL's use_vllm with "

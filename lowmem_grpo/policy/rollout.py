@@ -19,6 +19,7 @@ from transformers import GenerationConfig as HFGenerationConfig
 
 from ..config import GenerationConfig
 from .batch import Batch, eos_mask, left_pad
+from .packed_linear import use_packed
 from .sampling import (compile_failed, decode_mode, falls_back, group_runs, sample, sampling_kwargs,
                        use_fast_sampling)
 
@@ -34,7 +35,8 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
     generation.fast_rollout: runs of identical consecutive prompts (a prompt's G copies) are prefilled
     once, finished rows stop costing compute and their slots go to waiting samples (policy/sampling.py),
     with generate()'s distribution; generate() itself runs where sampling.py cannot match it (the reason
-    is logged once). generation.compile_decode picks the decode step (`decode_mode`).
+    is logged once). generation.compile_decode picks the decode step (`decode_mode`);
+    generation.pack_decode_weights packs the Linear weights for it (`packed_linear.use_packed`).
     """
     micro_batch = micro_batch or cfg.generation_micro_batch_size
     max_new = max_new_tokens or cfg.max_completion_length
@@ -43,13 +45,15 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
         kw = dict(eos_ids=eos_ids, pad_id=pad_id, device=device, greedy=greedy, micro_batch=micro_batch,
                   autocast_bf16=autocast_bf16, max_new_tokens=max_new)
         decode = decode_mode(model, cfg, device)
+        packed = use_packed(model, cfg.pack_decode_weights and decode != "compiled", device, autocast_bf16)
         try:
-            completion_ids = sample(model, distinct, counts, cfg, decode=decode, **kw)  # (N, C)
+            completion_ids = sample(model, distinct, counts, cfg, decode=decode, packed=packed, **kw)  # (N, C)
         except Exception as e:  # noqa: BLE001 - compile_decode: a step that fails to compile, capture, run
             if decode != "compiled" or not falls_back(e):
                 raise
             compile_failed(e)
-            completion_ids = sample(model, distinct, counts, cfg, decode="dynamic", **kw)
+            completion_ids = sample(model, distinct, counts, cfg, decode="dynamic",
+                                    packed=use_packed(model, cfg.pack_decode_weights, device, autocast_bf16), **kw)
     else:
         was_training = model.training
         model.eval()  # checkpointing only acts in training mode, so the KV cache is used here

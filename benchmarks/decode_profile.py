@@ -1,0 +1,80 @@
+"""Where a decode step's time goes, and the GEMM-only bound it is held to (used by rollout_speed.py).
+
+`gemm_bound(model, rows, dtype)`: one decode step's bare GEMMs, every Linear layer's weight (the output
+head's included, once per step as with logits_to_keep=1) times a (rows, in_features) input through
+torch.matmul, in fp32 or bf16: the seconds of the fastest of `repeats` steps. rows / seconds is the
+tokens/s a decode loop could reach if GEMMs were all it did; a path's tokens/s over it is its "fraction
+of the GEMM bound".
+`profile_parts(fn, model)`: torch.profiler over fn(), its ops' self CPU time split into GEMM (mm, addmm,
+matmul, linear, the packed oneDNN/MKL linears), attention (sdpa and its kernels), the model's other ops
+(norms, rotary, activations, cache writes: ops inside a model forward), sampling and loop (ops outside the
+model forward: logits processing, the draw, slot bookkeeping), and what no op covers (Python, waits).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
+            "mkl::_mkl_linear", "aten::_mkldnn_linear", "aten::mkldnn_linear"}
+FORWARD_LABEL = "## model forward"
+
+
+def linear_shapes(model) -> list[tuple[int, int]]:
+    """(out_features, in_features) of every Linear layer the decode step runs once per step."""
+    return [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@torch.no_grad()
+def gemm_bound(model, rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Seconds of one decode step's bare GEMMs at `rows` rows in `dtype` (the fastest of `repeats`)."""
+    shapes = linear_shapes(model)
+    weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]  # (out, in), as nn.Linear holds them
+    inputs = {i: torch.randn(rows, i, dtype=dtype) for _, i in shapes}
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up
+        t0 = time.perf_counter()
+        for w in weights:
+            torch.matmul(inputs[w.shape[1]], w.t())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def step_gflop(model, rows: int) -> float:
+    return sum(2 * rows * o * i for o, i in linear_shapes(model)) / 1e9
+
+
+def profile_parts(fn: Callable[[], object], model) -> dict[str, float]:
+    """Seconds of fn() by part: gemm, attention, model_other, sampling_loop, untraced (wall minus ops)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    entered = []
+    pre = model.register_forward_pre_hook(lambda *_: entered.append(record_function(FORWARD_LABEL).__enter__()))
+    post = model.register_forward_hook(lambda *_: entered.pop().__exit__(None, None, None))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            fn()
+            wall = time.perf_counter() - t0
+    finally:
+        pre.remove()
+        post.remove()
+    parts = dict.fromkeys(("gemm", "attention", "model_other", "sampling_loop"), 0.0)
+    for e in prof.events():
+        if e.name == FORWARD_LABEL:
+            continue
+        seconds = e.self_cpu_time_total / 1e6
+        parent, in_forward = e.cpu_parent, False
+        while parent is not None and not in_forward:
+            in_forward, parent = parent.name == FORWARD_LABEL, parent.cpu_parent
+        if e.name in GEMM_OPS:
+            parts["gemm"] += seconds
+        elif "scaled_dot_product" in e.name or "flash_attention" in e.name:
+            parts["attention"] += seconds
+        else:
+            parts["model_other" if in_forward else "sampling_loop"] += seconds
+    parts["untraced"] = max(wall - sum(parts.values()), 0.0)
+    parts["wall"] = wall
+    return parts

@@ -1,0 +1,126 @@
+"""Linear weights packed once per rollout for CPU decoding (policy/packed_linear.py, sample(packed=True)).
+
+bf16 (weights, or fp32 weights under bf16 autocast): oneDNN's packed GEMM computes what F.linear computes,
+so sampled rows follow the same seeded stream token for token. fp32: the packed GEMM rounds differently
+(~1e-6): greedy tokens equal on these tiny random models, logits within 1e-4.
+"""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from lowmem_grpo.config import GenerationConfig
+from lowmem_grpo.policy.packed_linear import pack_problem, packed_bytes, packed_linears, use_packed
+from lowmem_grpo.policy.rollout import generate
+from lowmem_grpo.policy.sampling import sample
+
+from .test_sampling import CPU, PAD, frequent_token, random_prompts, tiny_model
+
+needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="this CPU has no oneDNN bf16 GEMM")
+
+
+def _setup(arch: str, dtype: torch.dtype, micro_batch: int = 4):
+    model = tiny_model(arch).to(dtype)
+    distinct = random_prompts([3, 7, 5, 9], 64)
+    cfg = GenerationConfig(max_completion_length=12, generation_micro_batch_size=micro_batch, max_prompt_length=16)
+    return model, distinct, cfg
+
+
+@needs_bf16
+@pytest.mark.parametrize("arch, dtype, autocast_bf16, decode", [
+    ("llama", torch.bfloat16, False, "dynamic"), ("qwen2", torch.float32, True, "dynamic"),
+    ("llama", torch.float32, True, "static")])
+def test_packed_bf16_samples_the_same_stream(arch, dtype, autocast_bf16, decode):
+    """Sampled (temperature 1, seeded), with refills: packed bf16 weights give the same tokens."""
+    model, distinct, cfg = _setup(arch, dtype)
+    kw = dict(eos_ids=[5], pad_id=PAD, device=CPU, autocast_bf16=autocast_bf16, decode=decode)
+    out = {}
+    for packed in (False, True):
+        torch.manual_seed(3)
+        out[packed] = sample(model, distinct, 3, cfg, packed=packed, **kw)
+    assert torch.equal(out[False], out[True]), f"\n{out[False]}\n{out[True]}"
+    assert (out[False] != PAD).sum(1).unique().numel() > 1  # rows of different lengths: refills happened
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_fp32_greedy_matches_generate(arch):
+    """fp32: greedy tokens equal transformers' generate(); the packed forward's logits within 1e-4."""
+    model, distinct, cfg = _setup(arch, torch.float32)
+    eos = frequent_token(model, distinct, cfg)
+    prompts = [p for p in distinct for _ in range(3)]
+    slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos], pad_id=PAD,
+                    device=CPU, greedy=True).completion_ids
+    fast = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, packed=True)
+    assert torch.equal(fast, slow), f"\n{fast}\n{slow}"
+    ids = torch.tensor([distinct[3]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with packed_linears(model, 4):
+            packed = model(ids).logits
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-4)
+
+
+def test_packed_linears_restores_the_model():
+    """After the block the layers run their own forward on their own parameters, unchanged."""
+    model, distinct, _ = _setup("llama", torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([distinct[1]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with packed_linears(model, 4):
+            assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+        after = model(ids).logits
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(after, plain)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_packed_bytes_counts_a_tied_head_once():
+    """One packed copy per distinct Linear weight: a tied output head shares the embedding's; under autocast
+    the fp32 weights' copies are bf16, biases included (qwen2's q/k/v)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings().weight.numel()
+    assert packed_bytes(model) == 4 * (linear - head) + 4 * head  # the head once, though two modules hold it
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    qwen = tiny_model("qwen2")
+    biases = sum(m.bias.numel() for m in qwen.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
+    weights = sum(m.weight.numel() for m in qwen.modules() if isinstance(m, torch.nn.Linear))
+    assert packed_bytes(qwen) == 4 * weights and packed_bytes(qwen, autocast_bf16=True) == 2 * (weights + biases)
+
+
+def test_packed_refusals(caplog):
+    """Not on other devices, not with the compiled step, not fp16: one clear error (sample) or a logged
+    fallback (the generation setting)."""
+    model, distinct, cfg = _setup("llama", torch.float32)
+    with pytest.raises(ValueError, match="packed=True.*compiled"):
+        sample(model, distinct, 2, cfg, eos_ids=[5], pad_id=PAD, device=CPU, packed=True, decode="compiled")
+    assert "CPU path" in pack_problem(model, torch.device("cuda"))
+    half = tiny_model("llama").half()
+    assert "packing takes fp32 or bf16" in pack_problem(half, CPU)
+    with pytest.raises(ValueError, match="pack_decode_weights=false"):
+        with packed_linears(half, 4):
+            pass
+    with caplog.at_level(logging.WARNING):
+        assert not use_packed(half, True, CPU)
+    assert any("pack_decode_weights" in r.getMessage() for r in caplog.records)
+    assert use_packed(model, True, CPU) and not use_packed(model, False, CPU)
+
+
+def test_generate_packs_when_set(monkeypatch):
+    """generation.pack_decode_weights=true: rollout.generate samples with packed=True (off by default)."""
+    import lowmem_grpo.policy.rollout as rollout
+    seen = []
+    real = rollout.sample
+    monkeypatch.setattr(rollout, "sample", lambda *a, **kw: seen.append(kw["packed"]) or real(*a, **kw))
+    model, distinct, cfg = _setup("llama", torch.float32)
+    for on in (False, True):
+        generate(model, distinct, dataclasses.replace(cfg, pack_decode_weights=on), eos_ids=[5], pad_id=PAD,
+                 device=CPU)
+    assert seen == [False, True]
+    assert GenerationConfig().pack_decode_weights is False
