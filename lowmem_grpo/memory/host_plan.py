@@ -60,3 +60,13 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
     if cfg.model.offload_activations:
         pinned.append("activations (offloaded)")
     return pinned
+
+
+def packed_decode_bytes(arch: Arch, compute_bytes: int) -> int:
+    """Host bytes of generation.pack_decode_weights' copies (policy/packed_linear.py: packed_bytes): every
+    Linear weight once, in the decode's compute dtype (`compute_bytes`: 2 under bf16 weights or autocast).
+    The weight matrices are the tensors larger than one hidden vector; the input embedding is one of them
+    but no Linear unless the head shares it (tied). Biases, copied only under autocast, are not counted
+    (hidden-sized vectors: under 0.1% of the weights)."""
+    matrices = sum(n for n in arch.tensor_sizes if n > arch.hidden)
+    return compute_bytes * (matrices - (0 if arch.tied else arch.vocab * arch.hidden))

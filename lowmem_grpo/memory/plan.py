@@ -26,7 +26,7 @@ from ..training.activation_offload import MIN_BYTES
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
-from .host_plan import host_categories, pinned_host_categories
+from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories
 from .layer_probe import LayerCosts, layer_costs
 
 GiB = 2**30
@@ -428,6 +428,8 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
         pinned += ["reward models"] if where == "stream" and device != "cpu" else []
     if vllm_plan.uses_vllm(cfg) and device == "cpu":
         host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
+    elif cfg.generation.pack_decode_weights and device == "cpu" and not compiled_decode(cfg, device):
+        host["packed decode weights"] = packed_decode_bytes(arch, sizes.compute_bytes)
     return host, pinned
 
 

@@ -124,3 +124,22 @@ def test_generate_packs_when_set(monkeypatch):
                  device=CPU)
     assert seen == [False, True]
     assert GenerationConfig().pack_decode_weights is False
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_planner_counts_the_packed_copy(arch, bf16):
+    """memory/plan.py's host category "packed decode weights" is packed_bytes of the model, to 0.5% (the
+    planner leaves out the bias copies autocast makes); absent with the setting off."""
+    from lowmem_grpo.config import Config
+    from lowmem_grpo.memory.plan import Arch, plan
+    model = tiny_model(arch)
+    cfg = Config()
+    cfg.model.bf16 = bf16
+    cfg.generation.pack_decode_weights = True
+    result = plan(cfg, Arch.from_config(model.config), autocast=bf16, device="cpu")
+    expected = packed_bytes(model, autocast_bf16=bf16)
+    assert result.host_categories["packed decode weights"] == pytest.approx(expected, rel=5e-3)
+    cfg.generation.pack_decode_weights = False
+    assert "packed decode weights" not in plan(cfg, Arch.from_config(model.config), autocast=bf16,
+                                               device="cpu").host_categories
