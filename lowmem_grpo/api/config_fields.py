@@ -51,6 +51,7 @@ class GRPOConfigFields:
     generation_micro_batch_size: int = 64
     fast_rollout: bool = True
     compile_decode: Union[bool, str] = 'auto'
+    pack_decode_weights: bool = False
     engine: str = 'native'
     use_vllm: Optional[bool] = None
     vllm_mode: str = 'colocate'
@@ -173,6 +174,7 @@ class GRPOConfigFields:
             generation_micro_batch_size: int = 64,
             fast_rollout: bool = True,
             compile_decode: Union[bool, str] = 'auto',
+            pack_decode_weights: bool = False,
             engine: str = 'native',
             use_vllm: Optional[bool] = None,
             vllm_mode: str = 'colocate',
