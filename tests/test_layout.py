@@ -17,20 +17,21 @@ PACKAGE = ROOT / "lowmem_grpo"
 BELOW = {
     "ranges": set(),  # the value ranges both the kernels and the config check (one copy of each rule)
     "phases": set(),
+    "transfers": set(),  # the host<->device byte counter every copy site calls
     "host_arena": set(),  # pinned host memory: the optimizer's states, offloaded activations, the reference
     "kernels": {"ranges"},
     "integrations": {"ranges", "kernels"},  # other trainers (TRL) on our kernels; nothing imports it
     "config": {"ranges"},
     "shipped_recipes": set(),
-    "optim": {"ranges", "config", "phases", "host_arena"},
-    "policy": {"ranges", "config", "kernels", "host_arena"},
-    "rewards": {"policy"},  # reward models stream their layers as the reference model does
-    "training": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim"},
-    "memory": {"ranges", "config", "phases", "host_arena", "kernels", "policy", "rewards", "optim", "training"},
+    "optim": {"ranges", "config", "phases", "host_arena", "transfers"},
+    "policy": {"ranges", "config", "kernels", "host_arena", "transfers"},
+    "rewards": {"policy", "transfers"},  # reward models stream their layers as the reference model does
+    "training": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "policy", "rewards", "optim"},
+    "memory": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "policy", "rewards", "optim", "training"},
     "memory_modes": {"host_arena", "optim", "policy", "training"},  # the old import path, deprecated
-    "api": {"ranges", "config", "phases", "host_arena", "kernels", "shipped_recipes", "policy", "rewards", "optim",
+    "api": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "shipped_recipes", "policy", "rewards", "optim",
             "training"},
-    "cli": {"ranges", "config", "phases", "host_arena", "kernels", "shipped_recipes", "policy", "rewards", "optim",
+    "cli": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "shipped_recipes", "policy", "rewards", "optim",
             "training", "memory", "api"},
 }
 
