@@ -72,6 +72,7 @@ class GRPOConfigFields:
     num_train_epochs: Optional[float] = None
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
+    layer_major_backward: Optional[bool] = None
     generation_batch_size: Optional[int] = None
     steps_per_generation: Optional[int] = None
     num_iterations: int = 1
@@ -193,6 +194,7 @@ class GRPOConfigFields:
             num_train_epochs: Optional[float] = None,
             per_device_train_batch_size: int = 8,
             gradient_accumulation_steps: int = 1,
+            layer_major_backward: Optional[bool] = None,
             generation_batch_size: Optional[int] = None,
             steps_per_generation: Optional[int] = None,
             num_iterations: int = 1,

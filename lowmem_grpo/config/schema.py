@@ -202,6 +202,16 @@ class TrainConfig:
     per_device_train_batch_size: int = setting(8, "Completions per micro-batch (forward/backward): activation memory "
                                                   "scales with it.", check=POSITIVE)
     gradient_accumulation_steps: int = setting(1, "Micro-batches per optimizer step.", check=POSITIVE)
+    layer_major_backward: Optional[bool] = setting(None, "With optim.offload_optimizer: run the backward a layer at "
+                                                         "a time across the optimizer step's micro-batches, so each "
+                                                         "layer's gradient crosses to the host once per step, not "
+                                                         "once per micro-batch; costs every micro-batch's layer "
+                                                         "inputs (in host RAM with model.offload_activations) and "
+                                                         "one layer's gradients on the device. None = on with "
+                                                         "offload_optimizer, gradient_accumulation_steps > 1, "
+                                                         "gradient_checkpointing and offload_activations, in one "
+                                                         "process (`lowmem-grpo plan` shows what true costs "
+                                                         "without offload_activations).")
     generation_batch_size: Optional[int] = setting(None, "Completions per generation batch (a multiple of "
                                                          "num_generations). Default: per_device_train_batch_size x "
                                                          "steps_per_generation.", check=POSITIVE)

@@ -98,6 +98,13 @@ def validate(cfg: Config, given: Given = Given()) -> None:
                           f"accumulated: set gradient_accumulation_steps=1 (got {t.gradient_accumulation_steps}) and "
                           "use steps_per_generation for the number of micro-batches per generation batch, or set "
                           "optim.offload_optimizer=true (gradients summed in host RAM)")
+    if t.layer_major_backward:
+        needs = [(o.offload_optimizer, "optim.offload_optimizer=true (it changes how gradients reach the host)"),
+                 (m.gradient_checkpointing, "model.gradient_checkpointing=true (it recomputes each layer as "
+                                            "checkpointing does)")]
+        missing = [fix for ok, fix in needs if not ok]
+        if missing:
+            raise ConfigError(f"train.layer_major_backward=true needs {'; '.join(missing)}; or set it to false")
     if o.offload_optimizer and o.optimizer == "paged_adamw_8bit":
         raise ConfigError("optim.offload_optimizer keeps the states in host RAM already; paging has nothing to do "
                           "there: set optim.optimizer=adamw_8bit")

@@ -28,6 +28,7 @@ from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
 from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories
 from .layer_probe import LayerCosts, layer_costs
+from ..training.step_modes import layer_major_wanted
 
 GiB = 2**30
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
@@ -185,9 +186,10 @@ class StepSizes:
     layer_cast_bytes: int  # autocast's bf16 copy of one layer's weights (0 without one)
     layer_input_bytes: int  # one layer input of a training micro-batch
     offloads_activations: bool  # whether model.offload_activations moves the layer inputs
+    layer_major: bool  # train.layer_major_backward as resolved (training/step_modes.py: layer_major_wanted)
 
     @classmethod
-    def of(cls, cfg: Config, arch: Arch, autocast: bool, device: str) -> "StepSizes":
+    def of(cls, cfg: Config, arch: Arch, autocast: bool, device: str, world_size: int = 1) -> "StepSizes":
         weight_bytes = 2 if cfg.model.precision == "bf16_sr" else 4
         compute_bytes = 2 if (weight_bytes == 2 or autocast) else 4
         costs = layer_costs(arch.config, torch.bfloat16 if weight_bytes == 2 else torch.float32, autocast)
@@ -199,7 +201,7 @@ class StepSizes:
         layer_input = train.positions * arch.hidden * weight_bytes  # the residual stream: the weight dtype
         casts = 2 * arch.layer_params() if (autocast and weight_bytes == 4) else 0
         return cls(cfg, arch, device, weight_bytes, compute_bytes, costs, train, logprob, casts, layer_input,
-                   activations_offloaded(cfg, layer_input))
+                   activations_offloaded(cfg, layer_input), layer_major_wanted(cfg, world_size))
 
     def resident(self) -> dict[str, int]:
         """What every phase holds: the weights, and the optimizer states unless they are on the host."""
@@ -236,7 +238,11 @@ def gradient_bytes(sizes: StepSizes) -> GradientBytes:
     if sizes.device == "cuda":  # gradients held while their norms reach the host (optimizer_in_backward.py)
         from ..optim.optimizer_in_backward import LAG_BYTES
         alive += min(LAG_BYTES, whole)
-    return GradientBytes(0, alive, alive, whole)
+    at_end = alive
+    if sizes.layer_major:  # one layer's gradients summed on the device over the step's micro-batches; a tied
+        # embedding's lookup gradient comes after the layers' backward (backward_phase: "lookup")
+        at_end += element * (arch.layer_params() - (embedding if arch.tied else 0))
+    return GradientBytes(0, alive, at_end, whole)
 
 
 class ActivationBytes(NamedTuple):
@@ -269,6 +275,12 @@ def activation_bytes(sizes: StepSizes) -> ActivationBytes:
         if sizes.offloads_activations:  # the next layer's input, prefetched during this layer's backward
             first += layer_input
         found = (kept + forward_layer, kept + norm, kept + norm, first, layer_input + recompute)
+        if sizes.layer_major:  # every micro-batch's layer inputs, through the backward of the last one
+            k = sizes.cfg.train.gradient_accumulation_steps
+            outs = k * layer_input  # the gradient at each micro-batch's last layer output
+            earlier = (k - 1) * kept + outs
+            first_inputs = 0 if sizes.offloads_activations else (k - 1) * layer_input  # the last layer backward
+            found = tuple(b + earlier for b in found[:4]) + (found[4] + outs + first_inputs,)
     else:  # every layer keeps what it saved, its mask copy included
         saved = layers * (costs.saved * positions + shape.mask_call_bytes)
         found = (saved + (costs.forward_peak - costs.saved) * positions, saved + norm,
@@ -306,7 +318,10 @@ def backward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes
                        "activations": acts.backward_head, "loss head": sizes.head_bytes(sizes.train, backward=True)},
                       {"gradients": grads.at_head, "activations": acts.backward_first},
                       {"gradients": grads.at_end + (new_grad if (tied_sum_on_device or grads.before) else 0),
-                       "activations": acts.backward_last}])
+                       "activations": acts.backward_last}]
+                     + ([{"gradients": grads.at_head,  # a layer-major step's lookups: every micro-batch's
+                          "activations": (cfg.train.gradient_accumulation_steps + 1) * sizes.layer_input_bytes}]
+                        if sizes.layer_major else []))  # gradient at the first layer, and one lookup's output
     found = {**sizes.resident(), **worst}
     if cfg.train.optimizer_in_backward and not offload:  # each tensor's update runs as its gradient is ready
         found["optimizer states"] += optimizer_step_bytes(cfg, arch, sizes.device, one_tensor=True)
@@ -373,7 +388,7 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
 
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda",
          rewards: Optional[list] = None, reward_placement: Optional[str] = None,
-         card_bytes: Optional[int] = None) -> MemoryPlan:
+         card_bytes: Optional[int] = None, world_size: int = 1) -> MemoryPlan:
     """Predicted device bytes per phase, and per category at each phase's peak, for `cfg` on `arch`.
 
     `autocast`: whether bf16 autocast is on; None resolves model.bf16 as on an Ampere+ GPU (None = on).
@@ -382,9 +397,10 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     shapes (reward_plan.RewardArch; default: read from rewards.reward_funcs), placed as
     rewards.model_placement says unless `reward_placement` overrides it. `card_bytes`: the card's memory, of which
     generation.engine=vllm takes its share (vllm_plan.py; None: the share it needs for a whole batch).
+    `world_size`: the processes of the run (a layer-major backward runs in one only).
     """
     autocast = cfg.model.bf16 is not False if autocast is None else autocast
-    sizes = StepSizes.of(cfg, arch, autocast, device)
+    sizes = StepSizes.of(cfg, arch, autocast, device, world_size)
     vllm = vllm_plan.uses_vllm(cfg)  # vLLM samples: the trainer makes no KV cache (vLLM's share is added below)
     generation_rows = min(cfg.generation.generation_micro_batch_size, batch_plan(cfg).generation_batch_size)
     phases = {"rollout": {**sizes.resident()} if vllm else
@@ -419,8 +435,10 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
     """(host RAM per category, the pinned categories) of plan(): host_categories() with the offloaded
     activations, the reward models and vLLM on a CPU."""
     cfg, arch, device = sizes.cfg, sizes.arch, sizes.device
-    offloaded = (arch.layers * sizes.layer_input_bytes + sizes.costs.norm_offloaded * sizes.train.positions
-                 if sizes.offloads_activations else 0)
+    # a layer-major backward keeps every micro-batch's layer inputs (training/layer_inputs.py)
+    inputs_kept = cfg.train.gradient_accumulation_steps if sizes.layer_major else 1
+    offloaded = (inputs_kept * arch.layers * sizes.layer_input_bytes
+                 + sizes.costs.norm_offloaded * sizes.train.positions if sizes.offloads_activations else 0)
     host = host_categories(cfg, arch, offloaded, device)
     pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
     if reward_plan.host_bytes(rewards, where, device):

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..config import Config, batch_plan
 from .cards import Card
+from ..training.step_modes import layer_major_wanted
 from .plan import Arch, activations_offloaded, compiled_decode, decoder_positions
 from .vllm_plan import uses_vllm
 
@@ -134,7 +135,8 @@ def host_update_bytes(cfg: Config, arch: Arch) -> int:
 def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
     """Every copy between host and device in one optimizer step as the code makes them today: the streamed
     reference's layers and head slices once per reference pass; the offloaded optimizer's gradients once
-    per micro-batch (a tied embedding's head part separately) and the new weights once per step; offloaded
+    per micro-batch (a tied embedding's head part separately; with a layer-major backward the layers' once
+    per step) and the new weights once per step; offloaded
     activations (the layer inputs; the final norm's saves that go with them are not counted) down in each
     forward and up in each backward."""
     t = cfg.train
@@ -151,7 +153,12 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
                             "reference pass"))
         out.append(Transfer("reference head", "h2d", wb * head, passes / steps, "reference pass"))
     if cfg.optim.offload_optimizer:
-        out.append(Transfer("gradients", "d2h", wb * (arch.params + (head if arch.tied else 0)), micro, "micro-batch"))
+        every = wb * (arch.params + (head if arch.tied else 0))
+        if layer_major_wanted(cfg, 1):  # the layers' gradients once per step; the rest once per micro-batch
+            layers = wb * arch.layers * arch.layer_params()
+            out.append(Transfer("gradients", "d2h", layers, 1, "step"))
+            every -= layers
+        out.append(Transfer("gradients", "d2h", every, micro, "micro-batch"))
         out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
     positions = decoder_positions(cfg, arch, t.per_device_train_batch_size)[0]
     layer_io = positions * arch.hidden * wb
@@ -188,7 +195,8 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     if uses_vllm(cfg):
         notes.append("generation.engine=vllm: generation is estimated as the native compiled decode's")
 
-    moves = {x.kind: x for x in transfers(cfg, arch)}
+    every_move = transfers(cfg, arch)
+    moves = {x.kind: x for x in every_move}  # (gradients: see below)
     exposed = {}
     mb_lp = t.logprob_micro_batch_size or t.per_device_train_batch_size
     positions_lp = decoder_positions(cfg, arch, mb_lp)[0]
@@ -217,11 +225,14 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     stalls = 0.0
     if "gradients" in moves:  # the first micro-batch's copies overlap its backward (side stream); later ones
         # arrive through the staging ring, which the backward's thread waits on and adds from (read, read, write)
-        grads = moves["gradients"].nbytes
+        grads = sum(x.nbytes for x in every_move if x.kind == "gradients" and x.per == "micro-batch")
         stalls += max(0.0, grads / pcie - backward)
         add = 3 * grads / (e.host_add_gbps * 1e9)
         training += (micro - 1) * add
         stalls += (micro - 1) * max(0.0, grads / pcie - add)
+        # a layer-major backward's layer gradients: once, each layer's during the backward of the next ones
+        once = sum(x.nbytes for x in every_move if x.kind == "gradients" and x.per == "step")
+        stalls += max(0.0, once / pcie - micro * backward) if once else 0.0
     if "activations" in moves:  # down during the forward, up (prefetched) during the backward
         copy = moves["activations"].nbytes / pcie
         stalls += micro * (max(0.0, copy - forward) + max(0.0, copy - backward))
@@ -234,8 +245,7 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     else:  # the device optimizer: read the gradient, read and write the weight and both moments
         states = 2 if cfg.optim.optimizer != "adamw" else 2 * wb  # bytes per parameter, both moments
         training += arch.params * (3 * wb + 2 * states) / (bandwidth * e.decode)
-    return StepTime(card.name, generation / steps, reference, training, host_update, exposed,
-                    list(moves.values()), notes)
+    return StepTime(card.name, generation / steps, reference, training, host_update, exposed, every_move, notes)
 
 
 def format_step_time(s: StepTime) -> str:

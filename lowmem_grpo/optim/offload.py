@@ -17,10 +17,11 @@ Design notes: docs/memory-modes.md
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -98,6 +99,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self._first_copies: dict[int, Optional[torch.cuda.Event]] = {}  # first copies still landing, by index
         self._in_flight: deque = deque()  # (event, bytes) of first copies, to bound the device gradients held
         self._in_flight_bytes = 0
+        self._holding = False  # gradients_held
         self._summed: set[int] = set()  # indices whose host buffer holds a gradient in this optimizer step
         self._this_backward: set[int] = set()  # indices whose hook ran in the current backward
         self.tied: Optional[torch.Tensor] = None  # the tied embedding whose head use has its own leaf
@@ -162,8 +164,19 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self._head_ready = None
 
     # ----- gradients to the host -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gradients_held(self) -> Iterator[None]:
+        """Inside, finished gradients stay in `.grad` on the device, where autograd adds the next backward's
+        into them (one rounding per add, as the host's sum); the first backward outside sends the sum on.
+        (training/step_modes.py, LayerMajorStep: one layer's gradients, summed over a step's micro-batches.)"""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+
     def _on_gradient(self, index: int, p: torch.Tensor) -> None:
-        if not self.active:  # a backward outside a training step (e.g. a user's probe): leave .grad
+        if not self.active or self._holding:  # outside a training step (e.g. a user's probe), or held: leave .grad
             return
         self._count_live([q.grad for q in self.params if q.grad is not None])
         mark_gradient(p.grad)  # for a running memory profile (lowmem_grpo.memory.profile); free otherwise

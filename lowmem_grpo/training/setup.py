@@ -236,12 +236,14 @@ def setup_reference(t: TrainConfig, policy: torch.nn.Module, device: torch.devic
 
 
 def setup_training_model(m: ModelConfig, t: TrainConfig, g: GenerationConfig, policy: torch.nn.Module,
-                         device: torch.device, resume: Optional[Path] = None) -> TrainingModel:
-    """Move the policy to `device` and make it ready to train: gradient checkpointing (model.*), no KV
-    cache in training forwards, its one loss head, the packing mode; then the resumed checkpoint's weights
-    (whole, before FSDP2 shards them; the rest of its state loads after the optimizer exists)."""
+                         device: torch.device, resume: Optional[Path] = None, *,
+                         checkpoint_layers: Optional[bool] = None) -> TrainingModel:
+    """Move the policy to `device` and make it ready to train: gradient checkpointing (`checkpoint_layers`,
+    default model.gradient_checkpointing; off where the step recomputes the layers itself), no KV cache in
+    training forwards, its one loss head, the packing mode; then the resumed checkpoint's weights (whole,
+    before FSDP2 shards them; the rest of its state loads after the optimizer exists)."""
     policy.to(device)
-    if m.gradient_checkpointing:
+    if m.gradient_checkpointing if checkpoint_layers is None else checkpoint_layers:
         enable_checkpointing(policy)
     policy.config.use_cache = False  # training forwards never need the KV cache
     head = build_head(policy)

@@ -2,17 +2,17 @@
 the interface `Trainer.optimizer_step` drives the same way in every mode:
 
     mode.begin()                                  once per optimizer step
-    for each micro-batch:
-        mode.skipped_micro_batch()                every completion skipped (single process): no backward
-        with mode.micro_batch(last):              forward + backward
+    for each micro-batch:                         (skipped_micro_batch(): every completion skipped)
+        with mode.micro_batch(last):
+            loss, metrics = mode.forward(loss_fn)     the micro-batch's loss
             mode.backward(loss, loss_is_finite)
     grad_norm, finite = mode.finish(loss_sum, num_items, backwards)
 
-PlainStep (autograd accumulation, one optimizer step), InBackwardStep (train.optimizer_in_backward:
-updated inside each backward) and OffloadStep (optim.offload_optimizer: gradients summed on the host,
-one update on the CPU). A step where every completion was skipped still steps Adam on a zero gradient.
-
-Design notes: docs/training.md
+PlainStep (autograd accumulation), InBackwardStep (train.optimizer_in_backward: updated inside each
+backward), OffloadStep (optim.offload_optimizer: gradients summed on the host, one update on the CPU)
+and LayerMajorStep (offload with train.layer_major_backward: each gradient crosses once per step).
+A step where every completion was skipped still steps Adam on a zero gradient.
+Design notes: docs/training.md, docs/memory-modes.md
 """
 
 from __future__ import annotations
@@ -22,12 +22,17 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch import Tensor, nn
 
+from ..config import Config
 from ..optim.offload import OffloadedOptimizer
 from ..optim.optimizer_in_backward import OptimizerInBackward
 from ..phases import phase
+from ..policy.layer_major import DecoderLayers, LayerInputs, decoder_layers
 from ..policy.model import Head
 from . import distributed
+from .layer_inputs import LayerInputStore
+from .loss import PolicyLoss
 
 
 class StepMode:
@@ -39,6 +44,10 @@ class StepMode:
     def micro_batch(self, last: bool):
         """A context around one micro-batch's forward and backward; `last`: the step's last micro-batch."""
         return contextlib.nullcontext()
+
+    def forward(self, loss_fn: Callable[[], tuple[torch.Tensor, dict]]) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's (loss, metrics): `loss_fn()`, the loss module's forward on it."""
+        return loss_fn()
 
     def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
         loss.backward()
@@ -148,12 +157,114 @@ class OffloadStep(StepMode):
         self.optimizer.synchronize()
 
 
+class LayerMajorStep(OffloadStep):
+    """OffloadStep whose micro-batches share one backward per layer: each gradient crosses once per step.
+
+    `forward`: the decoder up to its layers (DecoderLayers.record), the layers without a graph, keeping
+    each one's input (LayerInputStore), then the loss from the last layer's output (finishing_from);
+    `backward` reaches the loss head and the final norm. `finish`: last layer to first, each layer is
+    recomputed and back-propagated for every micro-batch in turn, its gradients summed in `.grad` on the
+    device (autograd's sum, one rounding per add, as the host's) and handed to the optimizer by the last
+    micro-batch's backward only (`gradients_held`); then, per micro-batch, the part before the layers is
+    run again (the embedding lookup) and back-propagated, as today's offload sends it (once per
+    micro-batch); then the update. Per micro-batch the arithmetic is gradient checkpointing's."""
+
+    def __init__(self, optimizer: OffloadedOptimizer, model: nn.Module, head: Head, policy_loss: PolicyLoss, *,
+                 autocast: bool, offload_inputs: bool):
+        super().__init__(optimizer, model, head)
+        self.layers: DecoderLayers = decoder_layers(head.decoder)
+        self.policy_loss = policy_loss  # its offload_copy_on_cpu: a CPU memory profile wants real host copies
+        self.autocast = autocast
+        self.store = LayerInputStore(offload_inputs)
+        self._inputs: list[LayerInputs] = []  # per micro-batch of this step: each layer's arguments
+        self._loss_fns: list[Callable[[], tuple[Tensor, dict]]] = []  # and its loss, to run the lookup again
+        self._last: list[Tensor] = []  # each micro-batch's last layer output, a leaf; its .grad after backward
+
+    def begin(self) -> None:
+        super().begin()
+        self._inputs, self._loss_fns, self._last = [], [], []
+        self.store.clear()
+        self.store.copy_on_cpu = self.policy_loss.offload_copy_on_cpu
+
+    def forward(self, loss_fn: Callable[[], tuple[Tensor, dict]]) -> tuple[Tensor, dict]:
+        m = len(self._inputs)
+        recorded = self.layers.record(loss_fn)
+        hidden = recorded.hidden.detach()  # (its graph to the embedding is made again in finish)
+        inputs = LayerInputs(hidden, recorded.calls)
+        with torch.no_grad(), self._autocast(hidden):
+            for i in range(len(self.layers)):
+                self.store.put((i, m), hidden)
+                hidden = self.layers.run(i, hidden, inputs.calls[i])
+        last = hidden.detach().requires_grad_()
+        self._inputs.append(inputs)
+        self._loss_fns.append(loss_fn)
+        self._last.append(last)
+        with self.layers.finishing_from(last):
+            return loss_fn()
+
+    def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
+        if self._inputs:
+            with phase("backward"):
+                self._layers_backward()
+        return super().finish(loss_sum, num_items, backwards)
+
+    def _layers_backward(self) -> None:
+        grads = [last.grad if last.grad is not None else torch.zeros_like(last) for last in self._last]
+        self._last = []
+        k = len(self._inputs)
+        order = [(i, m) for i in reversed(range(len(self.layers))) for m in range(k)]
+        for n, (i, m) in enumerate(order):
+            if n + 1 < len(order):
+                self.store.prefetch(order[n + 1])
+            x = self.store.take((i, m)).requires_grad_()
+            held = self.optimizer.gradients_held() if m + 1 < k else contextlib.nullcontext()
+            with held, self._autocast(x):
+                out = self.layers.run(i, x, self._inputs[m].calls[i])
+                torch.autograd.backward(out, grads[m])
+            grads[m] = x.grad
+        self._inputs = []
+        for loss_fn, grad in zip(self._loss_fns, grads):  # the lookup (and whatever runs before the layers)
+            first = self.layers.record(loss_fn).hidden
+            if first.requires_grad:
+                first.backward(grad)
+                self.optimizer.end_backward()
+        self._loss_fns = []
+
+    def _autocast(self, like: Tensor):
+        return torch.autocast(like.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+
+
+def layer_major_wanted(cfg: Config, world_size: int) -> bool:
+    """train.layer_major_backward resolved. None (the default) is on where it takes gradients off PCIe for
+    little device memory: offload_optimizer with gradient_accumulation_steps > 1, gradient checkpointing and
+    model.offload_activations (every micro-batch's layer inputs then wait in host RAM), in one process. On
+    the device instead (`true` without offload_activations) they cost gradient_accumulation_steps times
+    checkpointing's layer inputs: `lowmem-grpo plan` shows whether that fits. True under torchrun raises."""
+    t, o, m = cfg.train, cfg.optim, cfg.model
+    if t.layer_major_backward is None:
+        return (o.offload_optimizer and m.gradient_checkpointing and m.offload_activations
+                and t.gradient_accumulation_steps > 1 and world_size == 1)
+    if t.layer_major_backward and world_size > 1:
+        raise ValueError("train.layer_major_backward runs in one process: under torchrun set it to false (or leave "
+                         "it unset)")
+    return bool(t.layer_major_backward)
+
+
 def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss_module: torch.nn.Module,
-                   shards, max_grad_norm: float | None, head: Head) -> StepMode:
+                   shards, max_grad_norm: float | None, head: Head, *, layer_major: bool = False,
+                   autocast: bool = False, offload_inputs: bool = False) -> StepMode:
     """The mode of the optimizer `build_optimizer` made. `head`: the policy's one loss head, which the loss
-    and the old log-prob pass share (the offload mode may give it a handle of its own on a tied weight)."""
+    and the old log-prob pass share (the offload mode may give it a handle of its own on a tied weight).
+    `layer_major` (`layer_major_wanted`; offload only): LayerMajorStep, its layers under bf16 `autocast`
+    as the loss's, their inputs in host RAM with `offload_inputs` (model.offload_activations)."""
     if isinstance(optimizer, OffloadedOptimizer):
+        if layer_major:
+            if not isinstance(loss_module, PolicyLoss):
+                raise ValueError("a layer-major backward runs in one process, on the policy's own loss module")
+            return LayerMajorStep(optimizer, model, head, loss_module, autocast=autocast, offload_inputs=offload_inputs)
         return OffloadStep(optimizer, model, head)
+    if layer_major:
+        raise ValueError("a layer-major backward needs the offloaded optimizer (optim.offload_optimizer=true)")
     if isinstance(optimizer, OptimizerInBackward):
         return InBackwardStep(optimizer)
     return PlainStep(optimizer, [p for p in model.parameters() if p.requires_grad], loss_module, shards,

@@ -12,6 +12,7 @@ Design notes: docs/training.md, docs/distributed.md
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -40,7 +41,7 @@ from .generation import GenerationBatch, make_generation_batch, make_trainer_sta
 from .micro_batch import computed_tokens, plan_micro_batch, step_completion_tokens
 from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory, step_means, trl_names
 from .plot import save_run_plot
-from .step_modes import make_step_mode
+from .step_modes import layer_major_wanted, make_step_mode
 from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_model, setup_optimizer, setup_output,
                     setup_precision, setup_reference, setup_rewards, setup_training_model, setup_world, special_ids)
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
@@ -109,14 +110,18 @@ class Trainer:
             self.rollout = self._rollout_context()
             return
         self.ref = setup_reference(t, self.policy, self.device, self.world)  # the model as loaded
-        self.head, self.pack = setup_training_model(m, t, g, self.policy, self.device, resume)
+        # train.layer_major_backward: the step recomputes the layers itself, so the model does not checkpoint
+        self.layer_major = layer_major_wanted(cfg, self.world.size)
+        self.head, self.pack = setup_training_model(m, t, g, self.policy, self.device, resume,
+                                                    checkpoint_layers=m.gradient_checkpointing and not self.layer_major)
         self.loss_module, self.shards = setup_loss(cfg, self.policy, self.head, self.pack, self.autocast, self.world)
         self.optimizer, self.scheduler = setup_optimizer(
             cfg.optim, self.shards.module if self.shards else self.policy, t.max_steps,
             stochastic_rounding=m.precision == "bf16_sr", in_backward=t.optimizer_in_backward)
         # How backwards become an update in this memory mode (step_modes.py)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
-                                        cfg.optim.max_grad_norm, head=self.head)
+                                        cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,
+                                        autocast=self.autocast, offload_inputs=m.offload_activations)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -320,8 +325,9 @@ class Trainer:
                 continue
             with mode.micro_batch(last=i == len(rows) - 1):
                 with phase("forward"):
-                    loss, metrics = self.micro_batch_loss(work.rows.to(self.device), num_items, scale=work.scale,
-                                                          tokens=work.tokens)
+                    loss_fn = functools.partial(self.micro_batch_loss, work.rows.to(self.device), num_items,
+                                                scale=work.scale, tokens=work.tokens)
+                    loss, metrics = mode.forward(loss_fn)
                     step_sums.add_loss(loss)
                     if work.learns:
                         step_sums.add_metrics(metrics, work.tokens)

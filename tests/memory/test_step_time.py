@@ -86,7 +86,7 @@ def test_a_decode_step_reads_every_weight_once_and_the_kv_cache():
 
 
 def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arch_1_5b):
-    cfg = load_config(RECIPE_1_5B, [], check=False)
+    cfg = load_config(RECIPE_1_5B, ["layer_major_backward=false"], check=False)  # every micro-batch's gradients
     moves = {t.kind: t for t in transfers(cfg, arch_1_5b)}
     head = 151936 * 1536
     assert moves["gradients"].nbytes == 2 * (arch_1_5b.params + head)  # the tied head's part sent apart
@@ -97,6 +97,12 @@ def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arc
     assert "activations" not in moves
     # ~50 GiB across PCIe per optimizer step, as the code moves it today
     assert sum(t.total for t in moves.values()) / 2**30 == pytest.approx(52.3, abs=0.1)
+    # as shipped, a layer-major backward: the layers' gradients once per step, the rest once per micro-batch
+    shipped = [t for t in transfers(load_config(RECIPE_1_5B, [], check=False), arch_1_5b) if t.kind == "gradients"]
+    layers = 2 * 28 * arch_1_5b.layer_params()
+    assert [(t.nbytes, t.count, t.per) for t in shipped] == [
+        (layers, 1, "step"), (2 * (arch_1_5b.params + head) - layers, 8, "micro-batch")]
+    assert sum(t.total for t in shipped) < 0.36 * moves["gradients"].total
     fewer = {t.kind: t for t in transfers(load_config(RECIPE_1_5B, ["logprob_micro_batch_size=8"], check=False),
                                           arch_1_5b)}
     assert fewer["reference layers"].count == 4

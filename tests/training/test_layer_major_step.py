@@ -1,0 +1,137 @@
+"""The layer-major backward (train.layer_major_backward) against the offloaded optimizer's per-micro-batch
+path it replaces: the same parameters and metrics after several steps, bit for bit on an untied model (across
+loss types, the streamed reference, packing, activation offload, bf16 with the 8-bit optimizer); with a tied
+embedding, whose head and lookup gradients are summed in another order, within fp32 rounding. Each layer's
+gradient reaches the host once per step; and the setting's rules."""
+
+import json
+
+import pytest
+import torch
+
+from lowmem_grpo.config import ConfigError
+from lowmem_grpo.optim.offload import OffloadedOptimizer
+from lowmem_grpo.training.layer_inputs import LayerInputStore
+from lowmem_grpo.training.step_modes import LayerMajorStep, OffloadStep, layer_major_wanted
+from lowmem_grpo.training.trainer import Trainer
+from lowmem_grpo.transfers import TRANSFERS
+
+from tests.policy.test_architectures import CONFIGS
+
+from .conftest import TINY_LLAMA
+
+STEP = ["offload_optimizer=true", "per_device_train_batch_size=2", "gradient_accumulation_steps=4", "max_steps=3"]
+UNTIED = json.dumps({**TINY_LLAMA, "tie_word_embeddings": False})
+
+
+def _run(toy_config, tmp_path, layer_major: bool, *overrides, steps: int = 3):
+    cfg = toy_config(*STEP, f"layer_major_backward={str(layer_major).lower()}", *overrides,
+                     output_dir=tmp_path / f"run-{layer_major}")
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.step_mode, LayerMajorStep if layer_major else OffloadStep)
+    metrics = [trainer.run_step()[1] for _ in range(steps)]
+    trainer.step_mode.synchronize()
+    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}, metrics
+
+
+def _same(plain, layer_major) -> None:
+    (p_params, p_metrics), (l_params, l_metrics) = plain, layer_major
+    for name, value in p_params.items():
+        assert torch.equal(l_params[name], value), name
+    assert l_metrics == p_metrics
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["beta=0.04", "reference_compute=stream", "loss_type=cispo", "max_grad_norm=0.1"],
+    ["pack_prompts=true", "loss_type=sapo"],
+    ["loss_type=grpo", "importance_sampling_level=sequence", "steps_per_generation=8"],
+    ["offload_activations=true", "loss_type=bnpo"],
+    ["precision=bf16_sr", "optimizer=adamw_8bit"],
+], ids=["dapo", "reference-cispo-clip", "packed-sapo", "sequence-two-steps", "offload-bnpo", "bf16-8bit"])
+def test_an_untied_model_steps_bit_for_bit_as_the_per_micro_batch_path(toy_config, tmp_path, overrides):
+    """Head and embedding gradients leave once per micro-batch as before, the layers' once per step, summed
+    on the device with the roundings the host made, in the same order."""
+    if "optimizer=adamw_8bit" in overrides:
+        pytest.importorskip("bitsandbytes")
+    _same(*(_run(toy_config, tmp_path, lm, f"model.config={UNTIED}", *overrides) for lm in (False, True)))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_qwen3_and_gemma3_step_bit_for_bit(toy_config, tmp_path, family):
+    """Qwen3's q/k norms; Gemma 3's per-layer masks and rotary tables (a sliding window shorter than the rows),
+    its embedding scale (untied here, so every sum is in the same order)."""
+    config = {**CONFIGS[family], **{k: TINY_LLAMA[k] for k in ("vocab_size", "eos_token_id", "pad_token_id")},
+              "tie_word_embeddings": False, "sliding_window": 6} if family == "gemma3" else {
+        **CONFIGS[family], **{k: TINY_LLAMA[k] for k in ("vocab_size", "eos_token_id", "pad_token_id")}}
+    _same(*(_run(toy_config, tmp_path, lm, f"model.config={json.dumps(config)}", "beta=0.04", steps=2)
+            for lm in (False, True)))
+
+
+def test_a_tied_embedding_stays_within_fp32_rounding(toy_config, tmp_path):
+    """Its head gradients arrive before its lookup gradients (today: summed per micro-batch): another order of
+    the same fp32 sum, whose last-bit differences then reach every weight through the next steps."""
+    (p_params, p_metrics), (l_params, l_metrics) = (_run(toy_config, tmp_path, lm, "beta=0.04") for lm in (False, True))
+    for name, value in p_params.items():
+        torch.testing.assert_close(l_params[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    for p, lm in zip(p_metrics, l_metrics):
+        assert lm["loss"] == pytest.approx(p["loss"], rel=1e-5, abs=1e-8)
+        assert lm["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
+
+
+def test_each_layer_gradient_reaches_the_host_once_per_step(toy_config, tmp_path, monkeypatch):
+    arrivals: dict[int, int] = {}
+    receive = OffloadedOptimizer._receive
+
+    def counting(self, index, grad):
+        arrivals[index] = arrivals.get(index, 0) + 1
+        return receive(self, index, grad)
+    monkeypatch.setattr(OffloadedOptimizer, "_receive", counting)
+    for layer_major in (False, True):
+        arrivals.clear()
+        trainer = Trainer(toy_config(*STEP, f"layer_major_backward={str(layer_major).lower()}", "max_steps=1",
+                                     "beta=0.04", f"model.config={UNTIED}", output_dir=tmp_path / f"once-{layer_major}"))
+        trainer.run_step()
+        name_of = {id(p): n for n, p in trainer.policy.named_parameters()}
+        per_name = {name_of[id(p)]: arrivals.get(i, 0) for i, p in enumerate(trainer.optimizer.params)}
+        layers = {n: c for n, c in per_name.items() if ".layers." in n}
+        assert set(layers.values()) == {1 if layer_major else 4}, per_name
+        assert {c for n, c in per_name.items() if ".layers." not in n} == {4}  # embedding, head, final norm
+
+
+def test_the_setting_is_refused_where_it_cannot_run(toy_config):
+    with pytest.raises(ConfigError, match="layer_major_backward=true needs optim.offload_optimizer=true"):
+        toy_config("layer_major_backward=true")
+    with pytest.raises(ConfigError, match="model.gradient_checkpointing=true"):
+        toy_config("layer_major_backward=true", "offload_optimizer=true", "gradient_checkpointing=false")
+    cfg = toy_config(*STEP, "layer_major_backward=true")
+    with pytest.raises(ValueError, match="runs in one process"):
+        layer_major_wanted(cfg, world_size=2)
+
+
+def test_unset_it_is_on_where_the_layer_inputs_wait_in_host_ram(toy_config):
+    assert layer_major_wanted(toy_config(*STEP, "offload_activations=true"), 1)
+    assert not layer_major_wanted(toy_config(*STEP), 1)  # on the device they would cost 4 micro-batches' inputs
+    assert not layer_major_wanted(toy_config(*STEP, "offload_activations=true"), 2)  # torchrun
+    assert not layer_major_wanted(toy_config(*STEP, "offload_activations=true", "gradient_accumulation_steps=1",
+                                             "per_device_train_batch_size=4"), 1)
+    assert not layer_major_wanted(toy_config("offload_activations=true", "gradient_accumulation_steps=2"), 1)
+
+
+def test_the_store_copies_to_the_host_and_back_and_counts_what_a_gpu_moves():
+    TRANSFERS.take()
+    big = torch.randn(4, 256, 512)  # 2 MiB: over activation offload's minimum
+    small = torch.randn(2, 3)
+    store = LayerInputStore(offload=True, copy_on_cpu=True)
+    store.put((0, 0), big)
+    store.put((0, 1), small)  # too small to move, as activation offload
+    store.prefetch((0, 0))
+    back = store.take((0, 0))
+    assert torch.equal(back, big) and back.data_ptr() != big.data_ptr()
+    assert store.take((0, 1)).data_ptr() == small.data_ptr()
+    moved = TRANSFERS.take()
+    assert moved["transfer/d2h/activations"] == moved["transfer/h2d/activations"] == big.numel() * 4
+    counted_only = LayerInputStore(offload=True)  # a CPU run: nothing copied, the same bytes counted
+    counted_only.put((0, 0), big)
+    assert counted_only.take((0, 0)).data_ptr() == big.data_ptr()
+    assert TRANSFERS.take()["transfer/h2d/activations"] == big.numel() * 4
