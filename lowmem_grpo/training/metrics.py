@@ -11,9 +11,11 @@ import math
 import os
 import resource
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .output_dir import cannot_write
@@ -74,6 +76,54 @@ class StepSums:
             loss = host.pop() if self.loss is not None else 0.0
             self._host = (loss, dict(zip(names, host)))
         return self._host[0], dict(self._host[1])
+
+
+@dataclass
+class StepTotals:
+    """One optimizer step's sums, on the host: loss (sum of the micro-batches' losses), sums (token-weighted
+    metric sums), tokens (decoder positions computed), computed (completion tokens that learned) and
+    backwards (micro-batches that learned)."""
+
+    loss: float
+    sums: dict[str, float]
+    tokens: int
+    computed: int
+    backwards: int
+
+
+class StepTally:
+    """What the trainer adds up over one optimizer step's micro-batches: the loss and metric sums on the
+    device (StepSums), and on the host the micro-batches that learned and their tokens."""
+
+    def __init__(self):
+        self.sums = StepSums()
+        self.tokens = self.computed = self.backwards = 0
+        self.names: set[str] = set()  # every metric name a learning micro-batch gave
+
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor], tokens: Optional[int]) -> None:
+        """A micro-batch's loss, and its metrics weighted by its completion `tokens` (None: it learned
+        nothing, so its metrics are not the step's; the loss still is, a zero)."""
+        self.sums.add_loss(loss)
+        if tokens is not None:
+            self.sums.add_metrics(metrics, tokens)
+        self.names.update(metrics)
+
+    def loss_is_finite(self) -> bool:
+        """Whether the losses so far are finite (a host read: the optimizer in backward asks before it steps)."""
+        return bool(np.isfinite(self.sums.read()[0]))
+
+    def count(self, positions: int, completion_tokens: int) -> None:
+        """A micro-batch that learned: the decoder positions it computed and its completion tokens."""
+        self.tokens += positions
+        self.computed += completion_tokens
+        self.backwards += 1
+
+    def totals(self) -> StepTotals:
+        """This rank's totals: the step's one host read of the device sums. Every metric name seen is in
+        `sums` (0 where only micro-batches that learned nothing gave it), so ranks sum the same names."""
+        loss, sums = self.sums.read()
+        return StepTotals(loss, {k: sums.get(k, 0.0) for k in sorted(self.names)}, self.tokens, self.computed,
+                          self.backwards)
 
 
 # The loss's metric names -> TRL's log names

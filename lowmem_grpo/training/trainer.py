@@ -19,11 +19,10 @@ import re
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -39,7 +38,8 @@ from .context import RolloutContext
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
 from .generation import GenerationBatch, make_generation_batch, make_trainer_state
 from .micro_batch import computed_tokens, plan_micro_batch, step_completion_tokens
-from .metrics import NullLog, RunLog, StepSums, peak_memory_bytes, reset_peak_memory, step_means, trl_names
+from .metrics import (NullLog, RunLog, StepTally, StepTotals, peak_memory_bytes, reset_peak_memory, step_means,
+                      trl_names)
 from .plot import save_run_plot
 from .step_modes import layer_major_wanted, make_step_mode
 from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_model, setup_optimizer, setup_output,
@@ -47,19 +47,6 @@ from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepTotals:
-    """One optimizer step's sums, on the host: loss (sum of the micro-batches' losses), sums (token-weighted
-    metric sums), tokens (decoder positions computed), computed (completion tokens that learned) and
-    backwards (micro-batches that learned)."""
-
-    loss: float
-    sums: dict[str, float]
-    tokens: int
-    computed: int
-    backwards: int
 
 
 class TrainingStopped(RuntimeError):
@@ -294,15 +281,34 @@ class Trainer:
         return self.loss_module(mb, num_items, scale, tokens=tokens)
 
     def optimizer_step(self) -> dict:
-        """One optimizer step on the next micro-batches of the current generation batch; its metrics
+        """One optimizer step on the next micro-batches of the current generation batch: each micro-batch's
+        loss and backward, then the update, as the step mode makes them (step_modes.py: .grad and
+        optimizer.step(), the optimizer inside backward, or the host's update); the step's metrics
         (reported names: metrics.py)."""
-        t, gb, world = self.cfg.train, self.generation, self.world
+        t, gb, world, mode = self.cfg.train, self.generation, self.world, self.step_mode
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
         num_items = int(world.sum([step_completion_tokens(rows)])[0])  # every rank's completion tokens
         self.policy.train()
-        self.step_mode.begin()
-        totals = self._summed_over_ranks(*self._run_micro_batches(rows, num_items))
-        grad_norm, finite = self.step_mode.finish(totals.loss, num_items, totals.backwards)
+        mode.begin()
+        tally = StepTally()  # the sums stay on the device: one host read per step
+        for i, mb in enumerate(rows):
+            work = plan_micro_batch(mb, t, world.distributed)  # which rows learn, and their loss scale
+            if work.rows is None:
+                if work.skipped:  # every completion skipped: no backward, a zero gradient
+                    mode.skipped_micro_batch()
+                continue
+            with mode.micro_batch(last=i == len(rows) - 1):
+                with phase("forward"):
+                    loss, metrics = mode.forward(functools.partial(
+                        self.micro_batch_loss, work.rows.to(self.device), num_items, scale=work.scale,
+                        tokens=work.tokens))
+                    tally.add(loss, metrics, work.tokens if work.learns else None)
+                with phase("backward"):
+                    mode.backward(loss, tally.loss_is_finite)  # loss.backward(), the optimizer in it or not
+            if work.learns:
+                tally.count(computed_tokens(work.rows, self.pack, self.head.decoder), work.tokens)
+        totals = self._summed_over_ranks(tally.totals())
+        grad_norm, finite = mode.finish(totals.loss, num_items, totals.backwards)  # clip, optimizer.step()
         lr = self._after_update(finite)
         gb.steps_done += 1
         out = trl_names(step_means(totals.sums, num_items=num_items, computed=totals.computed,
@@ -311,44 +317,15 @@ class Trainer:
                    skipped=int(not finite or not num_items), train_tokens=totals.tokens)
         return out
 
-    def _run_micro_batches(self, rows: list[Batch], num_items: int) -> tuple["StepTotals", list[str]]:
-        """Forward and backward of each micro-batch (micro_batch.py decides which rows and their scale).
-        Returns this rank's totals and the metric names of the last micro-batch run."""
-        mode, step_sums = self.step_mode, StepSums()  # sums stay on the device: one host read per step
-        tokens = computed = backwards = 0
-        names: list[str] = []
-        for i, mb in enumerate(rows):
-            work = plan_micro_batch(mb, self.cfg.train, self.world.distributed)
-            if work.rows is None:
-                if work.skipped:
-                    mode.skipped_micro_batch()
-                continue
-            with mode.micro_batch(last=i == len(rows) - 1):
-                with phase("forward"):
-                    loss_fn = functools.partial(self.micro_batch_loss, work.rows.to(self.device), num_items,
-                                                scale=work.scale, tokens=work.tokens)
-                    loss, metrics = mode.forward(loss_fn)
-                    step_sums.add_loss(loss)
-                    if work.learns:
-                        step_sums.add_metrics(metrics, work.tokens)
-                with phase("backward"):
-                    mode.backward(loss, lambda: bool(np.isfinite(step_sums.read()[0])))
-            names = sorted(metrics)
-            if work.learns:
-                backwards += 1
-                tokens += computed_tokens(work.rows, self.pack, self.head.decoder)
-                computed += work.tokens
-        loss_sum, sums = step_sums.read()  # the metrics' one host read of this step
-        return StepTotals(loss_sum, sums, tokens, computed, backwards), names
-
-    def _summed_over_ranks(self, totals: "StepTotals", names: list[str]) -> "StepTotals":
+    def _summed_over_ranks(self, totals: StepTotals) -> StepTotals:
         """Token-weighted sums and counts over ranks; the loss is the ranks' mean (loss.py). Every rank
         ran every micro-batch, so every rank has the same metric names."""
         world = self.world
         if not world.distributed:
             return totals
+        names = sorted(totals.sums)
         total = world.sum([totals.loss, totals.tokens, totals.computed, totals.backwards]
-                          + [totals.sums.get(k, 0.0) for k in names])
+                          + [totals.sums[k] for k in names])
         return StepTotals(total[0] / world.size, dict(zip(names, total[4:])), int(total[1]), int(total[2]),
                           int(total[3]))
 
