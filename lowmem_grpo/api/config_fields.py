@@ -105,6 +105,7 @@ class GRPOConfigFields:
     max_nonfinite_steps: int = 3
     reference_compute: str = 'auto'
     logprob_micro_batch_size: Optional[int] = None
+    reference_stream_rows: Optional[int] = None
     pack_prompts: Optional[bool] = None
     skip_zero_advantage: bool = True
     # [optim]: config/schema.py, OptimConfig
@@ -227,6 +228,7 @@ class GRPOConfigFields:
             max_nonfinite_steps: int = 3,
             reference_compute: str = 'auto',
             logprob_micro_batch_size: Optional[int] = None,
+            reference_stream_rows: Optional[int] = None,
             pack_prompts: Optional[bool] = None,
             skip_zero_advantage: bool = True,
             optimizer: str = 'adamw_8bit',

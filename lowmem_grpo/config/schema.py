@@ -305,6 +305,12 @@ class TrainConfig:
                                              "a GPU, cpu otherwise.", check=("auto", "cpu", "stream"))
     logprob_micro_batch_size: Optional[int] = setting(None, "Completions per old/ref log-prob pass (default: "
                                                             "per_device_train_batch_size).", check=POSITIVE)
+    reference_stream_rows: Optional[int] = setting(None, "reference_compute=stream: completions that go through each "
+                                                         "decoder layer while its weights are on the device (whole "
+                                                         "log-prob micro-batches, at least one): the weights cross "
+                                                         "once per that many rows. None: the whole generation batch "
+                                                         "(once per batch). Fewer rows keep fewer hidden states and "
+                                                         "masks on the device (long completions).", check=POSITIVE)
     pack_prompts: Optional[bool] = setting(None, "Shared-prompt packing: a micro-batch's completions of one prompt run "
                                                  "as one sequence [prompt, c_1, c_2, ...] with a block attention mask, "
                                                  "so the prompt is computed once (P + sum|c_i| tokens instead of G*P + "

@@ -13,6 +13,7 @@ Design notes: docs/planner.md (what each category counts, phase by phase)
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -379,11 +380,34 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
     if train.beta > 0:
         found["reference log-probs"] = reference = {**resident}
         if sizes.device != "cpu" and train.reference_compute != "cpu":
-            # streamed (auto on a GPU): the forward runs on the device. (A CPU run counts it as host.)
-            chunk = default_chunk_size(sizes.logprob.completion_tokens, arch.vocab)
+            # streamed (auto on a GPU): the forward runs on the device, layer-major (policy/reference.py):
+            # every micro-batch's hidden states, mask and rotary tables wait at each layer, and the head
+            # scores every row. (A CPU run counts it as host.)
+            shape, k = sizes.logprob, reference_stream_groups(cfg)[0]
+            waiting = (k - 1) * (shape.mask_bytes + shape.positions * (arch.hidden + 2 * arch.head_dim)
+                                 * sizes.weight_bytes)
+            every_row = shape._replace(completion_tokens=k * shape.completion_tokens)
+            chunk = default_chunk_size(every_row.completion_tokens, arch.vocab)
             reference["reference buffers"] = (2 * arch.layer_params() * sizes.weight_bytes
-                                              + chunk * arch.hidden * sizes.compute_bytes + activations + head)
+                                              + chunk * arch.hidden * sizes.compute_bytes + activations + waiting
+                                              + sizes.head_bytes(every_row, backward=False))
     return found
+
+
+def reference_micro_batches(cfg: Config) -> int:
+    """Micro-batches of one reference pass: the generation batch in logprob_micro_batch_size rows."""
+    t = cfg.train
+    return math.ceil(batch_plan(cfg).generation_batch_size / (t.logprob_micro_batch_size or
+                                                               t.per_device_train_batch_size))
+
+
+def reference_stream_groups(cfg: Config) -> tuple[int, int]:
+    """(micro-batches that go through a streamed layer together, times the weights cross per generation
+    batch): train.reference_stream_rows in whole log-prob micro-batches (policy/reference.py)."""
+    t, total = cfg.train, reference_micro_batches(cfg)
+    rows = t.reference_stream_rows or batch_plan(cfg).generation_batch_size
+    together = min(total, max(1, rows // (t.logprob_micro_batch_size or t.per_device_train_batch_size)))
+    return together, math.ceil(total / together)
 
 
 def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str = "cuda",

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import Config, batch_plan
-from .cards import Card
 from ..training.step_modes import layer_major_wanted
-from .plan import Arch, activations_offloaded, compiled_decode, decoder_positions
+from .cards import Card
+from .plan import (Arch, activations_offloaded, compiled_decode, decoder_positions, reference_micro_batches,
+                   reference_stream_groups)
 from .vllm_plan import uses_vllm
 
 
@@ -132,13 +133,15 @@ def host_update_bytes(cfg: Config, arch: Arch) -> int:
 
 
 # ----- what crosses PCIe -----------------------------------------------------------------------------
-def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
+def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro_batch: bool = False
+              ) -> list[Transfer]:
     """Every copy between host and device in one optimizer step as the code makes them today: the streamed
-    reference's layers and head slices once per reference pass; the offloaded optimizer's gradients once
-    per micro-batch (a tied embedding's head part separately; with a layer-major backward the layers' once
-    per step) and the new weights once per step; offloaded
-    activations (the layer inputs; the final norm's saves that go with them are not counted) down in each
-    forward and up in each backward."""
+    reference's layers and head slices once per generation batch (layer-major; `reference_per_micro_batch`:
+    once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
+    optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
+    backward the layers' once per step) and the new weights once per step; offloaded activations (the layer
+    inputs; the final norm's saves that go with them are not counted) down in each forward and up in each
+    backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     batches = batch_plan(cfg)
@@ -147,8 +150,7 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
     head = arch.vocab * arch.hidden
     out = []
     if t.beta > 0 and device != "cpu" and t.reference_compute != "cpu":
-        passes = math.ceil(batches.generation_batch_size / (t.logprob_micro_batch_size or
-                                                            t.per_device_train_batch_size))
+        passes = reference_micro_batches(cfg) if reference_per_micro_batch else reference_stream_groups(cfg)[1]
         out.append(Transfer("reference layers", "h2d", wb * arch.layers * arch.layer_params(), passes / steps,
                             "reference pass"))
         out.append(Transfer("reference head", "h2d", wb * head, passes / steps, "reference pass"))
@@ -169,8 +171,10 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda") -> list[Transfer]:
 
 
 # ----- the estimate ----------------------------------------------------------------------------------
-def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFICIENCY) -> StepTime:
-    """Seconds of one optimizer step of `cfg` on `arch` on `card` (module docstring); one process."""
+def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFICIENCY,
+             reference_per_micro_batch: bool = False) -> StepTime:
+    """Seconds of one optimizer step of `cfg` on `arch` on `card` (module docstring); one process.
+    `reference_per_micro_batch`: the reference streamed once per micro-batch, as before (`transfers`)."""
     t, g, e = cfg.train, cfg.generation, efficiency
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     ab = 2 if (wb == 2 or cfg.model.bf16 is not False) else 4  # what the matmuls read under autocast
@@ -195,7 +199,7 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     if uses_vllm(cfg):
         notes.append("generation.engine=vllm: generation is estimated as the native compiled decode's")
 
-    every_move = transfers(cfg, arch)
+    every_move = transfers(cfg, arch, reference_per_micro_batch=reference_per_micro_batch)
     moves = {x.kind: x for x in every_move}  # (gradients: see below)
     exposed = {}
     mb_lp = t.logprob_micro_batch_size or t.per_device_train_batch_size
@@ -204,10 +208,11 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     lp_head = head_flops(arch, mb_lp * C) / flop_rate
     passes = math.ceil(batches.generation_batch_size / mb_lp) / steps
     reference = None
-    if "reference layers" in moves:  # each layer's copy overlaps the last one's compute; head slices do not
-        copy_layers = moves["reference layers"].nbytes / pcie
+    if "reference layers" in moves:  # each layer's copy overlaps the layer before's compute (every micro-batch
+        # of it, layer-major); the head's slices do not
+        copy_layers = moves["reference layers"].total / pcie
         reference = passes * (lp_layers + lp_head)
-        exposed["reference"] = passes * (max(0.0, copy_layers - lp_layers) + moves["reference head"].nbytes / pcie)
+        exposed["reference"] = max(0.0, copy_layers - passes * lp_layers) + moves["reference head"].total / pcie
     elif t.beta > 0:
         notes.append("train.reference_compute=cpu: the reference forward runs on the host, not estimated")
 

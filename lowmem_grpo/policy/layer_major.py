@@ -18,7 +18,7 @@ whose forward loops over `self.layers`. Layers returning a tensor or a tuple (tr
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, ContextManager, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -145,15 +145,18 @@ def decoder_layers(decoder: nn.Module) -> DecoderLayers:
 
 @torch.no_grad()
 def run_layer_major(layers: DecoderLayers, inputs: list[LayerInputs],
-                    keep: Optional[Callable[[int, int, Tensor], None]] = None) -> list[Tensor]:
+                    keep: Optional[Callable[[int, int, Tensor], None]] = None,
+                    around: Optional[Callable[[int], ContextManager]] = None) -> list[Tensor]:
     """Every micro-batch of `inputs` through layer 0, then every one through layer 1, ...: each layer's
     weights are used by all rows while they are on the device. Returns each micro-batch's last hidden
     states. `keep(i, m, hidden)`: called with layer i's input for micro-batch m before it runs (a training
-    pass keeps them for its backward)."""
+    pass keeps them for its backward). `around(i)`: a context around layer i's calls (a streamer's
+    `resident`: the layer's weights cross once)."""
     hidden = [x.hidden.detach() for x in inputs]
     for i in range(len(layers)):
-        for m, x in enumerate(inputs):
-            if keep is not None:
-                keep(i, m, hidden[m])
-            hidden[m] = layers.run(i, hidden[m], x.calls[i])
+        with around(i) if around is not None else contextlib.nullcontext():
+            for m, x in enumerate(inputs):
+                if keep is not None:
+                    keep(i, m, hidden[m])
+                hidden[m] = layers.run(i, hidden[m], x.calls[i])
     return hidden

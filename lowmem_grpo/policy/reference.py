@@ -2,15 +2,19 @@
 
 `Reference` holds a frozen copy in CPU RAM and computes reference log-probs of a `Batch`, (N, C) fp32
 on the CPU, 0 on padding, in one of two modes (train.reference_compute): "cpu" runs the whole forward
-on the CPU; "stream" runs it on the training device, copying each decoder layer there just before it
-runs (one ahead, on a side stream) and the output head one vocabulary slice at a time, so the device
-holds about two layers and one head slice. On CUDA the streamed weights sit in one pinned block
-(policy/streaming.py, shared with streamed reward models). The stream mode runs unchanged on a CPU-only
-machine.
+on the CPU, a micro-batch at a time; "stream" runs it on the training device layer-major: each decoder
+layer is copied there once (one ahead, on a side stream) and runs every micro-batch of the batch, then
+the output head goes up one vocabulary slice at a time, each slice applied to every row, so the weights
+cross once per batch and the device holds about two layers, one head slice and every row's hidden states.
+On CUDA the streamed weights sit in one pinned block (policy/streaming.py, shared with streamed reward
+models). The stream mode runs unchanged on a CPU-only machine.
 Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from .batch import Batch
+from .layer_major import DecoderLayers, run_layer_major
 from .model import build_head, position_ids_for
 from .packing import Packing, packed_completion_hidden, should_pack
 from .streaming import pinned_copies, stream_decoder  # noqa: F401 (pinned_copies: also imported from here)
@@ -38,22 +43,42 @@ class Reference:
         if mode == "stream":
             self.arena, self.streamer = stream_decoder(model, self.head.decoder, self.device,
                                                        "use train.reference_compute=cpu")
+            self.layers = DecoderLayers(self.head.decoder.layers)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, *, temperature: float, micro_batch: int, autocast_bf16: bool = False,
-                 pack: Packing = Packing.OFF) -> Tensor:
+                 pack: Packing = Packing.OFF, stream_rows: Optional[int] = None) -> Tensor:
         """log pi_ref(completion token): (N, C) fp32 on the CPU, 0 on padding. `pack`: each prompt runs
-        once per micro-batch (policy/packing.py)."""
+        once per micro-batch (policy/packing.py). Streamed, the micro-batches go through the layers and the
+        head together (module docstring), `stream_rows` rows at a time (whole micro-batches, at least one;
+        None: all); the values are those of one micro-batch at a time."""
         out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
-        for start in range(0, len(batch), micro_batch):
-            mb = batch.rows(start, start + micro_batch)
+        starts = list(range(0, len(batch), micro_batch))
+        together = (1 if self.streamer is None else len(starts) if stream_rows is None
+                    else max(1, stream_rows // micro_batch))
+        groups = [starts[i:i + together] for i in range(0, len(starts), together)]
+        for group in groups:
+            mbs = [batch.rows(start, start + micro_batch) for start in group]
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                hidden = self._completion_hidden(mb, pack)  # (b, c, H) on self.device
-                ids = mb.completion_ids.masked_fill(~mb.completion_mask, 0).to(self.device)
-                logp = self._head_logprobs(hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1), temperature)
-            c = mb.completion_ids.shape[1]
-            out[start:start + len(mb), :c] = logp.view(len(mb), c).float().cpu() * mb.completion_mask
+                hidden = self._hidden_layer_major(mbs, pack) if self.streamer is not None else [
+                    self._completion_hidden(mbs[0], pack)]  # (b, c, H) each, on self.device
+                ids = [mb.completion_ids.masked_fill(~mb.completion_mask, 0).to(self.device) for mb in mbs]
+                logp = self._head_logprobs(torch.cat([h.reshape(-1, h.shape[-1]) for h in hidden]),
+                                           torch.cat([i.reshape(-1) for i in ids]), temperature)
+            for start, mb, part in zip(group, mbs, logp.split([i.numel() for i in ids])):
+                c = mb.completion_ids.shape[1]
+                out[start:start + len(mb), :c] = part.view(len(mb), c).float().cpu() * mb.completion_mask
         return out
+
+    def _hidden_layer_major(self, mbs: list[Batch], pack: Packing) -> list[Tensor]:
+        """Each micro-batch's completion hidden states, every layer streamed once for all of them."""
+        inputs = [self.layers.record(functools.partial(self._completion_hidden, mb, pack)) for mb in mbs]
+        finals = run_layer_major(self.layers, inputs, around=self.streamer.resident)
+        hidden = []
+        for mb, final in zip(mbs, finals):
+            with self.layers.finishing_from(final):  # the final norm and the completion positions
+                hidden.append(self._completion_hidden(mb, pack))
+        return hidden
 
     def _completion_hidden(self, mb: Batch, pack: Packing = Packing.OFF) -> Tensor:
         if should_pack(pack, mb, self.head.decoder):  # embeddings looked up on the CPU, like below

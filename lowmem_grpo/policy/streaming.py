@@ -6,15 +6,17 @@ where they are (host RAM; one pinned block on CUDA, `pinned_copies`), moves the 
 (final norm, rotary tables: a few KiB) to `device`, and installs forward hooks that copy each layer's
 weights to the device just before it runs, the next layer's copy overlapping this layer's compute (a
 side stream on CUDA). The device then holds about two layers' weights. Callers look the embeddings up
-on the host and pass `inputs_embeds`. On a CPU-only machine the copies are no-ops and the hooks run as
-they would on a GPU, which is how the tests exercise this path.
+on the host and pass `inputs_embeds`. A layer-major pass (policy/layer_major.py) keeps a layer on the
+device across its calls with `LayerStreamer.resident(i)`: one copy for every micro-batch. On a CPU-only
+machine the copies are no-ops and the hooks run as they would on a GPU, which is how the tests exercise
+this path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +44,8 @@ class LayerStreamer:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: dict[int, tuple[list[Tensor], object]] = {}
         self.copies = 0  # layer copies started (a test checks the hooks ran)
+        self._installed: Optional[int] = None  # the layer whose device copies its parameters hold
+        self._resident: Optional[int] = None  # the layer kept on the device across calls (`resident`)
         for i, layer in enumerate(layers):
             if any(True for _ in layer.buffers()):
                 raise NotImplementedError(f"decoder layer {i} has buffers; streaming handles parameters only")
@@ -60,7 +64,21 @@ class LayerStreamer:
         self.ready[i] = (copies, event)
         self.copies += 1
 
+    @contextlib.contextmanager
+    def resident(self, i: int) -> Iterator[None]:
+        """Inside, layer i's weights stay on the device across its calls: fetched at the first (or already on
+        their way), released at the end."""
+        self._resident = i
+        try:
+            yield
+        finally:
+            self._resident = None
+            if self._installed == i:
+                self._release(i)
+
     def _before(self, i: int, module, args):
+        if self._installed == i:  # resident, and installed by an earlier call
+            return
         self._fetch(i)
         copies, event = self.ready.pop(i)
         if event is not None:  # compute waits for this layer's copy, and owns the memory from here on
@@ -70,11 +88,17 @@ class LayerStreamer:
                 t.record_stream(current)
         for (p, _), t in zip(self.host[i], copies):
             p.data = t
+        self._installed = i
         self._fetch(i + 1)  # the next layer's copy overlaps this layer's compute
 
     def _after(self, i: int, module, args, output):
+        if self._resident != i:
+            self._release(i)
+
+    def _release(self, i: int) -> None:
         for p, h in self.host[i]:
             p.data = h  # the device copy is freed once the compute stream is done with it
+        self._installed = None
 
 
 def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,

@@ -7,13 +7,14 @@ template over `prompt messages + completion messages` (conversational prompts), 
 special tokens and padded on the right, as TRL does. Completions are scored `batch_size` at a time,
 longest first, so one forward never holds more than that many rows.
 Placement: "gpu" keeps the weights on the training device; "cpu" runs on the CPU; "stream" keeps them in
-host RAM and copies one decoder layer at a time to the device (policy/streaming.py, as the reference
-model does), the embedding looked up on the host. Every placement computes the same scores within the
-dtype's rounding (tests/rewards/test_reward_model.py).
+host RAM and copies each decoder layer to the device once per call, running every batch through it there
+(policy/layer_major.py, as the reference model does), the embedding looked up on the host. Every
+placement computes the same scores within the dtype's rounding (tests/rewards/test_reward_model.py).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -24,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from ..policy.layer_major import DecoderLayers, run_layer_major
 from ..policy.streaming import stream_decoder
 from .base import RewardError
 
@@ -74,6 +76,7 @@ class RewardModel:
             except NotImplementedError as e:
                 raise RewardError(f"reward model {self.__name__}: {e}") from e
             score.to(self.device)
+            self.layers = DecoderLayers(model.base_model.layers)
         else:
             self.model.to(self.device)
 
@@ -104,11 +107,18 @@ class RewardModel:
                               f"max_completion_length")
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         scores = torch.empty(len(ids), dtype=torch.float32)
+        batches = []
         for start in range(0, len(order), self.batch_size):
             rows = order[start:start + self.batch_size]
             batch = self.tokenizer.pad({"input_ids": [ids[i] for i in rows]}, padding=True, padding_side="right",
                                        return_tensors="pt")
-            scores[rows] = self.scores(batch["input_ids"], batch["attention_mask"])
+            batches.append((rows, batch["input_ids"], batch["attention_mask"]))
+        if self.streamer is None:
+            for rows, input_ids, attention_mask in batches:
+                scores[rows] = self.scores(input_ids, attention_mask)
+        else:
+            for (rows, _, _), part in zip(batches, self._streamed_scores(batches)):
+                scores[rows] = part
         return scores.tolist()
 
     def scores(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -116,12 +126,26 @@ class RewardModel:
         if self.streamer is None:  # the model's own forward, as TRL calls it
             out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device))
             return out.logits[:, 0].float().cpu()
+        return self._streamed_scores([(None, input_ids, attention_mask)])[0]
+
+    def _decoder_hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         embeds = self.model.get_input_embeddings()(input_ids)  # the table stays in host RAM
-        hidden = self.model.base_model(inputs_embeds=embeds.to(self.device), attention_mask=attention_mask.to(
+        return self.model.base_model(inputs_embeds=embeds.to(self.device), attention_mask=attention_mask.to(
             self.device), use_cache=False).last_hidden_state
-        last = last_token_index(input_ids, self.tokenizer.pad_token_id).to(self.device)
-        picked = hidden[torch.arange(len(hidden), device=self.device), last]  # (b, H)
-        return self.model.score(picked)[:, 0].float().cpu()
+
+    def _streamed_scores(self, batches: list) -> list[Tensor]:
+        """`scores` of each (rows, input_ids, attention_mask) batch, streamed layer-major: each layer's weights
+        cross once and score every batch."""
+        inputs = [self.layers.record(functools.partial(self._decoder_hidden, ids, mask)) for _, ids, mask in batches]
+        finals = run_layer_major(self.layers, inputs, around=self.streamer.resident)
+        out = []
+        for (_, input_ids, attention_mask), final in zip(batches, finals):
+            with self.layers.finishing_from(final):  # the final norm
+                hidden = self._decoder_hidden(input_ids, attention_mask)
+            last = last_token_index(input_ids, self.tokenizer.pad_token_id).to(self.device)
+            picked = hidden[torch.arange(len(hidden), device=self.device), last]  # (b, H)
+            out.append(self.model.score(picked)[:, 0].float().cpu())
+        return out
 
 
 def reward_models(funcs) -> list[RewardModel]:

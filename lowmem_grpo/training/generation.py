@@ -213,8 +213,10 @@ def with_logprobs(cfg: Config, plan: BatchPlan, batch: Batch, ctx: RolloutContex
     if reference is not None:
         micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
         with phase("reference log-probs"):
+            autocast = ctx.autocast and reference.device.type != "cpu"
             ref_logp = reference.logprobs(batch, temperature=cfg.generation.temperature, micro_batch=micro,
-                                          pack=ctx.pack, autocast_bf16=ctx.autocast and reference.device.type != "cpu")
+                                          pack=ctx.pack, autocast_bf16=autocast,
+                                          stream_rows=cfg.train.reference_stream_rows)
         batch = replace(batch, ref_logp=ref_logp)
     return batch, metrics
 

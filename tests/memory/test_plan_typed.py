@@ -3,8 +3,9 @@
 plan_golden.json holds, for every shipped recipe (and three variants: vLLM, no checkpointing with gradient
 accumulation, the CPU), what plan() returned as a dict before it was typed, two recipes' suggestions, and
 `lowmem-grpo plan --json` for two recipes, captured from that code. The settings added since (a layer-major
-backward, and the activation offload a recipe took up with it) are set back to what the recipes had then
-(CAPTURED_WITH): the planner's arithmetic for those settings is unchanged.
+backward, and the activation offload a recipe took up with it; a streamed reference pass over one log-prob
+micro-batch at a time) are set back to what the recipes did then (CAPTURED_WITH): the planner's arithmetic
+for those settings is unchanged.
 """
 
 import json
@@ -29,7 +30,7 @@ VARIANTS = {"qwen2.5-1.5b_gsm8k_8gb.yaml+vllm": ("qwen2.5-1.5b_gsm8k_8gb.yaml", 
             "smollm2-135m_arithmetic_cpu.yaml@cpu": ("smollm2-135m_arithmetic_cpu.yaml", [], "SmolLM2-135M", "cpu")}
 CASES = sorted(k for k in GOLDEN if not k.startswith("_"))
 # the settings of every recipe when its plan was captured, where a recipe has changed them since
-CAPTURED_WITH = ["layer_major_backward=false"]
+CAPTURED_WITH = ["layer_major_backward=false", "reference_stream_rows=1"]
 CAPTURED_WITH_RECIPE = {"qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"]}
 
 

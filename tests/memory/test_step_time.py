@@ -86,8 +86,9 @@ def test_a_decode_step_reads_every_weight_once_and_the_kv_cache():
 
 
 def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arch_1_5b):
-    cfg = load_config(RECIPE_1_5B, ["layer_major_backward=false"], check=False)  # every micro-batch's gradients
-    moves = {t.kind: t for t in transfers(cfg, arch_1_5b)}
+    # as the code moved them before: every micro-batch's gradients, the reference once per log-prob micro-batch
+    cfg = load_config(RECIPE_1_5B, ["layer_major_backward=false"], check=False)
+    moves = {t.kind: t for t in transfers(cfg, arch_1_5b, reference_per_micro_batch=True)}
     head = 151936 * 1536
     assert moves["gradients"].nbytes == 2 * (arch_1_5b.params + head)  # the tied head's part sent apart
     assert (moves["gradients"].count, moves["gradients"].per) == (8, "micro-batch")
@@ -95,17 +96,23 @@ def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arc
     assert moves["reference layers"].count == moves["reference head"].count == 8  # 32 rows / 4 per pass
     assert (moves["weights"].nbytes, moves["weights"].count) == (2 * arch_1_5b.params, 1)
     assert "activations" not in moves
-    # ~50 GiB across PCIe per optimizer step, as the code moves it today
-    assert sum(t.total for t in moves.values()) / 2**30 == pytest.approx(52.3, abs=0.1)
-    # as shipped, a layer-major backward: the layers' gradients once per step, the rest once per micro-batch
-    shipped = [t for t in transfers(load_config(RECIPE_1_5B, [], check=False), arch_1_5b) if t.kind == "gradients"]
+    # ~50 GiB across PCIe per optimizer step
+    before = sum(t.total for t in moves.values())
+    assert before / 2**30 == pytest.approx(52.3, abs=0.1)
+    # as shipped: a layer-major backward (the layers' gradients once per step, the rest once per micro-batch)
+    # and the reference layer-major (once per generation batch): under a third of the bytes
+    shipped = transfers(load_config(RECIPE_1_5B, [], check=False), arch_1_5b)
     layers = 2 * 28 * arch_1_5b.layer_params()
-    assert [(t.nbytes, t.count, t.per) for t in shipped] == [
+    assert [(t.nbytes, t.count, t.per) for t in shipped if t.kind == "gradients"] == [
         (layers, 1, "step"), (2 * (arch_1_5b.params + head) - layers, 8, "micro-batch")]
-    assert sum(t.total for t in shipped) < 0.36 * moves["gradients"].total
+    assert [t.count for t in shipped if t.kind.startswith("reference")] == [1, 1]
+    assert sum(t.total for t in shipped) < before / 3
     fewer = {t.kind: t for t in transfers(load_config(RECIPE_1_5B, ["logprob_micro_batch_size=8"], check=False),
-                                          arch_1_5b)}
+                                          arch_1_5b, reference_per_micro_batch=True)}
     assert fewer["reference layers"].count == 4
+    grouped = {t.kind: t for t in transfers(load_config(RECIPE_1_5B, ["reference_stream_rows=12"], check=False),
+                                            arch_1_5b)}
+    assert grouped["reference layers"].count == 3  # 12 rows: 3 micro-batches of 4 per copy, 8 micro-batches
     no_ref = {t.kind for t in transfers(load_config(RECIPE_1_5B, ["beta=0"], check=False), arch_1_5b)}
     assert no_ref == {"gradients", "weights"}
     on_device = {t.kind for t in transfers(load_config(RECIPE_1_5B, ["offload_optimizer=false"], check=False),
@@ -141,12 +148,14 @@ def test_the_reference_hides_its_layer_copies_behind_compute_only_where_compute_
     h100, rtx4060 = estimate(cfg, arch_1_5b, card("H100")), estimate(cfg, arch_1_5b, card("RTX 4060"))
     assert rtx4060.generation > 5 * h100.generation and rtx4060.training > 3 * h100.training
 
-    def head_copies(c):  # the head's slices go up on the compute stream: never hidden (8 passes)
-        return 8 * 2 * 151936 * 1536 / (c.pcie_gbps * 1e9 * EFFICIENCY.pcie)
-    # RTX 4060: the layers compute longer than their copies take (~6 s against ~3 s): only the head shows
+    def head_copies(c, passes=1):  # the head's slices go up on the compute stream: never hidden
+        return passes * 2 * 151936 * 1536 / (c.pcie_gbps * 1e9 * EFFICIENCY.pcie)
+    # layer-major, each layer's copy hides behind the layer before's 8 micro-batches: only the head shows
     assert rtx4060.exposed["reference"] == pytest.approx(head_copies(card("RTX 4060")))
-    # H100: the copies take longer than the compute, the difference shows too
-    assert h100.exposed["reference"] > 1.5 * head_copies(card("H100"))
+    assert h100.exposed["reference"] == pytest.approx(head_copies(card("H100")))
+    # streamed once per micro-batch (before): on an H100 the copies took longer than the compute, and showed
+    before = estimate(cfg, arch_1_5b, card("H100"), reference_per_micro_batch=True)
+    assert before.exposed["reference"] > 1.5 * head_copies(card("H100"), passes=8)
     assert h100.total == pytest.approx(h100.generation + h100.reference + h100.training + h100.host_update
                                        + h100.transfer)
 

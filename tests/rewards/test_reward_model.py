@@ -58,9 +58,11 @@ def test_every_placement_scores_as_the_model_alone(random_rm, placement, dtype, 
     got = rm(PROMPTS, COMPLETIONS)
     want = spec_scores(model, PROMPTS, COMPLETIONS, getattr(torch, dtype))
     assert got == pytest.approx(want, abs=tol, rel=tol)
-    assert len(calls) == 3  # ceil(5 / 2) forwards: never more than batch_size rows at once
-    if placement == "stream":
-        assert rm.streamer.copies == 2 * 3  # 2 layers streamed per forward
+    if placement == "stream":  # layer-major: each of ceil(5 / 2) batches to the layers, and from them to the score
+        assert len(calls) == 2 * 3 and all(len(c) <= 2 for c in calls)  # at most batch_size rows at once
+        assert rm.streamer.copies == 2  # each of the 2 layers streamed once for the 3 batches
+    else:
+        assert len(calls) == 3  # ceil(5 / 2) forwards: never more than batch_size rows at once
         assert rm.model.base_model.embed_tokens.weight.device.type == "cpu"
 
 
