@@ -22,8 +22,8 @@ from typing import Optional
 from ..config import Config, batch_plan
 from ..training.step_modes import layer_major_wanted
 from .cards import Card
-from .plan import (Arch, activations_offloaded, compiled_decode, decoder_positions, reference_micro_batches,
-                   reference_stream_groups)
+from .plan import (Arch, StepSizes, activations_offloaded, compiled_decode, decoder_positions,
+                   reference_micro_batches, reference_stream_groups)
 from .vllm_plan import uses_vllm
 
 
@@ -140,8 +140,7 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
     optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
     backward the layers' once per step) and the new weights once per step; offloaded activations (the layer
-    inputs; the final norm's saves that go with them are not counted) down in each forward and up in each
-    backward."""
+    inputs and the final norm's saves) down in each forward and up in each backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     batches = batch_plan(cfg)
@@ -164,9 +163,11 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
     positions = decoder_positions(cfg, arch, t.per_device_train_batch_size)[0]
     layer_io = positions * arch.hidden * wb
-    if activations_offloaded(cfg, layer_io):
+    if activations_offloaded(cfg, layer_io):  # the layer inputs, and the final norm's saves that go with them
+        sizes = StepSizes.of(cfg, arch, cfg.model.bf16 is not False, device)
+        moved = arch.layers * layer_io + int(sizes.costs.norm_offloaded * positions)
         for direction in ("d2h", "h2d"):
-            out.append(Transfer("activations", direction, arch.layers * layer_io, micro, "micro-batch"))
+            out.append(Transfer("activations", direction, moved, micro, "micro-batch"))
     return out
 
 

@@ -30,6 +30,7 @@ from ..host_arena import HostArena, arena_bytes, buffer_bytes
 from ..phases import mark_gradient, scope
 from .host_ram import check_host_ram
 from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
+from ..transfers import count as count_transfer, count_sync
 from .update_thread import UPDATE_THREAD, UpdateThread
 
 
@@ -209,7 +210,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
 
     def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor) -> Optional[torch.cuda.Event]:
         """Copy a gradient into a host buffer: at once on the CPU (None), else queued on the side stream,
-        with an event that completes when it is there."""
+        with an event that completes when it is there. Counted as a transfer ("gradients") either way."""
+        count_transfer("gradients", "d2h", grad.numel() * grad.element_size())
         if not self.on_cuda:
             host.copy_(grad)
             return None
@@ -237,6 +239,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         if event is not None and not event.query():
             event.synchronize()
             self.host_waits += 1
+            count_sync()
 
     def _wait_first_copy(self, index: int) -> None:
         self._wait_event(self._first_copies.pop(index, None))
@@ -321,6 +324,9 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             # Read here, on the calling thread: the scheduler changes the rates right after end_step, and
             # the rounding draws must not interleave with the caller's sampling.
             lrs = [self.param_groups[self._group_of[i]]["lr"] for i in order]
+            # each updated weight goes up once (counted here, on the calling thread: this step's bytes)
+            count_transfer("weights", "h2d", sum(self.params[i].numel() * self.params[i].element_size()
+                                                 for i in order))
             generator = self._rounding_generator()
             if self.on_cuda:  # kernels that read the old weights (the backward) are queued on the compute stream
                 self.side.wait_stream(torch.cuda.current_stream(self.params[0].device))

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..transfers import count
+
 
 @dataclass
 class Batch:
@@ -59,6 +61,9 @@ class Batch:
         return picked.rows(0, len(index))
 
     def to(self, device: torch.device) -> "Batch":
+        """The batch on `device` (from the host: counted as a transfer, "batches", on a CPU device too)."""
+        tensors = [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+        count("batches", "h2d", sum(t.numel() * t.element_size() for t in tensors))
         return Batch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
                         for f in fields(self)})
 

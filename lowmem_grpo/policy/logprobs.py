@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import linear_token_logprobs
+from ..transfers import count
 from .batch import Batch
 from .model import Head, hidden_states
 from .packing import Packing, packed_completion_hidden, should_pack
@@ -53,6 +54,7 @@ def completion_logprobs(head: Head, batch: Batch, *, temperature: float, micro_b
             logp = linear_token_logprobs(hidden, head.weight, ids, bias=head.bias, temperature=temperature,
                                          softcap=head.softcap)
         c = mb.completion_ids.shape[1]
+        count("log-probs", "d2h", logp.numel() * 4)
         out[start:start + len(mb), :c] = (logp * mb.completion_mask).float().cpu()
     return out
 

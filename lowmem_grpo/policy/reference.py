@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from .batch import Batch
+from ..transfers import count
 from .layer_major import DecoderLayers, run_layer_major
 from .model import build_head, position_ids_for
 from .packing import Packing, packed_completion_hidden, should_pack
@@ -67,6 +68,8 @@ class Reference:
                                            torch.cat([i.reshape(-1) for i in ids]), temperature)
             for start, mb, part in zip(group, mbs, logp.split([i.numel() for i in ids])):
                 c = mb.completion_ids.shape[1]
+                if self.streamer is not None:
+                    count("log-probs", "d2h", part.numel() * part.element_size())
                 out[start:start + len(mb), :c] = part.view(len(mb), c).float().cpu() * mb.completion_mask
         return out
 
@@ -101,6 +104,8 @@ class Reference:
         stats = new_stats(hidden.shape[0], hidden.device)
         for i, v0 in enumerate(range(0, vocab, chunk)):
             v1 = min(v0 + chunk, vocab)
+            if self.streamer is not None:  # (cpu mode: nothing crosses)
+                count("reference head", "h2d", (v1 - v0) * weight.shape[1] * weight.element_size())
             w = weight[v0:v1].to(hidden.device, hidden.dtype, non_blocking=True)  # (chunk, H)
             logits = hidden @ w.t()  # (N, chunk)
             logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature, accumulate=i > 0,

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..host_arena import HostArena
+from ..transfers import count
 
 
 def pinned_copies(params: list[nn.Parameter]) -> HostArena:
@@ -38,8 +39,8 @@ def pinned_copies(params: list[nn.Parameter]) -> HostArena:
 class LayerStreamer:
     """Forward hooks that give each decoder layer device copies of its weights just in time."""
 
-    def __init__(self, layers: nn.ModuleList, device: torch.device):
-        self.device = device
+    def __init__(self, layers: nn.ModuleList, device: torch.device, kind: str = "reference layers"):
+        self.device, self.kind = device, kind  # kind: what its copies are counted as (transfers.py)
         self.host = [[(p, p.data) for p in layer.parameters()] for layer in layers]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: dict[int, tuple[list[Tensor], object]] = {}
@@ -55,6 +56,7 @@ class LayerStreamer:
     def _fetch(self, i: int) -> None:
         if i in self.ready or i >= len(self.host):
             return
+        count(self.kind, "h2d", sum(h.numel() * h.element_size() for _, h in self.host[i]))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
             copies = [h.to(self.device, non_blocking=True) for _, h in self.host[i]]
@@ -102,7 +104,7 @@ class LayerStreamer:
 
 
 def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,
-                   fix: str) -> tuple[Optional[HostArena], LayerStreamer]:
+                   fix: str, kind: str = "reference layers") -> tuple[Optional[HostArena], LayerStreamer]:
     """Set `decoder` (a part of the frozen `model`) up to stream its layers to `device` (module docstring).
     Returns (the pinned block of all of `model`'s weights on CUDA, else None; the streamer). `fix` ends
     the error for a decoder without a `.layers` list (the setting that avoids streaming)."""
@@ -112,4 +114,4 @@ def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,
     for name, child in decoder.named_children():
         if name not in ("layers", "embed_tokens"):
             child.to(device)  # final norm, rotary tables: a few KiB
-    return arena, LayerStreamer(decoder.layers, device)
+    return arena, LayerStreamer(decoder.layers, device, kind)

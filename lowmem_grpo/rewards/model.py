@@ -72,7 +72,8 @@ class RewardModel:
                                   f"be streamed; set rewards.model_placement=gpu or cpu")
             try:
                 self.arena, self.streamer = stream_decoder(model, model.base_model, self.device,
-                                                           "set rewards.model_placement=gpu or cpu")
+                                                           "set rewards.model_placement=gpu or cpu",
+                                                           kind="reward model layers")
             except NotImplementedError as e:
                 raise RewardError(f"reward model {self.__name__}: {e}") from e
             score.to(self.device)

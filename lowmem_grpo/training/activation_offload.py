@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..phases import scope
+from ..transfers import count
 from ..host_arena import HostArena, arena_bytes, round_up
 
 log = logging.getLogger(__name__)
@@ -140,14 +141,24 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         # several ops save (RMSNorm's fp32 input: by pow and by mul) goes to the host once and comes back once.
         # Weak: autograd's saved slots alone keep a record (and its copies) alive, as without this map.
         self._saved: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
+        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # tensors only counted (a CPU run), by id
         super().__init__(self._pack, self._unpack)
 
-    def _wanted(self, t: torch.Tensor) -> bool:
+    def _eligible(self, t: torch.Tensor) -> bool:
+        """Whether a GPU would move `t` (a layer input: 3+ dimensions, min_bytes or more, not a weight)."""
         if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.dim() < 3:
             return False
-        if t.numel() * t.element_size() < self.min_bytes:
-            return False
-        return t.device.type == "cuda" or (self.copy_on_cpu and t.device.type == "cpu")
+        return t.numel() * t.element_size() >= self.min_bytes
+
+    def _counted_only(self, t: torch.Tensor) -> None:
+        """A CPU run moves nothing: count the bytes a GPU would move down and back, once per tensor."""
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return
+        self._seen[id(t)] = (weakref.ref(t), t._version)
+        nbytes = t.numel() * t.element_size()
+        count("activations", "d2h", nbytes)
+        count("activations", "h2d", nbytes)
 
     def _block_for(self, device: torch.device) -> Optional[HostBlock]:
         """The block this context's host copies go to (begun at its first save), or None: a copy each."""
@@ -159,7 +170,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
         return self.block
 
     def _pack(self, t: torch.Tensor):
-        if not self._wanted(t):
+        if not self._eligible(t):
+            return t
+        if not (t.device.type == "cuda" or (self.copy_on_cpu and t.device.type == "cpu")):
+            self._counted_only(t)
             return t
         same = self._saved.get(id(t))
         if same is not None and same[0]() is t and same[1] == t._version:  # saved before, unchanged since
@@ -167,6 +181,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
             if record is not None:
                 return record
         self.offloaded_bytes += t.numel() * t.element_size()
+        count("activations", "d2h", t.numel() * t.element_size())
         block = self._block_for(t.device)
         with scope("activation offload"):  # host RAM on any machine (a CPU profile leaves it out)
             host = block.take(t.shape, t.dtype) if block is not None else None
@@ -195,6 +210,7 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):  # noqa: N8
     def _fetch(self, record: _Offloaded) -> None:
         """Issue the copy back of `record` (CUDA: on the side stream, after its copy down)."""
         self._packed[record.index] = None
+        count("activations", "h2d", record.host.numel() * record.host.element_size())
         if record.down is None:  # copy_on_cpu
             record.back = record.host.clone()
             return

@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..transfers import count_sync
 from .output_dir import cannot_write
 from .trackers import close_trackers, open_trackers, scalars
 
@@ -73,6 +74,8 @@ class StepSums:
             names = sorted(self.sums)
             values = [self.sums[k] for k in names] + ([self.loss] if self.loss is not None else [])
             host = torch.stack(values).tolist() if values else []  # the step's one sync
+            if values:
+                count_sync()
             loss = host.pop() if self.loss is not None else 0.0
             self._host = (loss, dict(zip(names, host)))
         return self._host[0], dict(self._host[1])

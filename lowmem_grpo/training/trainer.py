@@ -30,6 +30,7 @@ from ..config import Config, ConfigError, batch_plan, rollout_engine
 from ..phases import phase
 from ..policy.model import load_tokenizer
 from ..policy.batch import Batch
+from ..transfers import TRANSFERS
 from . import checkpoint as ckpt
 from . import distributed
 from . import output_dir
@@ -315,6 +316,7 @@ class Trainer:
                                    backwards=totals.backwards))
         out.update(loss=totals.loss, grad_norm=grad_norm, learning_rate=lr,
                    skipped=int(not finite or not num_items), train_tokens=totals.tokens)
+        out.update(TRANSFERS.take())  # bytes host<->device since the last step's (this generation batch's too)
         return out
 
     def _summed_over_ranks(self, totals: StepTotals) -> StepTotals:
