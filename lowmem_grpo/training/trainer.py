@@ -316,7 +316,7 @@ class Trainer:
                                    backwards=totals.backwards))
         out.update(loss=totals.loss, grad_norm=grad_norm, learning_rate=lr,
                    skipped=int(not finite or not num_items), train_tokens=totals.tokens)
-        out.update(TRANSFERS.take())  # bytes host<->device since the last step's (this generation batch's too)
+        out.update(TRANSFERS.take())  # this step's bytes host<->device (its generation batch's too: run_step)
         return out
 
     def _summed_over_ranks(self, totals: StepTotals) -> StepTotals:
@@ -349,6 +349,7 @@ class Trainer:
         Returns the generation batch the step used, the step's metrics and the generation time (0 when
         the batch was already there)."""
         generation_time = 0.0
+        TRANSFERS.take()  # the step's transfer counts are its own (not set-up's, an evaluation's, another trainer's)
         if self.generation is None:
             self.generation = self.new_generation_batch()
             generation_time = self.generation.generation_time
