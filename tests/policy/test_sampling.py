@@ -286,3 +286,32 @@ def test_sampled_distribution_matches_generate(name, micro_batch, decode):
                 power[mistake] = max(power[mistake], tv(p, q) / (2 * tv_tolerance(p, N_PER_PROMPT)))
     # a sampler drawing from a mistaken distribution would fail some comparison with probability >= 1 - DELTA
     assert all(v > 1 for v in power.values()), f"{name}: the test cannot tell these mistakes apart: {power}"
+
+
+def test_draw_is_the_race_in_five_passes():
+    """The CPU draw runs softmax, the float64 uniforms, their log, the fp32 cast, one in-place divide and an
+    argmin (p / log U = -p / E, so the race's argmax is its argmin, bit for bit): no separate negation pass,
+    and the same tokens as the race written out with it, seed for seed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    scores = torch.randn(4, 300) * 3
+    scores[:, :7] = float("-inf")
+    with Ops() as ops:
+        draw(scores)
+    assert not any(name.startswith("neg") for name in ops.names), ops.names
+    assert sum(name.startswith(("div", "mul", "reciprocal")) for name in ops.names) == 1, ops.names
+    for seed in range(20):
+        torch.manual_seed(seed)
+        race = torch.rand(scores.shape, dtype=torch.float64).log_().neg_().float()
+        expected = (torch.softmax(scores, dim=-1) / race).argmax(dim=-1)
+        torch.manual_seed(seed)
+        assert torch.equal(draw(scores), expected)
