@@ -39,11 +39,6 @@ class TransferCounter:
         with self._lock:
             self._syncs += n
 
-    def peek(self) -> dict[tuple[str, str], int]:
-        """The byte counts so far, by (direction, kind), without a reset."""
-        with self._lock:
-            return dict(self._bytes)
-
     def take(self) -> dict[str, int]:
         """The counts since the last take as metrics, then a reset: `transfer/<direction>` (all kinds),
         `transfer/<direction>/<kind>` (kinds with bytes) and `device_syncs`."""

@@ -18,10 +18,12 @@ whose forward loops over `self.layers`. Layers returning a tensor or a tuple (tr
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator, NamedTuple, Optional
+from typing import Callable, ContextManager, Iterator, NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
+
+T = TypeVar("T")
 
 
 class LayerInputs(NamedTuple):
@@ -160,3 +162,17 @@ def run_layer_major(layers: DecoderLayers, inputs: list[LayerInputs],
                     keep(i, m, hidden[m])
                 hidden[m] = layers.run(i, hidden[m], x.calls[i])
     return hidden
+
+
+def layer_major_outputs(layers: DecoderLayers, forwards: list[Callable[[], T]],
+                        around: Optional[Callable[[int], ContextManager]] = None) -> list[T]:
+    """What each of `forwards` (a call of code that calls the decoder, one per micro-batch) returns, with
+    the layers run layer-major for all of them (`run_layer_major`, `around` as there): each is recorded,
+    the layers run (without a graph), then each is called again to finish from its last layer's output."""
+    inputs = [layers.record(forward) for forward in forwards]
+    finals = run_layer_major(layers, inputs, around=around)
+    out = []
+    for forward, final in zip(forwards, finals):
+        with layers.finishing_from(final):
+            out.append(forward())
+    return out

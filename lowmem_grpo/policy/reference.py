@@ -23,7 +23,7 @@ from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import finalize_stats, logits_stats, new_stats
 from .batch import Batch
 from ..transfers import count
-from .layer_major import DecoderLayers, run_layer_major
+from .layer_major import DecoderLayers, layer_major_outputs
 from .model import build_head, position_ids_for
 from .packing import Packing, packed_completion_hidden, should_pack
 from .streaming import pinned_copies, stream_decoder  # noqa: F401 (pinned_copies: also imported from here)
@@ -75,13 +75,8 @@ class Reference:
 
     def _hidden_layer_major(self, mbs: list[Batch], pack: Packing) -> list[Tensor]:
         """Each micro-batch's completion hidden states, every layer streamed once for all of them."""
-        inputs = [self.layers.record(functools.partial(self._completion_hidden, mb, pack)) for mb in mbs]
-        finals = run_layer_major(self.layers, inputs, around=self.streamer.resident)
-        hidden = []
-        for mb, final in zip(mbs, finals):
-            with self.layers.finishing_from(final):  # the final norm and the completion positions
-                hidden.append(self._completion_hidden(mb, pack))
-        return hidden
+        return layer_major_outputs(self.layers, [functools.partial(self._completion_hidden, mb, pack) for mb in mbs],
+                                   around=self.streamer.resident)
 
     def _completion_hidden(self, mb: Batch, pack: Packing = Packing.OFF) -> Tensor:
         if should_pack(pack, mb, self.head.decoder):  # embeddings looked up on the CPU, like below

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..policy.layer_major import DecoderLayers, run_layer_major
+from ..policy.layer_major import DecoderLayers, layer_major_outputs
 from ..policy.streaming import stream_decoder
 from .base import RewardError
 
@@ -137,12 +137,10 @@ class RewardModel:
     def _streamed_scores(self, batches: list) -> list[Tensor]:
         """`scores` of each (rows, input_ids, attention_mask) batch, streamed layer-major: each layer's weights
         cross once and score every batch."""
-        inputs = [self.layers.record(functools.partial(self._decoder_hidden, ids, mask)) for _, ids, mask in batches]
-        finals = run_layer_major(self.layers, inputs, around=self.streamer.resident)
+        hiddens = layer_major_outputs(self.layers, [functools.partial(self._decoder_hidden, ids, mask)
+                                                    for _, ids, mask in batches], around=self.streamer.resident)
         out = []
-        for (_, input_ids, attention_mask), final in zip(batches, finals):
-            with self.layers.finishing_from(final):  # the final norm
-                hidden = self._decoder_hidden(input_ids, attention_mask)
+        for (_, input_ids, _), hidden in zip(batches, hiddens):
             last = last_token_index(input_ids, self.tokenizer.pad_token_id).to(self.device)
             picked = hidden[torch.arange(len(hidden), device=self.device), last]  # (b, H)
             out.append(self.model.score(picked)[:, 0].float().cpu())
