@@ -32,8 +32,9 @@ constexpr int64_t kChunkBlocks = 32;     // 8-bit step: blocks per work item (81
 // The quantisation table (build_quantize_lut): bitsandbytes' 65536 codes, 4 bytes of padding (the AVX2
 // path's 32-bit gathers), then the same map as a threshold tree for the AVX-512 path, uint16 words:
 // levels 0-5 of the binary search at word 32 * level, level 6 at 192, level 7 at 256 (12 registers of 32
-// words; a node at the bit-reversed path to it), the base code at 384; then the code itself as four 256-byte planes, byte b of every code value in
-// plane b (kPlanesOffset: the AVX-512 VBMI path's dequantization by byte permutes).
+// words; a node at the bit-reversed path to it), the base code at 384; then the code itself as four
+// 256-byte planes, byte b of every code value in plane b (kPlanesOffset: the AVX-512 VBMI path's
+// dequantization by byte permutes).
 constexpr int64_t kSearchOffset = 65536 + 64;  // bytes
 constexpr int64_t kSearchBase = 384;           // words
 constexpr int64_t kPlanesOffset = kSearchOffset + 2 * (kSearchBase + 32);  // bytes
