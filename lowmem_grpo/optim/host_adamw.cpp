@@ -252,13 +252,24 @@ inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const u
 }
 
 // lut_code's grid index of 16 values, in fewer steps with the same bits: (v + 1) * 0.5 is exact for v >= -1, so
-// ((v + 1) * 0.5) * 65535 rounds as (v + 1) * 32767.5 does; below -1 (and NaN, and -inf: cvtt gives INT_MIN)
-// the index clamps to 0 after the conversion instead of before, where every such v gives 0 either way.
+// ((v + 1) * 0.5) * 65535 rounds as (v + 1) * 32767.5 does. Below -1 (and NaN, and -inf: cvtt gives INT_MIN)
+// the result is negative or 0 where lut_code's clamp gives 0: grid_indices clamps it after the conversion.
 inline __m512i grid_index16(const float* x, __m512 iv) {
   const __m512 one = _mm512_set1_ps(1.0f);
   __m512 t = _mm512_min_ps(one, _mm512_mul_ps(_mm512_loadu_ps(x), iv));  // min_ps(1, NaN) = NaN
   t = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(t, one), _mm512_set1_ps(32767.5f)), _mm512_set1_ps(0.5f));
-  return _mm512_max_epi32(_mm512_cvttps_epi32(t), _mm512_setzero_si512());  // in [0, 65535]
+  return _mm512_cvttps_epi32(t);  // at most 65535
+}
+
+// The grid indices of x[0 .. 31] in 16-bit lanes, clamped to [0, 65535] by the pack's unsigned saturation, in
+// the pack's order: 128-bit lane k holds x[4k .. 4k + 3] then x[16 + 4k .. 16 + 4k + 3] (in_order undoes it).
+inline __m512i grid_indices(const float* x, __m512 iv) {
+  return _mm512_packus_epi32(grid_index16(x, iv), grid_index16(x + 16, iv));
+}
+
+// 32 bytes in grid_indices' order back in the order of x: 4-byte group 2k + h is x[16 h + 4k .. 16 h + 4k + 3].
+inline __m256i in_order(__m256i bytes) {
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
 
 // build_quantize_lut's threshold tree in registers: lut[t] of 32 grid indices t at a time without touching
@@ -310,9 +321,8 @@ inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uin
   const SearchTree tree(lut);
   const int64_t end = len - len % (2 * kLanes);
   for (int64_t i = 0; i < end; i += 2 * kLanes) {
-    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(grid_index16(x + i, iv))),
-                                         _mm512_cvtepi32_epi16(grid_index16(x + i + kLanes, iv)), 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), tree.codes(t));
+    const __m256i codes = in_order(tree.codes(grid_indices(x + i, iv)));  // the search does not mind the order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), codes);
   }
   return end;
 }
