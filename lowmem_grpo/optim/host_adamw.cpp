@@ -32,8 +32,9 @@ constexpr int64_t kChunkBlocks = 32;     // 8-bit step: blocks per work item (81
 // The quantisation table (build_quantize_lut): bitsandbytes' 65536 codes, 4 bytes of padding (the AVX2
 // path's 32-bit gathers), then the same map as a threshold tree for the AVX-512 path, uint16 words:
 // levels 0-5 of the binary search at word 32 * level, level 6 at 192, level 7 at 256 (12 registers of 32
-// words), the base code at 384; then the code itself as four 256-byte planes, byte b of every code value in
-// plane b (kPlanesOffset: the AVX-512 VBMI path's dequantization by byte permutes).
+// words; a node at the bit-reversed path to it), the base code at 384; then the code itself as four
+// 256-byte planes, byte b of every code value in plane b (kPlanesOffset: the AVX-512 VBMI path's
+// dequantization by byte permutes).
 constexpr int64_t kSearchOffset = 65536 + 64;  // bytes
 constexpr int64_t kSearchBase = 384;           // words
 constexpr int64_t kPlanesOffset = kSearchOffset + 2 * (kSearchBase + 32);  // bytes
@@ -250,39 +251,68 @@ inline int64_t adam_vector(int64_t start, int64_t len, P* p, const G* g, const u
   return end;
 }
 
+// lut_code's grid index of 16 values, in fewer steps with the same bits: (v + 1) * 0.5 is exact for v >= -1, so
+// ((v + 1) * 0.5) * 65535 rounds as (v + 1) * 32767.5 does. Below -1 (and NaN, and -inf: cvtt gives INT_MIN)
+// the result is negative or 0 where lut_code's clamp gives 0: grid_indices clamps it after the conversion.
 inline __m512i grid_index16(const float* x, __m512 iv) {
-  const __m512 one = _mm512_set1_ps(1.0f), half = _mm512_set1_ps(0.5f);
-  __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x), iv);
-  t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-1.0f)), one);  // max_ps(NaN, -1) = -1, as in lut_code
-  t = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_add_ps(t, one), half), _mm512_set1_ps(65535.0f)), half);
-  return _mm512_cvttps_epi32(t);  // in [0, 65535]
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 t = _mm512_min_ps(one, _mm512_mul_ps(_mm512_loadu_ps(x), iv));  // min_ps(1, NaN) = NaN
+  t = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(t, one), _mm512_set1_ps(32767.5f)), _mm512_set1_ps(0.5f));
+  return _mm512_cvttps_epi32(t);  // at most 65535
+}
+
+// The grid indices of x[0 .. 31] in 16-bit lanes, clamped to [0, 65535] by the pack's unsigned saturation, in
+// the pack's order: 128-bit lane k holds x[4k .. 4k + 3] then x[16 + 4k .. 16 + 4k + 3] (in_order undoes it).
+inline __m512i grid_indices(const float* x, __m512 iv) {
+  return _mm512_packus_epi32(grid_index16(x, iv), grid_index16(x + 16, iv));
+}
+
+// 32 bytes in grid_indices' order back in the order of x: 4-byte group 2k + h is x[16 h + 4k .. 16 h + 4k + 3].
+inline __m256i in_order(__m256i bytes) {
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
 
 // build_quantize_lut's threshold tree in registers: lut[t] of 32 grid indices t at a time without touching
-// the 64 KiB table (8 compares against thresholds picked by permutes, a binary search).
+// the 64 KiB table (8 compares against thresholds picked by permutes, a binary search). A lane's path is kept
+// bit-reversed (the branch taken at level l is bit l), so each step is one masked add, and the last level's
+// register pair is picked by level 6's compare; one reversal of the path's byte at the end gives the code.
 struct SearchTree {
   __m512i level[12];  // levels 0-5 one register each, level 6 two, level 7 four
-  __m512i base;
+  __m512i root;
+  __m256i base;
 
   explicit SearchTree(const uint8_t* lut) {
     const auto words = reinterpret_cast<const uint16_t*>(lut + kSearchOffset);
     for (int r = 0; r < 12; ++r) level[r] = _mm512_loadu_si512(words + 32 * r);
-    base = _mm512_set1_epi16(static_cast<int16_t>(words[kSearchBase]));
+    root = _mm512_set1_epi16(static_cast<int16_t>(words[0]));
+    base = _mm256_set1_epi8(static_cast<char>(words[kSearchBase]));
   }
 
   __m256i codes(__m512i t) const {  // t: 32 grid indices in 16-bit lanes; the codes as bytes
-    const __m512i one = _mm512_set1_epi16(1);
-    __m512i j = _mm512_setzero_si512();
-    const auto descend = [&](__m512i threshold) {  // j = 2 j + (t > threshold)
-      j = _mm512_add_epi16(j, j);
-      j = _mm512_mask_add_epi16(j, _mm512_cmpgt_epu16_mask(t, threshold), j, one);
+    __mmask32 right = _mm512_cmpgt_epu16_mask(t, root);
+    __m512i path = _mm512_maskz_mov_epi16(right, _mm512_set1_epi16(1));
+    const auto descend = [&](__m512i threshold, int bit) {  // path += (t > threshold) << bit
+      right = _mm512_cmpgt_epu16_mask(t, threshold);
+      path = _mm512_mask_add_epi16(path, right, path, _mm512_set1_epi16(static_cast<int16_t>(1 << bit)));
     };
-    for (int r = 0; r < 6; ++r) descend(_mm512_permutexvar_epi16(j, level[r]));
-    descend(_mm512_permutex2var_epi16(level[6], j, level[7]));
-    const __m512i low = _mm512_permutex2var_epi16(level[8], j, level[9]);
-    const __m512i high = _mm512_permutex2var_epi16(level[10], j, level[11]);
-    descend(_mm512_mask_blend_epi16(_mm512_test_epi16_mask(j, _mm512_set1_epi16(64)), low, high));
-    return _mm512_cvtepi16_epi8(_mm512_add_epi16(j, base));
+    for (int r = 1; r < 6; ++r) descend(_mm512_permutexvar_epi16(path, level[r]), r);
+    descend(_mm512_permutex2var_epi16(level[6], path, level[7]), 6);
+    const __m512i low = _mm512_permutex2var_epi16(level[8], path, level[9]);  // index bits 0-5 of path
+    descend(_mm512_mask_blend_epi16(right, low, _mm512_permutex2var_epi16(level[10], path, level[11])), 7);
+    return _mm256_add_epi8(reverse_bits(_mm512_cvtepi16_epi8(path)), base);
+  }
+
+  static __m256i reverse_bits(__m256i x) {  // the bits of every byte in reverse order
+#if defined(__GFNI__)
+    return _mm256_gf2p8affine_epi64_epi8(x, _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL)), 0);
+#else
+    const __m256i reversed = _mm256_setr_epi8(0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15,
+                                              0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+    const __m256i nibble = _mm256_set1_epi8(0x0f);
+    const __m256i low = _mm256_shuffle_epi8(reversed, _mm256_and_si256(x, nibble));
+    const __m256i high = _mm256_shuffle_epi8(reversed, _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble));
+    return _mm256_or_si256(_mm256_slli_epi16(low, 4), high);  // high nibble's bits stay in the low nibble
+#endif
   }
 };
 
@@ -291,9 +321,8 @@ inline int64_t quantize_vector(int64_t len, const float* x, float inv, const uin
   const SearchTree tree(lut);
   const int64_t end = len - len % (2 * kLanes);
   for (int64_t i = 0; i < end; i += 2 * kLanes) {
-    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(grid_index16(x + i, iv))),
-                                         _mm512_cvtepi32_epi16(grid_index16(x + i + kLanes, iv)), 1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), tree.codes(t));
+    const __m256i codes = in_order(tree.codes(grid_indices(x + i, iv)));  // the search does not mind the order
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), codes);
   }
   return end;
 }
@@ -491,7 +520,11 @@ void build_quantize_lut(const float* code, uint8_t* lut) {
   std::memset(tree, 0, sizeof(tree));
   for (int level = 0; level < 8; ++level) {  // node j of a level: the middle of its range of `after`
     const int at = level < 6 ? 32 * level : level == 6 ? 192 : 256;
-    for (int j = 0; j < (1 << level); ++j) tree[at + j] = after[((2 * j + 1) << (7 - level)) - 1];
+    for (int j = 0; j < (1 << level); ++j) {  // stored at j's bits reversed: SearchTree's path to it
+      int path = 0;
+      for (int b = 0; b < level; ++b) path |= ((j >> (level - 1 - b)) & 1) << b;
+      tree[at + path] = after[((2 * j + 1) << (7 - level)) - 1];
+    }
   }
   tree[kSearchBase] = static_cast<uint16_t>(base);
   std::memcpy(lut + kSearchOffset, tree, sizeof(tree));

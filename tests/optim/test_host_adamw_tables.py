@@ -99,3 +99,38 @@ def test_the_8bit_step_has_no_gathers_where_the_cpu_has_avx512_vbmi(kernel, monk
             functions[name] = functions.get(name, 0) + 1
     eight_bit = {f: k for f, k in functions.items() if "adam8bit" in f or "quantize" in f}
     assert not eight_bit, f"gathers in the 8-bit step: {eight_bit}"
+
+
+def _edge_blocks() -> torch.Tensor:
+    """Random blocks at every scale and the edges of the quantizer's input: all-zero blocks, signed zeros,
+    subnormal blocks (1 / absmax is inf: the scaled values are +-inf and NaN), values next to +-1, huge and
+    infinite values, and NaN lanes (ignored in the absmax; quantized as -1)."""
+    gen = torch.Generator().manual_seed(11)
+    tiny = torch.finfo(torch.float32).tiny
+    scales = torch.logspace(-40, 38, 64).float()[:, None]
+    blocks = [torch.randn(64, 256, generator=gen) * scales, torch.zeros(2, 256), -torch.zeros(1, 256),
+              torch.randn(4, 256, generator=gen) * tiny * 2.0 ** -10,
+              torch.nextafter(torch.ones(2, 256), torch.zeros(2, 256)) * torch.tensor([[1.0], [-1.0]]),
+              torch.full((1, 256), 3.0e38), torch.rand(2, 256, generator=gen) - 0.5]
+    x = torch.cat(blocks)
+    x[-1, ::7] = float("nan")
+    x[-2, ::5] = float("inf")
+    x[-2, 1::5] = -float("inf")
+    x[-3, 3] = tiny * 2.0 ** -20  # a subnormal in a block of larger values
+    return torch.cat([x.flatten(), torch.randn(77, generator=gen)])  # and a tail under 256
+
+
+@pytest.mark.parametrize("name", ["signed", "unsigned", "wide", "repeated"])
+def test_random_and_edge_values_get_the_tables_code_on_every_path(kernel, simd, monkeypatch, name):
+    code = _codes()[name]
+    x = _edge_blocks()
+    ours, absmax = host_adamw.quantize_blockwise(x, code)
+    monkeypatch.setattr(host_adamw, "SIMD", False)
+    table, table_absmax = host_adamw.quantize_blockwise(x, code)
+    assert torch.equal(absmax, table_absmax)
+    assert torch.equal(ours, table), f"{int((ours != table).sum())} of {x.numel()} codes differ"
+    if name in ("signed", "unsigned"):
+        finite = torch.isfinite(x).view(-1)[: x.numel() // 256 * 256].view(-1, 256).all(1)  # bitsandbytes' own
+        theirs, _ = torch.ops.bitsandbytes.quantize_blockwise(x, code, 256)       # is only defined there
+        head = ours[: finite.numel() * 256].view(-1, 256)[finite]
+        assert torch.equal(head, theirs[: finite.numel() * 256].view(-1, 256)[finite])
