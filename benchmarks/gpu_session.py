@@ -98,9 +98,11 @@ KERNEL_TEST_FILES = [
     "tests/kernels/test_linear.py",
     "tests/kernels/test_mask_count.py",
 ]
-# Every other file of cuda tests (the second call's): 14 tests; 65 s on an H100 with test_mask_count.py's too.
+# Every other file of cuda tests (the second call's): 15 tests; 65 s on an H100 with test_mask_count.py's too
+# (before test_lookup_rows.py's one, a 64 x 8 table).
 OTHER_CUDA_TEST_FILES = [
     "tests/optim/test_optimizer_in_backward_cuda.py",
+    "tests/training/test_lookup_rows.py",
     "tests/optim/test_sr_adamw.py",
     "tests/optim/test_host_adamw.py",
     "tests/policy/test_packing.py",

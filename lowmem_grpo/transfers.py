@@ -17,7 +17,7 @@ import threading
 from collections import defaultdict
 
 DIRECTIONS = ("h2d", "d2h")
-KINDS = ("weights", "gradients", "reference layers", "reference head", "reward model layers", "reward model head",
+KINDS = ("weights", "gradients", "lookup gradients", "reference layers", "reference head", "reward model layers", "reward model head",
          "activations", "batches", "log-probs")
 
 

@@ -139,7 +139,7 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     reference's layers and head slices once per generation batch (layer-major; `reference_per_micro_batch`:
     once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
     optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
-    backward the layers' once per step) and the new weights once per step; offloaded activations (the layer
+    backward the layers' once per step, the embedding lookup's as at most one row per position) and the new weights once per step; offloaded activations (the layer
     inputs and the final norm's saves) down in each forward and up in each backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
@@ -155,10 +155,12 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         out.append(Transfer("reference head", "h2d", wb * head, passes / steps, "reference pass"))
     if cfg.optim.offload_optimizer:
         every = wb * (arch.params + (head if arch.tied else 0))
-        if layer_major_wanted(cfg, 1):  # the layers' gradients once per step; the rest once per micro-batch
-            layers = wb * arch.layers * arch.layer_params()
+        if layer_major_wanted(cfg, 1):  # the layers' gradients once per step; the lookup's as the rows it
+            layers = wb * arch.layers * arch.layer_params()  # read (at most one per position, an int64 id each)
             out.append(Transfer("gradients", "d2h", layers, 1, "step"))
-            every -= layers
+            rows = min(arch.vocab, decoder_positions(cfg, arch, t.per_device_train_batch_size)[0])
+            out.append(Transfer("lookup gradients", "d2h", rows * (wb * arch.hidden + 8), micro, "micro-batch"))
+            every -= layers + wb * head
         out.append(Transfer("gradients", "d2h", every, micro, "micro-batch"))
         out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
     positions = decoder_positions(cfg, arch, t.per_device_train_batch_size)[0]
@@ -239,6 +241,8 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
         # a layer-major backward's layer gradients: once, each layer's during the backward of the next ones
         once = sum(x.nbytes for x in every_move if x.kind == "gradients" and x.per == "step")
         stalls += max(0.0, once / pcie - micro * backward) if once else 0.0
+    if "lookup gradients" in moves:  # a layer-major lookup's rows: the host waits for them
+        stalls += micro * moves["lookup gradients"].nbytes / pcie
     if "activations" in moves:  # down during the forward, up (prefetched) during the backward
         copy = moves["activations"].nbytes / pcie
         stalls += micro * (max(0.0, copy - forward) + max(0.0, copy - backward))

@@ -208,10 +208,41 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self._this_backward.add(index)
         self._fired.append(index)
 
-    def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor) -> Optional[torch.cuda.Event]:
+    def receive_rows(self, p: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add a gradient given by its non-zero rows to parameter `p`'s host buffer: `p`'s gradient is zero
+        but at the (distinct) row indices `ids`, where it is `rows` (an embedding lookup's, from
+        training/lookup_rows.py). The same roundings as the whole gradient's: a row added to zero is itself,
+        and each row is added once. Sent with its ids ("lookup gradients"); the host waits for them."""
+        if not self.active:  # outside a training step: as a whole gradient in .grad
+            grad = torch.zeros_like(p).index_add_(0, ids, rows.to(p.dtype))
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
+            return
+        index = self._index_of[p]
+        with scope("optimizer"):
+            if self._head_arrived:  # the tied head's part of this micro-batch first, as end_backward adds it
+                self._fold_head()
+            host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=self.on_cuda)
+            host_rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.on_cuda)
+            ready = [self._copy_to_host(ids, host_ids, "lookup gradients"),
+                     self._copy_to_host(rows, host_rows, "lookup gradients")]
+            for event in ready:
+                self._wait_event(event)
+            self._wait_first_copy(index)
+            while self._staged:  # earlier chunks may still be on their way into this buffer
+                self._land_oldest_chunk()
+            host_grad = self.host_grad[p]
+            if index not in self._summed:
+                host_grad.zero_()
+            host_grad.index_add_(0, host_ids, host_rows)
+        self._summed.add(index)
+        self._this_backward.add(index)
+        self._fired.append(index)
+
+    def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor, kind: str = "gradients"
+                      ) -> Optional[torch.cuda.Event]:
         """Copy a gradient into a host buffer: at once on the CPU (None), else queued on the side stream,
-        with an event that completes when it is there. Counted as a transfer ("gradients") either way."""
-        count_transfer("gradients", "d2h", grad.numel() * grad.element_size())
+        with an event that completes when it is there. Counted as a transfer (`kind`) either way."""
+        count_transfer(kind, "d2h", grad.numel() * grad.element_size())
         if not self.on_cuda:
             host.copy_(grad)
             return None
@@ -278,22 +309,25 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
     def end_backward(self) -> None:
         """After each micro-batch's backward: its gradients are all in their host buffers."""
         if self._head_arrived:
-            # The head used the tied weight and the lookup did not (hidden states given directly): the
-            # head's contribution is the tied weight's whole gradient in this micro-batch.
-            index = self._index_of[self.tied]
-            self._wait_head()
-            self._head_arrived = False
-            host_grad = self.host_grad[self.tied]
-            self._wait_first_copy(index)
-            if index in self._summed:
-                host_grad.add_(self.head_host)
-            else:
-                host_grad.copy_(self.head_host)
-            self._summed.add(index)
-            self._fired.append(index)
+            self._fold_head()
         while self._staged:
             self._land_oldest_chunk()
         self._this_backward = set()
+
+    def _fold_head(self) -> None:
+        """Add the tied head's contribution of this micro-batch to the weight's host buffer, where the
+        lookup's gradient did not come with it (hidden states given directly, or a lookup's rows)."""
+        index = self._index_of[self.tied]
+        self._wait_head()
+        self._head_arrived = False
+        host_grad = self.host_grad[self.tied]
+        self._wait_first_copy(index)
+        if index in self._summed:
+            host_grad.add_(self.head_host)
+        else:
+            host_grad.copy_(self.head_host)
+        self._summed.add(index)
+        self._fired.append(index)
 
     # ----- the step --------------------------------------------------------------------------------
     def begin_step(self) -> None:

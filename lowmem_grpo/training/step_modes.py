@@ -32,6 +32,7 @@ from ..policy.layer_major import DecoderLayers, LayerInputs, decoder_layers
 from ..policy.model import Head
 from . import distributed
 from .layer_inputs import LayerInputStore
+from .lookup_rows import LookupRows
 from .loss import PolicyLoss
 
 
@@ -166,8 +167,10 @@ class LayerMajorStep(OffloadStep):
     recomputed and back-propagated for every micro-batch in turn, its gradients summed in `.grad` on the
     device (autograd's sum, one rounding per add, as the host's) and handed to the optimizer by the last
     micro-batch's backward only (`gradients_held`); then, per micro-batch, the part before the layers is
-    run again (the embedding lookup) and back-propagated, as today's offload sends it (once per
-    micro-batch); then the update. Per micro-batch the arithmetic is gradient checkpointing's."""
+    run again (the embedding lookup) and back-propagated, the lookup's gradient sent as the rows it read
+    (lookup_rows.py); then the update. Per micro-batch the arithmetic is gradient checkpointing's. The
+    head's (and the final norm's) gradients still leave once per micro-batch: holding them would keep a
+    (V, H) sum on the device through every micro-batch's loss head."""
 
     def __init__(self, optimizer: OffloadedOptimizer, model: nn.Module, head: Head, policy_loss: PolicyLoss, *,
                  autocast: bool, offload_inputs: bool):
@@ -176,6 +179,7 @@ class LayerMajorStep(OffloadStep):
         self.policy_loss = policy_loss  # its offload_copy_on_cpu: a CPU memory profile wants real host copies
         self.autocast = autocast
         self.store = LayerInputStore(offload_inputs)
+        self.lookup = LookupRows(model.get_input_embeddings())
         self._inputs: list[LayerInputs] = []  # per micro-batch of this step: each layer's arguments
         self._loss_fns: list[Callable[[], tuple[Tensor, dict]]] = []  # and its loss, to run the lookup again
         self._last: list[Tensor] = []  # each micro-batch's last layer output, a leaf; its .grad after backward
@@ -224,9 +228,13 @@ class LayerMajorStep(OffloadStep):
             grads[m] = x.grad
         self._inputs = []
         for loss_fn, grad in zip(self._loss_fns, grads):  # the lookup (and whatever runs before the layers)
-            first = self.layers.record(loss_fn).hidden
+            with self.lookup.compact() as lookups:  # its gradient as the rows it read
+                first = self.layers.record(loss_fn).hidden
             if first.requires_grad:
                 first.backward(grad)
+                for ids, rows in lookups:
+                    if rows.grad is not None:
+                        self.optimizer.receive_rows(self.lookup.weight, ids, rows.grad)
                 self.optimizer.end_backward()
         self._loss_fns = []
 

@@ -104,7 +104,9 @@ def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arc
     shipped = transfers(load_config(RECIPE_1_5B, [], check=False), arch_1_5b)
     layers = 2 * 28 * arch_1_5b.layer_params()
     assert [(t.nbytes, t.count, t.per) for t in shipped if t.kind == "gradients"] == [
-        (layers, 1, "step"), (2 * (arch_1_5b.params + head) - layers, 8, "micro-batch")]
+        (layers, 1, "step"), (2 * arch_1_5b.params - layers, 8, "micro-batch")]  # the lookup's apart:
+    assert [(t.nbytes, t.count) for t in shipped if t.kind == "lookup gradients"] == [  # a row per position
+        (4 * (256 + 512) * (2 * arch_1_5b.hidden + 8), 8)]
     assert [t.count for t in shipped if t.kind.startswith("reference")] == [1, 1]
     assert sum(t.total for t in shipped) < before / 3
     fewer = {t.kind: t for t in transfers(load_config(RECIPE_1_5B, ["logprob_micro_batch_size=8"], check=False),
@@ -114,7 +116,7 @@ def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arc
                                             arch_1_5b)}
     assert grouped["reference layers"].count == 3  # 12 rows: 3 micro-batches of 4 per copy, 8 micro-batches
     no_ref = {t.kind for t in transfers(load_config(RECIPE_1_5B, ["beta=0"], check=False), arch_1_5b)}
-    assert no_ref == {"gradients", "weights"}
+    assert no_ref == {"gradients", "lookup gradients", "weights"}
     on_device = {t.kind for t in transfers(load_config(RECIPE_1_5B, ["offload_optimizer=false"], check=False),
                                            arch_1_5b)}
     assert on_device == {"reference layers", "reference head"}

@@ -57,8 +57,8 @@ def _same(plain, layer_major) -> None:
     ["precision=bf16_sr", "optimizer=adamw_8bit"],
 ], ids=["dapo", "reference-cispo-clip", "packed-sapo", "sequence-two-steps", "offload-bnpo", "bf16-8bit"])
 def test_an_untied_model_steps_bit_for_bit_as_the_per_micro_batch_path(toy_config, tmp_path, overrides):
-    """Head and embedding gradients leave once per micro-batch as before, the layers' once per step, summed
-    on the device with the roundings the host made, in the same order."""
+    """Head gradients leave once per micro-batch as before, the layers' and the embedding lookup's once per
+    step, summed on the device with the roundings the host made, in the same order."""
     if "optimizer=adamw_8bit" in overrides:
         pytest.importorskip("bitsandbytes")
     _same(*(_run(toy_config, tmp_path, lm, f"model.config={UNTIED}", *overrides) for lm in (False, True)))
@@ -86,24 +86,39 @@ def test_a_tied_embedding_stays_within_fp32_rounding(toy_config, tmp_path):
         assert lm["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
 
 
-def test_each_layer_gradient_reaches_the_host_once_per_step(toy_config, tmp_path, monkeypatch):
-    arrivals: dict[int, int] = {}
-    receive = OffloadedOptimizer._receive
+def test_each_layer_gradient_reaches_the_host_once_per_step_and_the_lookup_as_its_rows(toy_config, tmp_path,
+                                                                                        monkeypatch):
+    arrivals: dict[int, int] = {}  # whole gradients, by parameter index
+    rows_sent: list[tuple[int, int]] = []  # (distinct ids, tokens) of each lookup sent as its rows
+    receive, receive_rows = OffloadedOptimizer._receive, OffloadedOptimizer.receive_rows
 
     def counting(self, index, grad):
         arrivals[index] = arrivals.get(index, 0) + 1
         return receive(self, index, grad)
+
+    def counting_rows(self, p, ids, rows):
+        assert rows.shape == (ids.numel(), p.shape[1]) and torch.equal(ids, ids.unique())
+        rows_sent.append(ids.numel())
+        return receive_rows(self, p, ids, rows)
     monkeypatch.setattr(OffloadedOptimizer, "_receive", counting)
+    monkeypatch.setattr(OffloadedOptimizer, "receive_rows", counting_rows)
     for layer_major in (False, True):
         arrivals.clear()
+        rows_sent.clear()
         trainer = Trainer(toy_config(*STEP, f"layer_major_backward={str(layer_major).lower()}", "max_steps=1",
                                      "beta=0.04", f"model.config={UNTIED}", output_dir=tmp_path / f"once-{layer_major}"))
-        trainer.run_step()
+        metrics = trainer.run_step()[1]
         name_of = {id(p): n for n, p in trainer.policy.named_parameters()}
         per_name = {name_of[id(p)]: arrivals.get(i, 0) for i, p in enumerate(trainer.optimizer.params)}
         layers = {n: c for n, c in per_name.items() if ".layers." in n}
         assert set(layers.values()) == {1 if layer_major else 4}, per_name
-        assert {c for n, c in per_name.items() if ".layers." not in n} == {4}  # embedding, head, final norm
+        assert per_name.pop("model.embed_tokens.weight") == (0 if layer_major else 4)
+        assert {c for n, c in per_name.items() if n not in layers} == {4}  # the head and the final norm
+        assert len(rows_sent) == (4 if layer_major else 0)  # one lookup per micro-batch, each its rows
+        table = trainer.policy.get_input_embeddings().weight
+        assert all(0 < n < table.shape[0] for n in rows_sent)
+        row_bytes = 8 + table.shape[1] * table.element_size()  # an int64 id and its row
+        assert metrics.get("transfer/d2h/lookup gradients", 0) == sum(n * row_bytes for n in rows_sent)
 
 
 def test_the_setting_is_refused_where_it_cannot_run(toy_config):
