@@ -1,7 +1,7 @@
 """How the backwards of one optimizer step become an update: one small object per memory mode, behind
 the interface `Trainer.optimizer_step` drives the same way in every mode:
 
-    mode.begin()                                  once per optimizer step
+    mode.begin(loss_fns)                          once per optimizer step, with the losses that will run
     for each micro-batch:                         (skipped_micro_batch(): every completion skipped)
         with mode.micro_batch(last):
             loss, metrics = mode.forward(loss_fn)     the micro-batch's loss
@@ -10,7 +10,8 @@ the interface `Trainer.optimizer_step` drives the same way in every mode:
 
 PlainStep (autograd accumulation), InBackwardStep (train.optimizer_in_backward: updated inside each
 backward), OffloadStep (optim.offload_optimizer: gradients summed on the host, one update on the CPU)
-and LayerMajorStep (offload with train.layer_major_backward: each gradient crosses once per step).
+and LayerMajorStep (offload with train.layer_major_backward: each layer runs its forward once per step
+over every micro-batch, and each gradient crosses once per step).
 A step where every completion was skipped still steps Adam on a zero gradient.
 Design notes: docs/training.md, docs/memory-modes.md
 """
@@ -18,7 +19,7 @@ Design notes: docs/training.md, docs/memory-modes.md
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,18 +36,21 @@ from .layer_inputs import LayerInputStore
 from .lookup_rows import LookupRows
 from .loss import PolicyLoss
 
+LossFn = Callable[[], tuple[Tensor, dict]]  # one micro-batch's (loss, metrics)
+
 
 class StepMode:
     """The shared interface (module docstring). The defaults are the plain path's."""
 
-    def begin(self) -> None:
-        """Before the first micro-batch of an optimizer step."""
+    def begin(self, loss_fns: Sequence[LossFn] = ()) -> None:
+        """Before the first micro-batch of an optimizer step; `loss_fns`: the losses `forward` will be given,
+        in that order (the micro-batches that run a forward)."""
 
     def micro_batch(self, last: bool):
         """A context around one micro-batch's forward and backward; `last`: the step's last micro-batch."""
         return contextlib.nullcontext()
 
-    def forward(self, loss_fn: Callable[[], tuple[torch.Tensor, dict]]) -> tuple[torch.Tensor, dict]:
+    def forward(self, loss_fn: LossFn) -> tuple[torch.Tensor, dict]:
         """The micro-batch's (loss, metrics): `loss_fn()`, the loss module's forward on it."""
         return loss_fn()
 
@@ -107,7 +111,7 @@ class InBackwardStep(StepMode):
         self.optimizer = optimizer
         self.grad_norm = 0.0
 
-    def begin(self) -> None:
+    def begin(self, loss_fns: Sequence[LossFn] = ()) -> None:
         self.grad_norm = 0.0
 
     def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
@@ -137,7 +141,7 @@ class OffloadStep(StepMode):
         optimizer.split_tied_head(model, [head])  # a tied embedding's two (V, H) gradients never meet on the device
         optimizer.wait_in_forward(model, [head])  # the host update runs on the worker thread
 
-    def begin(self) -> None:
+    def begin(self, loss_fns: Sequence[LossFn] = ()) -> None:
         self.optimizer.begin_step()
 
     def backward(self, loss: torch.Tensor, loss_is_finite: Callable[[], bool]) -> None:
@@ -161,9 +165,10 @@ class OffloadStep(StepMode):
 class LayerMajorStep(OffloadStep):
     """OffloadStep whose micro-batches share one backward per layer: each gradient crosses once per step.
 
-    `forward`: the decoder up to its layers (DecoderLayers.record), the layers without a graph, keeping
-    each one's input (LayerInputStore), then the loss from the last layer's output (finishing_from);
-    `backward` reaches the loss head and the final norm. `finish`: last layer to first, each layer is
+    `begin`: for every micro-batch, the decoder up to its layers (DecoderLayers.record); then layer by
+    layer, every micro-batch through it without a graph, keeping each input (LayerInputStore). `forward`:
+    the loss from the micro-batch's last layer output (finishing_from); `backward` reaches the loss head
+    and the final norm. `finish`: last layer to first, each layer is
     recomputed and back-propagated for every micro-batch in turn, its gradients summed in `.grad` on the
     device (autograd's sum, one rounding per add, as the host's) and handed to the optimizer by the last
     micro-batch's backward only (`gradients_held`); then, per micro-batch, the part before the layers is
@@ -181,29 +186,34 @@ class LayerMajorStep(OffloadStep):
         self.store = LayerInputStore(offload_inputs)
         self.lookup = LookupRows(model.get_input_embeddings())
         self._inputs: list[LayerInputs] = []  # per micro-batch of this step: each layer's arguments
-        self._loss_fns: list[Callable[[], tuple[Tensor, dict]]] = []  # and its loss, to run the lookup again
+        self._loss_fns: list[LossFn] = []  # and its loss, to run the lookup again
+        self._forwarded = 0  # the losses `forward` has run this step
         self._last: list[Tensor] = []  # each micro-batch's last layer output, a leaf; its .grad after backward
 
-    def begin(self) -> None:
+    def begin(self, loss_fns: Sequence[LossFn] = ()) -> None:
+        """The decoder up to its layers for each of `loss_fns`, then each layer, first to last, over all of
+        them, without a graph: each layer's weights are read once per step."""
         super().begin()
-        self._inputs, self._loss_fns, self._last = [], [], []
         self.store.clear()
         self.store.copy_on_cpu = self.policy_loss.offload_copy_on_cpu
+        self._loss_fns, self._forwarded = list(loss_fns), 0
+        self._inputs = [LayerInputs(r.hidden.detach(), r.calls)  # (the graph to the embedding: made again
+                        for r in (self.layers.record(f) for f in self._loss_fns)]  # in finish)
+        hidden = [inputs.hidden for inputs in self._inputs]
+        if hidden:
+            with torch.no_grad(), self._autocast(hidden[0]):
+                for i in range(len(self.layers)):
+                    for m, inputs in enumerate(self._inputs):
+                        self.store.put((i, m), hidden[m])
+                        hidden[m] = self.layers.run(i, hidden[m], inputs.calls[i])
+        self._last = [h.detach().requires_grad_() for h in hidden]
 
-    def forward(self, loss_fn: Callable[[], tuple[Tensor, dict]]) -> tuple[Tensor, dict]:
-        m = len(self._inputs)
-        recorded = self.layers.record(loss_fn)
-        hidden = recorded.hidden.detach()  # (its graph to the embedding is made again in finish)
-        inputs = LayerInputs(hidden, recorded.calls)
-        with torch.no_grad(), self._autocast(hidden):
-            for i in range(len(self.layers)):
-                self.store.put((i, m), hidden)
-                hidden = self.layers.run(i, hidden, inputs.calls[i])
-        last = hidden.detach().requires_grad_()
-        self._inputs.append(inputs)
-        self._loss_fns.append(loss_fn)
-        self._last.append(last)
-        with self.layers.finishing_from(last):
+    def forward(self, loss_fn: LossFn) -> tuple[Tensor, dict]:
+        """The loss from this micro-batch's last layer output (made in `begin`)."""
+        m, self._forwarded = self._forwarded, self._forwarded + 1
+        if m >= len(self._loss_fns) or loss_fn is not self._loss_fns[m]:
+            raise RuntimeError("LayerMajorStep.forward takes the losses given to begin(), in their order")
+        with self.layers.finishing_from(self._last[m]):
             return loss_fn()
 
     def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:

@@ -290,19 +290,20 @@ class Trainer:
         rows = gb.next_micro_batches(self.plan, t.per_device_train_batch_size, t.gradient_accumulation_steps)
         num_items = int(world.sum([step_completion_tokens(rows)])[0])  # every rank's completion tokens
         self.policy.train()
-        mode.begin()
+        works = [plan_micro_batch(mb, t, world.distributed) for mb in rows]  # which rows learn, their loss scale
+        losses = [None if w.rows is None else functools.partial(
+            self.micro_batch_loss, w.rows.to(self.device), num_items, scale=w.scale, tokens=w.tokens) for w in works]
+        with phase("forward"):
+            mode.begin([loss_fn for loss_fn in losses if loss_fn is not None])
         tally = StepTally()  # the sums stay on the device: one host read per step
-        for i, mb in enumerate(rows):
-            work = plan_micro_batch(mb, t, world.distributed)  # which rows learn, and their loss scale
-            if work.rows is None:
+        for i, (work, loss_fn) in enumerate(zip(works, losses)):
+            if loss_fn is None:
                 if work.skipped:  # every completion skipped: no backward, a zero gradient
                     mode.skipped_micro_batch()
                 continue
             with mode.micro_batch(last=i == len(rows) - 1):
                 with phase("forward"):
-                    loss, metrics = mode.forward(functools.partial(
-                        self.micro_batch_loss, work.rows.to(self.device), num_items, scale=work.scale,
-                        tokens=work.tokens))
+                    loss, metrics = mode.forward(loss_fn)
                     tally.add(loss, metrics, work.tokens if work.learns else None)
                 with phase("backward"):
                     mode.backward(loss, tally.loss_is_finite)  # loss.backward(), the optimizer in it or not

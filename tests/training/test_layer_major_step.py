@@ -121,6 +121,26 @@ def test_each_layer_gradient_reaches_the_host_once_per_step_and_the_lookup_as_it
         assert metrics.get("transfer/d2h/lookup gradients", 0) == sum(n * row_bytes for n in rows_sent)
 
 
+def test_each_layer_runs_over_every_micro_batch_at_once_forward_and_backward(toy_config, tmp_path):
+    """The forward goes layer-major too (LayerMajorStep.begin): layer i over all 4 micro-batches, then
+    layer i + 1; the backward recomputes last to first the same way. Each layer's weights are read in two
+    runs per step, which a streamed layer needs (two copies per step, not one per micro-batch)."""
+    trainer = Trainer(toy_config(*STEP, "layer_major_backward=true", "max_steps=1", "skip_zero_advantage=false",
+                                 output_dir=tmp_path / "order"))
+    layers = trainer.step_mode.layers
+    calls: list[int] = []
+    for i in range(len(layers)):
+        layers.layers[i].register_forward_pre_hook(lambda module, args, i=i: calls.append(i))
+    trainer.generation = trainer.new_generation_batch()  # (the rollout and log-prob passes: not the step's)
+    calls.clear()
+    trainer.optimizer_step()
+    n, k = len(layers), 4
+    assert calls == [i for i in range(n) for _ in range(k)] + [i for i in reversed(range(n)) for _ in range(k)]
+    trainer.step_mode.begin([])
+    with pytest.raises(RuntimeError, match="takes the losses given to begin"):
+        trainer.step_mode.forward(lambda: (torch.zeros(()), {}))
+
+
 def test_the_setting_is_refused_where_it_cannot_run(toy_config):
     with pytest.raises(ConfigError, match="layer_major_backward=true needs optim.offload_optimizer=true"):
         toy_config("layer_major_backward=true")
