@@ -139,8 +139,9 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     reference's layers and head slices once per generation batch (layer-major; `reference_per_micro_batch`:
     once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
     optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
-    backward the layers' once per step, the embedding lookup's as at most one row per position) and the new weights once per step; offloaded activations (the layer
-    inputs and the final norm's saves) down in each forward and up in each backward."""
+    backward the layers' once per step, the embedding lookup's as at most one row per position) and the
+    new weights once per step; offloaded activations (the layer inputs and the final norm's saves) down in
+    each forward and up in each backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     batches = batch_plan(cfg)

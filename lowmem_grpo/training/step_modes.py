@@ -10,10 +10,9 @@ the interface `Trainer.optimizer_step` drives the same way in every mode:
 
 PlainStep (autograd accumulation), InBackwardStep (train.optimizer_in_backward: updated inside each
 backward), OffloadStep (optim.offload_optimizer: gradients summed on the host, one update on the CPU)
-and LayerMajorStep (offload with train.layer_major_backward: each layer runs its forward once per step
-over every micro-batch, and each gradient crosses once per step).
-A step where every completion was skipped still steps Adam on a zero gradient.
-Design notes: docs/training.md, docs/memory-modes.md
+and LayerMajorStep (offload with train.layer_major_backward: each layer runs over every micro-batch at
+once, forward and backward; each gradient crosses once per step). A step where every completion was
+skipped still steps Adam on a zero gradient. Design notes: docs/training.md, docs/memory-modes.md
 """
 
 from __future__ import annotations
