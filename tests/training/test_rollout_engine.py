@@ -59,7 +59,7 @@ def test_the_engine_reads_the_weights_once_the_offloaded_update_has_landed(toy_c
     trainer = Trainer(toy_config("max_steps=3", "offload_optimizer=true", "optimizer_in_backward=true"))
     landed = []  # the weights at each step's start: begin_step waits for the last update
     real_begin = trainer.step_mode.begin
-    trainer.step_mode.begin = lambda: (real_begin(), landed.append(
+    trainer.step_mode.begin = lambda loss_fns=(): (real_begin(loss_fns), landed.append(
         {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}))
     with caplog.at_level(logging.WARNING, logger="lowmem_grpo"):
         trainer.train()
