@@ -148,6 +148,7 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     steps = batches.steps_per_generation_batch
     micro = batches.micro_batches_per_generation / steps
     head = arch.vocab * arch.hidden
+    positions = decoder_positions(cfg, arch, t.per_device_train_batch_size)[0]  # of one micro-batch
     out = []
     if t.beta > 0 and device != "cpu" and t.reference_compute != "cpu":
         passes = reference_micro_batches(cfg) if reference_per_micro_batch else reference_stream_groups(cfg)[1]
@@ -159,12 +160,11 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         if layer_major_wanted(cfg, 1):  # the layers' gradients once per step; the lookup's as the rows it
             layers = wb * arch.layers * arch.layer_params()  # read (at most one per position, an int64 id each)
             out.append(Transfer("gradients", "d2h", layers, 1, "step"))
-            rows = min(arch.vocab, decoder_positions(cfg, arch, t.per_device_train_batch_size)[0])
+            rows = min(arch.vocab, positions)
             out.append(Transfer("lookup gradients", "d2h", rows * (wb * arch.hidden + 8), micro, "micro-batch"))
             every -= layers + wb * head
         out.append(Transfer("gradients", "d2h", every, micro, "micro-batch"))
         out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
-    positions = decoder_positions(cfg, arch, t.per_device_train_batch_size)[0]
     layer_io = positions * arch.hidden * wb
     if activations_offloaded(cfg, layer_io):  # the layer inputs, and the final norm's saves that go with them
         sizes = StepSizes.of(cfg, arch, cfg.model.bf16 is not False, device)
