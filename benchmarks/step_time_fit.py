@@ -48,9 +48,12 @@ HELD_OUT = (
 )
 CARD = "H100 SXM"
 # The settings of the measured runs where the recipes have changed since: every micro-batch's gradients went
-# down (no layer-major backward), and the 3B recipe kept its layer inputs on the GPU; the reference was
-# streamed once per micro-batch (`reference_per_micro_batch` below).
-AS_RUN = {"recipes/qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"]}
+# down (no layer-major backward), the 3B recipe kept its layer inputs on the GPU, the 4096-token one ran
+# four-row micro-batches; the reference was streamed once per micro-batch (`reference_per_micro_batch` below).
+AS_RUN_ALL = ["layer_major_backward=false", "head_gradient_once_per_step=false", "layers_per_checkpoint=1"]
+AS_RUN = {"recipes/qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"],
+          "recipes/qwen2.5-1.5b_gsm8k-4096_8gb.yaml": ["per_device_train_batch_size=4", "gradient_accumulation_steps=8",
+                                                       "steps_per_generation=8"]}
 FITTED = ("decode", "pcie", "host_update_gbps", "host_add_gbps")
 
 
@@ -59,7 +62,7 @@ def _setup(run_name: str) -> tuple:
     """(config, architecture) of a run: built once (an Arch builds a meta model)."""
     _, arch, recipe, completion, _ = next(r for r in RUNS + HELD_OUT if r[0] == run_name)
     cfg = load_config(str(ROOT / recipe), ["max_prompt_length=256", f"max_completion_length={completion}",
-                                           "layer_major_backward=false", *AS_RUN.get(recipe, [])], check=False)
+                                           *AS_RUN_ALL, *AS_RUN.get(recipe, [])], check=False)
     return cfg, Arch.from_config(preset(arch))
 
 

@@ -25,9 +25,13 @@ from lowmem_grpo.memory.step_time import estimate, transfers  # noqa: E402
 
 RECIPES = ("qwen2.5-1.5b_gsm8k_8gb.yaml", "qwen2.5-3b_gsm8k_8gb.yaml", "qwen2.5-1.5b_gsm8k-4096_8gb.yaml",
            "qwen2.5-1.5b_gsm8k-8192_8gb.yaml")
-# the settings each recipe had before (where it changed them with the layer-major passes)
+# the settings each recipe had before the layer-major passes (where it changed them with them)
+BEFORE_ALL = ["layer_major_backward=false", "head_gradient_once_per_step=false", "layers_per_checkpoint=1"]
 BEFORE = {"qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"],
-          "qwen2.5-1.5b_gsm8k-8192_8gb.yaml": ["reference_stream_rows=null"]}
+          "qwen2.5-1.5b_gsm8k-4096_8gb.yaml": ["per_device_train_batch_size=4", "gradient_accumulation_steps=8",
+                                               "steps_per_generation=8"],
+          "qwen2.5-1.5b_gsm8k-8192_8gb.yaml": ["reference_stream_rows=null", "per_device_train_batch_size=2",
+                                               "gradient_accumulation_steps=16", "steps_per_generation=16"]}
 
 
 def totals(moves) -> dict[str, float]:
@@ -47,7 +51,7 @@ def main() -> None:
     for name in args.recipes:
         path = str(ROOT / "recipes" / name)
         now_cfg = load_config(path, check=False)
-        before_cfg = load_config(path, ["layer_major_backward=false", *BEFORE.get(name, [])], check=False)
+        before_cfg = load_config(path, [*BEFORE_ALL, *BEFORE.get(name, [])], check=False)
         arch = architecture(now_cfg, None)[0]
         then = transfers(before_cfg, arch, reference_per_micro_batch=True)
         now = transfers(now_cfg, arch)

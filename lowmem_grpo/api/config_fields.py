@@ -25,6 +25,7 @@ class GRPOConfigFields:
     pad_token_id: Optional[int] = None
     gradient_checkpointing: bool = True
     precision: str = 'fp32'
+    layers_per_checkpoint: int = 1
     offload_activations: bool = False
     bf16: Optional[bool] = None
     attn_implementation: str = 'sdpa'
@@ -73,6 +74,7 @@ class GRPOConfigFields:
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     layer_major_backward: Optional[bool] = None
+    head_gradient_once_per_step: bool = False
     generation_batch_size: Optional[int] = None
     steps_per_generation: Optional[int] = None
     num_iterations: int = 1
@@ -152,6 +154,7 @@ class GRPOConfigFields:
             pad_token_id: Optional[int] = None,
             gradient_checkpointing: bool = True,
             precision: str = 'fp32',
+            layers_per_checkpoint: int = 1,
             offload_activations: bool = False,
             bf16: Optional[bool] = None,
             attn_implementation: str = 'sdpa',
@@ -196,6 +199,7 @@ class GRPOConfigFields:
             per_device_train_batch_size: int = 8,
             gradient_accumulation_steps: int = 1,
             layer_major_backward: Optional[bool] = None,
+            head_gradient_once_per_step: bool = False,
             generation_batch_size: Optional[int] = None,
             steps_per_generation: Optional[int] = None,
             num_iterations: int = 1,

@@ -62,6 +62,14 @@ class ModelConfig:
                                      "so lr-1e-6 updates land (lowmem_grpo/optim/sr_adamw.py). Needs "
                                      "optim.optimizer=adamw_8bit or paged_adamw_8bit and a GPU with native bf16 (or "
                                      "the CPU).", check=("fp32", "bf16_sr"))
+    layers_per_checkpoint: int = setting(1, "Decoder layers recomputed together in a layer-major backward "
+                                            "(train.layer_major_backward): only the first layer's input of each group "
+                                            "is kept (in host RAM with offload_activations), so at 2 the kept inputs, "
+                                            "their PCIe bytes and their host RAM halve, for one more layer's saved "
+                                            "activations on the device in the backward; the same arithmetic. "
+                                            "Megatron's recompute_num_layers (recompute_method=uniform). The other "
+                                            "step modes checkpoint every layer: above 1 needs the layer-major "
+                                            "backward.", check=POSITIVE)
     offload_activations: bool = setting(False, "Copy the layer inputs that checkpointing keeps to pinned CPU RAM on a "
                                                "side stream (overlapping compute) and back in backward: saves layers x "
                                                "tokens x hidden x 2 bytes of GPU memory for PCIe traffic. Needs "
@@ -212,6 +220,12 @@ class TrainConfig:
                                                          "gradient_checkpointing and offload_activations, in one "
                                                          "process (`lowmem-grpo plan` shows what true costs "
                                                          "without offload_activations).")
+    head_gradient_once_per_step: bool = setting(False, "With the layer-major backward: sum the output head's (and "
+                                                       "the final norm's) gradient on the device over the step's "
+                                                       "micro-batches and send it to the host once per step, not once "
+                                                       "per micro-batch; costs one (vocab x hidden) gradient on the "
+                                                       "device through every micro-batch's loss head (`lowmem-grpo "
+                                                       "plan` shows whether it fits).")
     generation_batch_size: Optional[int] = setting(None, "Completions per generation batch (a multiple of "
                                                          "num_generations). Default: per_device_train_batch_size x "
                                                          "steps_per_generation.", check=POSITIVE)

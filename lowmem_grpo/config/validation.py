@@ -88,6 +88,14 @@ def validate(cfg: Config, given: Given = Given()) -> None:
     if m.offload_activations and not m.gradient_checkpointing:
         raise ConfigError("model.offload_activations moves the layer inputs that checkpointing keeps: set "
                           "model.gradient_checkpointing=true")
+    if m.layers_per_checkpoint > 1 and (not m.gradient_checkpointing or t.layer_major_backward is False):
+        raise ConfigError(f"model.layers_per_checkpoint={m.layers_per_checkpoint} groups the layers a layer-major "
+                          "backward recomputes: it needs model.gradient_checkpointing=true and "
+                          "train.layer_major_backward (true, or unset where it turns on); or set it to 1")
+    if t.head_gradient_once_per_step and (t.layer_major_backward is False or not o.offload_optimizer):
+        raise ConfigError("train.head_gradient_once_per_step sums the head's gradient in a layer-major backward: it "
+                          "needs optim.offload_optimizer=true and train.layer_major_backward (true, or unset where it "
+                          "turns on); or set it to false")
     if m.precision == "bf16_sr" and o.optimizer == "adamw" and not o.offload_optimizer:  # (offloaded: fp32 master)
         raise ConfigError("model.precision=bf16_sr needs the stochastic-rounding 8-bit optimizer: set "
                           "optim.optimizer=adamw_8bit (torch AdamW would round bf16 updates to nearest and lose them)")

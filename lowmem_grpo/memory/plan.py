@@ -29,7 +29,7 @@ from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
 from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories
 from .layer_probe import LayerCosts, layer_costs
-from ..training.step_modes import layer_major_wanted
+from ..training.step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint
 
 GiB = 2**30
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
@@ -188,6 +188,8 @@ class StepSizes:
     layer_input_bytes: int  # one layer input of a training micro-batch
     offloads_activations: bool  # whether model.offload_activations moves the layer inputs
     layer_major: bool  # train.layer_major_backward as resolved (training/step_modes.py: layer_major_wanted)
+    group: int  # model.layers_per_checkpoint: layers recomputed together (1 outside a layer-major backward)
+    head_once: bool  # train.head_gradient_once_per_step
 
     @classmethod
     def of(cls, cfg: Config, arch: Arch, autocast: bool, device: str, world_size: int = 1) -> "StepSizes":
@@ -202,7 +204,12 @@ class StepSizes:
         layer_input = train.positions * arch.hidden * weight_bytes  # the residual stream: the weight dtype
         casts = 2 * arch.layer_params() if (autocast and weight_bytes == 4) else 0
         return cls(cfg, arch, device, weight_bytes, compute_bytes, costs, train, logprob, casts, layer_input,
-                   activations_offloaded(cfg, layer_input), layer_major_wanted(cfg, world_size))
+                   activations_offloaded(cfg, layer_input), layer_major_wanted(cfg, world_size),
+                   layers_per_checkpoint(cfg, world_size), head_gradient_once(cfg, world_size))
+
+    def kept_layer_inputs(self) -> int:
+        """Layer inputs checkpointing keeps per micro-batch: one per layer, or per group of layers."""
+        return -(-self.arch.layers // self.group)
 
     def resident(self) -> dict[str, int]:
         """What every phase holds: the weights, and the optimizer states unless they are on the host."""
@@ -222,6 +229,7 @@ class GradientBytes(NamedTuple):
     at_head: int  # while the head's backward runs
     at_end: int  # when the last layer's backward is done
     whole: int  # every gradient at once (the optimizer step's input)
+    head_sum: int = 0  # the head's gradient summed over micro-batches, beside each loss head after the first
 
 
 def gradient_bytes(sizes: StepSizes) -> GradientBytes:
@@ -240,10 +248,11 @@ def gradient_bytes(sizes: StepSizes) -> GradientBytes:
         from ..optim.optimizer_in_backward import LAG_BYTES
         alive += min(LAG_BYTES, whole)
     at_end = alive
-    if sizes.layer_major:  # one layer's gradients summed on the device over the step's micro-batches; a tied
-        # embedding's lookup gradient comes after the layers' backward (backward_phase: "lookup")
-        at_end += element * (arch.layer_params() - (embedding if arch.tied else 0))
-    return GradientBytes(0, alive, at_end, whole)
+    if sizes.layer_major:  # one group's layers' gradients summed on the device over the step's micro-batches; a
+        # tied embedding's lookup gradient comes after the layers' backward (backward_phase: "lookup")
+        at_end += element * (sizes.group * arch.layer_params() - (embedding if arch.tied else 0))
+    held = element * arch.vocab * arch.hidden if sizes.head_once else 0  # train.head_gradient_once_per_step
+    return GradientBytes(0, alive, at_end, whole, held)
 
 
 class ActivationBytes(NamedTuple):
@@ -265,13 +274,14 @@ def activation_bytes(sizes: StepSizes) -> ActivationBytes:
     # the final norm's saves; under activation offload only its output stays (the rest is host RAM)
     norm = (costs.norm_left_offloaded if sizes.offloads_activations else costs.norm_saved) * positions
     if sizes.cfg.model.gradient_checkpointing:
-        kept = 0 if sizes.offloads_activations else layers * layer_input  # the layer inputs
+        kept = 0 if sizes.offloads_activations else sizes.kept_layer_inputs() * layer_input  # the layer inputs
         # A checkpointed layer's forward saves nothing inside (checkpoint's hooks drop it): a no-grad
         # forward's transient, beside its input (one of `kept`, or the one on its way to the host).
         forward_layer = ((layer_input if sizes.offloads_activations else 0)
                          + (costs.no_grad_peak - costs.kv_cache) * positions + shape.mask_call_bytes)
-        # one layer recomputed (with its mask copy), then its backward
-        recompute = casts + (costs.saved + costs.backward_peak) * positions + shape.mask_call_bytes
+        # one layer (a group of them) recomputed, each with its mask copy, then its backward
+        recompute = (sizes.group * (casts + costs.saved * positions + shape.mask_call_bytes)
+                     + costs.backward_peak * positions)
         first = kept + recompute
         if sizes.offloads_activations:  # the next layer's input, prefetched during this layer's backward
             first += layer_input
@@ -299,7 +309,7 @@ def forward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes)
     """The training forward's peak: its worst layer, or the loss head's forward."""
     casts = sizes.arch.layers * sizes.layer_cast_bytes
     worst = _largest([{"gradients": grads.before, "activations": acts.forward_layers + casts},
-                      {"gradients": grads.before, "activations": acts.forward_head + casts,
+                      {"gradients": grads.before + grads.head_sum, "activations": acts.forward_head + casts,
                        "loss head": sizes.head_bytes(sizes.train, backward=False)}])
     return {**sizes.resident(), **worst}
 
@@ -315,7 +325,7 @@ def backward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes
     offload = cfg.optim.offload_optimizer
     new_grad = sizes.weight_bytes * max(arch.tensor_sizes)
     tied_sum_on_device = arch.tied and not offload
-    worst = _largest([{"gradients": grads.at_head + (new_grad if grads.before else 0),
+    worst = _largest([{"gradients": grads.at_head + grads.head_sum + (new_grad if grads.before else 0),
                        "activations": acts.backward_head, "loss head": sizes.head_bytes(sizes.train, backward=True)},
                       {"gradients": grads.at_head, "activations": acts.backward_first},
                       {"gradients": grads.at_end + (new_grad if (tied_sum_on_device or grads.before) else 0),
@@ -461,7 +471,7 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
     cfg, arch, device = sizes.cfg, sizes.arch, sizes.device
     # a layer-major backward keeps every micro-batch's layer inputs (training/layer_inputs.py)
     inputs_kept = cfg.train.gradient_accumulation_steps if sizes.layer_major else 1
-    offloaded = (inputs_kept * arch.layers * sizes.layer_input_bytes
+    offloaded = (inputs_kept * sizes.kept_layer_inputs() * sizes.layer_input_bytes
                  + sizes.costs.norm_offloaded * sizes.train.positions if sizes.offloads_activations else 0)
     host = host_categories(cfg, arch, offloaded, device)
     pinned = [c for c in pinned_host_categories(cfg, device) if c in host]

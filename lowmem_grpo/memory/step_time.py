@@ -139,9 +139,11 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     reference's layers and head slices once per generation batch (layer-major; `reference_per_micro_batch`:
     once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
     optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
-    backward the layers' once per step, the embedding lookup's as at most one row per position) and the
-    new weights once per step; offloaded activations (the layer inputs and the final norm's saves) down in
-    each forward and up in each backward."""
+    backward the layers' once per step, the embedding lookup's as at most one row per position, the head's
+    too with train.head_gradient_once_per_step) and the
+    new weights once per step; offloaded activations (the layer inputs checkpointing keeps, one per group of
+    model.layers_per_checkpoint layers, and the final norm's saves) down in each forward and up in each
+    backward."""
     t = cfg.train
     wb = 2 if cfg.model.precision == "bf16_sr" else 4
     batches = batch_plan(cfg)
@@ -163,12 +165,14 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
             rows = min(arch.vocab, positions)
             out.append(Transfer("lookup gradients", "d2h", rows * (wb * arch.hidden + 8), micro, "micro-batch"))
             every -= layers + wb * head
-        out.append(Transfer("gradients", "d2h", every, micro, "micro-batch"))
+        # the head's and final norm's sums, held on the device (a layer-major step's setting)
+        once = cfg.train.head_gradient_once_per_step and layer_major_wanted(cfg, 1)
+        out.append(Transfer("gradients", "d2h", every, 1 if once else micro, "step" if once else "micro-batch"))
         out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
     layer_io = positions * arch.hidden * wb
     if activations_offloaded(cfg, layer_io):  # the layer inputs, and the final norm's saves that go with them
         sizes = StepSizes.of(cfg, arch, cfg.model.bf16 is not False, device)
-        moved = arch.layers * layer_io + int(sizes.costs.norm_offloaded * positions)
+        moved = sizes.kept_layer_inputs() * layer_io + int(sizes.costs.norm_offloaded * positions)
         for direction in ("d2h", "h2d"):
             out.append(Transfer("activations", direction, moved, micro, "micro-batch"))
     return out

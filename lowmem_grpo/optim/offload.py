@@ -141,6 +141,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         return leaf
 
     def _head_hook(self, leaf: torch.Tensor) -> None:
+        if self.active and self._holding:  # gradients_held: autograd adds the next backward's into it
+            return
         grad, leaf.grad = leaf.grad, None
         w = self.tied
         if not self.active:  # a backward outside a training step: the weight's .grad gets everything, as unsplit
@@ -175,6 +177,17 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             yield
         finally:
             self._holding = False
+
+    def send_held(self) -> None:
+        """Send on what `gradients_held` left in `.grad` (the tied head's part first), as the hooks would
+        have after a backward outside it: for a caller whose every backward held its gradients."""
+        if not self.active:
+            return
+        if self._head_leaf is not None and self._head_leaf.grad is not None:
+            self._head_hook(self._head_leaf)
+        for index, p in enumerate(self.params):
+            if p.grad is not None:
+                self._on_gradient(index, p)
 
     def _on_gradient(self, index: int, p: torch.Tensor) -> None:
         if not self.active or self._holding:  # outside a training step (e.g. a user's probe), or held: leave .grad
@@ -345,6 +358,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         """Finish the optimizer step: the global norm of the summed gradients (returned), then, if `apply`
         and the norm is finite, the clip and one update of every parameter that got a gradient. With
         apply=False (the trainer's non-finite loss) nothing changes."""
+        self.send_held()  # (none left where the caller sent them)
         self.end_backward()
         for index in list(self._first_copies):
             self._wait_first_copy(index)

@@ -172,19 +172,24 @@ class LayerMajorStep(OffloadStep):
     device (autograd's sum, one rounding per add, as the host's) and handed to the optimizer by the last
     micro-batch's backward only (`gradients_held`); then, per micro-batch, the part before the layers is
     run again (the embedding lookup) and back-propagated, the lookup's gradient sent as the rows it read
-    (lookup_rows.py); then the update. Per micro-batch the arithmetic is gradient checkpointing's. The
-    head's (and the final norm's) gradients still leave once per micro-batch: holding them would keep a
+    (lookup_rows.py); then the update. Per micro-batch the arithmetic is gradient checkpointing's. With
+    `hold_head` (train.head_gradient_once_per_step) the head's and the final norm's gradients are summed in
+    `.grad` on the device too, across the micro-batches' loss backwards, and sent before the layers'. With
+    `group` layers per checkpoint (model.layers_per_checkpoint), only each group's first input is kept and
+    the group's layers are recomputed and back-propagated together: the same operations in the same order.
+    Otherwise the head's (and the final norm's) gradients leave once per micro-batch: holding them keeps a
     (V, H) sum on the device through every micro-batch's loss head."""
 
     def __init__(self, optimizer: OffloadedOptimizer, model: nn.Module, head: Head, policy_loss: PolicyLoss, *,
-                 autocast: bool, offload_inputs: bool):
+                 autocast: bool, offload_inputs: bool, group: int = 1, hold_head: bool = False):
         super().__init__(optimizer, model, head)
         self.layers: DecoderLayers = decoder_layers(head.decoder)
+        self.group, self.hold_head = group, hold_head
         self.policy_loss = policy_loss  # its offload_copy_on_cpu: a CPU memory profile wants real host copies
         self.autocast = autocast
         self.store = LayerInputStore(offload_inputs)
         self.lookup = LookupRows(model.get_input_embeddings())
-        self._inputs: list[LayerInputs] = []  # per micro-batch of this step: each layer's arguments
+        self._calls: list[list[tuple[tuple, dict]]] = []  # per micro-batch of this step: each layer's arguments
         self._loss_fns: list[LossFn] = []  # and its loss, to run the lookup again
         self._forwarded = 0  # the losses `forward` has run this step
         self._last: list[Tensor] = []  # each micro-batch's last layer output, a leaf; its .grad after backward
@@ -196,15 +201,17 @@ class LayerMajorStep(OffloadStep):
         self.store.clear()
         self.store.copy_on_cpu = self.policy_loss.offload_copy_on_cpu
         self._loss_fns, self._forwarded = list(loss_fns), 0
-        self._inputs = [LayerInputs(r.hidden.detach(), r.calls)  # (the graph to the embedding: made again
-                        for r in (self.layers.record(f) for f in self._loss_fns)]  # in finish)
-        hidden = [inputs.hidden for inputs in self._inputs]
+        records: list[LayerInputs] = [self.layers.record(f) for f in self._loss_fns]
+        self._calls = [r.calls for r in records]
+        hidden = [r.hidden.detach() for r in records]  # (the graph to the embedding: made again in finish)
+        del records  # each input lives in the store only (in host RAM with offload_inputs)
         if hidden:
             with torch.no_grad(), self._autocast(hidden[0]):
                 for i in range(len(self.layers)):
-                    for m, inputs in enumerate(self._inputs):
-                        self.store.put((i, m), hidden[m])
-                        hidden[m] = self.layers.run(i, hidden[m], inputs.calls[i])
+                    for m, calls in enumerate(self._calls):
+                        if i % self.group == 0:
+                            self.store.put((i, m), hidden[m])
+                        hidden[m] = self.layers.run(i, hidden[m], calls[i])
         self._last = [h.detach().requires_grad_() for h in hidden]
 
     def forward(self, loss_fn: LossFn) -> tuple[Tensor, dict]:
@@ -215,8 +222,17 @@ class LayerMajorStep(OffloadStep):
         with self.layers.finishing_from(self._last[m]):
             return loss_fn()
 
+    def backward(self, loss: Tensor, loss_is_finite: Callable[[], bool]) -> None:
+        """The loss's backward to the last layer outputs; with `hold_head` its gradients stay on the device."""
+        with self.optimizer.gradients_held() if self.hold_head else contextlib.nullcontext():
+            loss.backward()
+        self.optimizer.end_backward()
+
     def finish(self, loss_sum: float, num_items: int, backwards: int) -> tuple[float, bool]:
-        if self._inputs:
+        if self.hold_head:  # the head's and final norm's sums, once
+            self.optimizer.send_held()
+            self.optimizer.end_backward()
+        if self._calls:
             with phase("backward"):
                 self._layers_backward()
         return super().finish(loss_sum, num_items, backwards)
@@ -224,18 +240,20 @@ class LayerMajorStep(OffloadStep):
     def _layers_backward(self) -> None:
         grads = [last.grad if last.grad is not None else torch.zeros_like(last) for last in self._last]
         self._last = []
-        k = len(self._inputs)
-        order = [(i, m) for i in reversed(range(len(self.layers))) for m in range(k)]
+        k, n_layers = len(self._calls), len(self.layers)
+        order = [(i, m) for i in reversed(range(0, n_layers, self.group)) for m in range(k)]
         for n, (i, m) in enumerate(order):
             if n + 1 < len(order):
                 self.store.prefetch(order[n + 1])
             x = self.store.take((i, m)).requires_grad_()
             held = self.optimizer.gradients_held() if m + 1 < k else contextlib.nullcontext()
             with held, self._autocast(x):
-                out = self.layers.run(i, x, self._inputs[m].calls[i])
+                out = x
+                for j in range(i, min(i + self.group, n_layers)):
+                    out = self.layers.run(j, out, self._calls[m][j])
                 torch.autograd.backward(out, grads[m])
             grads[m] = x.grad
-        self._inputs = []
+        self._calls = []
         for loss_fn, grad in zip(self._loss_fns, grads):  # the lookup (and whatever runs before the layers)
             with self.lookup.compact() as lookups:  # its gradient as the rows it read
                 first = self.layers.record(loss_fn).hidden
@@ -267,18 +285,46 @@ def layer_major_wanted(cfg: Config, world_size: int) -> bool:
     return bool(t.layer_major_backward)
 
 
+def layers_per_checkpoint(cfg: Config, world_size: int) -> int:
+    """model.layers_per_checkpoint, checked against the step mode it needs: above 1 only where the layer-major
+    backward runs (`layer_major_wanted`), the one mode that recomputes layers in groups."""
+    group = cfg.model.layers_per_checkpoint
+    if group > 1:
+        _needs_layer_major(cfg, world_size, f"model.layers_per_checkpoint={group}", "model.layers_per_checkpoint=1")
+    return group
+
+
+def head_gradient_once(cfg: Config, world_size: int) -> bool:
+    """train.head_gradient_once_per_step, checked against the step mode it needs (the layer-major one)."""
+    if cfg.train.head_gradient_once_per_step:
+        _needs_layer_major(cfg, world_size, "train.head_gradient_once_per_step",
+                           "train.head_gradient_once_per_step=false")
+    return cfg.train.head_gradient_once_per_step
+
+
+def _needs_layer_major(cfg: Config, world_size: int, setting: str, off: str) -> None:
+    if not layer_major_wanted(cfg, world_size):
+        raise ValueError(f"{setting} needs the layer-major backward, which is off here (it runs with "
+                         "optim.offload_optimizer, gradient_checkpointing and gradient_accumulation_steps > 1, in one "
+                         f"process; unset, also offload_activations): set {off}, or train.layer_major_backward=true")
+
+
 def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss_module: torch.nn.Module,
                    shards, max_grad_norm: float | None, head: Head, *, layer_major: bool = False,
-                   autocast: bool = False, offload_inputs: bool = False) -> StepMode:
+                   autocast: bool = False, offload_inputs: bool = False, group: int = 1,
+                   hold_head: bool = False) -> StepMode:
     """The mode of the optimizer `build_optimizer` made. `head`: the policy's one loss head, which the loss
     and the old log-prob pass share (the offload mode may give it a handle of its own on a tied weight).
     `layer_major` (`layer_major_wanted`; offload only): LayerMajorStep, its layers under bf16 `autocast`
-    as the loss's, their inputs in host RAM with `offload_inputs` (model.offload_activations)."""
+    as the loss's, their inputs in host RAM with `offload_inputs` (model.offload_activations), recomputed
+    `group` layers at a time (`layers_per_checkpoint`), the head's gradient sent once with `hold_head`
+    (`head_gradient_once`)."""
     if isinstance(optimizer, OffloadedOptimizer):
         if layer_major:
             if not isinstance(loss_module, PolicyLoss):
                 raise ValueError("a layer-major backward runs in one process, on the policy's own loss module")
-            return LayerMajorStep(optimizer, model, head, loss_module, autocast=autocast, offload_inputs=offload_inputs)
+            return LayerMajorStep(optimizer, model, head, loss_module, autocast=autocast,
+                                  offload_inputs=offload_inputs, group=group, hold_head=hold_head)
         return OffloadStep(optimizer, model, head)
     if layer_major:
         raise ValueError("a layer-major backward needs the offloaded optimizer (optim.offload_optimizer=true)")

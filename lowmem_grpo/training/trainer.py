@@ -42,7 +42,7 @@ from .micro_batch import computed_tokens, plan_micro_batch, step_completion_toke
 from .metrics import (NullLog, RunLog, StepTally, StepTotals, peak_memory_bytes, reset_peak_memory, step_means,
                       trl_names)
 from .plot import save_run_plot
-from .step_modes import layer_major_wanted, make_step_mode
+from .step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint, make_step_mode
 from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_model, setup_optimizer, setup_output,
                     setup_precision, setup_reference, setup_rewards, setup_training_model, setup_world, special_ids)
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
@@ -100,6 +100,8 @@ class Trainer:
         self.ref = setup_reference(t, self.policy, self.device, self.world)  # the model as loaded
         # train.layer_major_backward: the step recomputes the layers itself, so the model does not checkpoint
         self.layer_major = layer_major_wanted(cfg, self.world.size)
+        group = layers_per_checkpoint(cfg, self.world.size)  # (both checked before the model is moved)
+        hold_head = head_gradient_once(cfg, self.world.size)
         self.head, self.pack = setup_training_model(m, t, g, self.policy, self.device, resume,
                                                     checkpoint_layers=m.gradient_checkpointing and not self.layer_major)
         self.loss_module, self.shards = setup_loss(cfg, self.policy, self.head, self.pack, self.autocast, self.world)
@@ -109,7 +111,8 @@ class Trainer:
         # How backwards become an update in this memory mode (step_modes.py)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
                                         cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,
-                                        autocast=self.autocast, offload_inputs=m.offload_activations)
+                                        autocast=self.autocast, offload_inputs=m.offload_activations, group=group,
+                                        hold_head=hold_head)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet

@@ -30,8 +30,14 @@ VARIANTS = {"qwen2.5-1.5b_gsm8k_8gb.yaml+vllm": ("qwen2.5-1.5b_gsm8k_8gb.yaml", 
             "smollm2-135m_arithmetic_cpu.yaml@cpu": ("smollm2-135m_arithmetic_cpu.yaml", [], "SmolLM2-135M", "cpu")}
 CASES = sorted(k for k in GOLDEN if not k.startswith("_"))
 # the settings of every recipe when its plan was captured, where a recipe has changed them since
-CAPTURED_WITH = ["layer_major_backward=false", "reference_stream_rows=1"]
-CAPTURED_WITH_RECIPE = {"qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"]}
+CAPTURED_WITH = ["layer_major_backward=false", "head_gradient_once_per_step=false", "layers_per_checkpoint=1",
+                 "reference_stream_rows=1"]
+CAPTURED_WITH_RECIPE = {"qwen2.5-3b_gsm8k_8gb.yaml": ["offload_activations=false"],
+                        "qwen2.5-1.5b_gsm8k-4096_8gb.yaml": ["per_device_train_batch_size=4",
+                                                             "gradient_accumulation_steps=8", "steps_per_generation=8"],
+                        "qwen2.5-1.5b_gsm8k-8192_8gb.yaml": ["per_device_train_batch_size=2",
+                                                             "gradient_accumulation_steps=16",
+                                                             "steps_per_generation=16"]}
 
 
 def test_every_shipped_recipe_has_a_golden_plan():

@@ -87,7 +87,7 @@ def test_a_decode_step_reads_every_weight_once_and_the_kv_cache():
 
 def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arch_1_5b):
     # as the code moved them before: every micro-batch's gradients, the reference once per log-prob micro-batch
-    cfg = load_config(RECIPE_1_5B, ["layer_major_backward=false"], check=False)
+    cfg = load_config(RECIPE_1_5B, ["layer_major_backward=false", "head_gradient_once_per_step=false"], check=False)
     moves = {t.kind: t for t in transfers(cfg, arch_1_5b, reference_per_micro_batch=True)}
     head = 151936 * 1536
     assert moves["gradients"].nbytes == 2 * (arch_1_5b.params + head)  # the tied head's part sent apart
@@ -99,12 +99,15 @@ def test_transfers_are_counted_from_the_config_per_micro_batch_pass_and_step(arc
     # ~50 GiB across PCIe per optimizer step
     before = sum(t.total for t in moves.values())
     assert before / 2**30 == pytest.approx(52.3, abs=0.1)
-    # as shipped: a layer-major backward (the layers' gradients once per step, the rest once per micro-batch)
-    # and the reference layer-major (once per generation batch): under a third of the bytes
+    # as shipped: a layer-major backward (the layers' and the head's gradients once per step, the lookup's
+    # as its rows) and the reference layer-major (once per generation batch): under a third of the bytes
     shipped = transfers(load_config(RECIPE_1_5B, [], check=False), arch_1_5b)
     layers = 2 * 28 * arch_1_5b.layer_params()
     assert [(t.nbytes, t.count, t.per) for t in shipped if t.kind == "gradients"] == [
-        (layers, 1, "step"), (2 * arch_1_5b.params - layers, 8, "micro-batch")]  # the lookup's apart:
+        (layers, 1, "step"), (2 * arch_1_5b.params - layers, 1, "step")]  # the lookup's apart:
+    per_micro_batch = transfers(load_config(RECIPE_1_5B, ["head_gradient_once_per_step=false"], check=False),
+                                arch_1_5b)
+    assert [(t.count, t.per) for t in per_micro_batch if t.kind == "gradients"] == [(1, "step"), (8, "micro-batch")]
     assert [(t.nbytes, t.count) for t in shipped if t.kind == "lookup gradients"] == [  # a row per position
         (4 * (256 + 512) * (2 * arch_1_5b.hidden + 8), 8)]
     assert [t.count for t in shipped if t.kind.startswith("reference")] == [1, 1]

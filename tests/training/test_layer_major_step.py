@@ -12,7 +12,7 @@ import torch
 from lowmem_grpo.config import ConfigError
 from lowmem_grpo.optim.offload import OffloadedOptimizer
 from lowmem_grpo.training.layer_inputs import LayerInputStore
-from lowmem_grpo.training.step_modes import LayerMajorStep, OffloadStep, layer_major_wanted
+from lowmem_grpo.training.step_modes import LayerMajorStep, OffloadStep, layer_major_wanted, layers_per_checkpoint
 from lowmem_grpo.training.trainer import Trainer
 from lowmem_grpo.transfers import TRANSFERS
 
@@ -86,6 +86,30 @@ def test_a_tied_embedding_stays_within_fp32_rounding(toy_config, tmp_path):
         assert lm["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [["beta=0.04", "loss_type=dr_grpo"], ["precision=bf16_sr", "optimizer=adamw_8bit"]],
+                         ids=["reference-dr-grpo", "bf16-8bit"])
+def test_the_head_gradient_summed_on_the_device_steps_bit_for_bit(toy_config, tmp_path, overrides):
+    """train.head_gradient_once_per_step: autograd's sum in .grad, one rounding per add as the host's."""
+    if "optimizer=adamw_8bit" in overrides:
+        pytest.importorskip("bitsandbytes")
+    plain = _run(toy_config, tmp_path / "plain", False, f"model.config={UNTIED}", *overrides)
+    held = _run(toy_config, tmp_path / "held", True, f"model.config={UNTIED}", "head_gradient_once_per_step=true",
+                *overrides)
+    _same(plain, held)
+
+
+def test_a_tied_head_summed_on_the_device_stays_within_fp32_rounding(toy_config, tmp_path):
+    """The head's sum meets the lookup's rows on the host once, not once per micro-batch: another order."""
+    (p_params, p_metrics), (l_params, l_metrics) = (
+        _run(toy_config, tmp_path / name, lm, "beta=0.04", *extra)
+        for name, lm, extra in (("plain", False, []), ("held", True, ["head_gradient_once_per_step=true"])))
+    for name, value in p_params.items():
+        torch.testing.assert_close(l_params[name], value, rtol=1e-5, atol=1e-7, msg=name)
+    for p, lm in zip(p_metrics, l_metrics):
+        assert lm["grad_norm"] == pytest.approx(p["grad_norm"], rel=1e-5)
+        assert lm["transfer/d2h/gradients"] < p["transfer/d2h/gradients"]
+
+
 def test_each_layer_gradient_reaches_the_host_once_per_step_and_the_lookup_as_its_rows(toy_config, tmp_path,
                                                                                         monkeypatch):
     arrivals: dict[int, int] = {}  # whole gradients, by parameter index
@@ -102,18 +126,20 @@ def test_each_layer_gradient_reaches_the_host_once_per_step_and_the_lookup_as_it
         return receive_rows(self, p, ids, rows)
     monkeypatch.setattr(OffloadedOptimizer, "_receive", counting)
     monkeypatch.setattr(OffloadedOptimizer, "receive_rows", counting_rows)
-    for layer_major in (False, True):
+    for layer_major, hold_head in ((False, False), (True, False), (True, True)):
         arrivals.clear()
         rows_sent.clear()
         trainer = Trainer(toy_config(*STEP, f"layer_major_backward={str(layer_major).lower()}", "max_steps=1",
-                                     "beta=0.04", f"model.config={UNTIED}", output_dir=tmp_path / f"once-{layer_major}"))
+                                     f"head_gradient_once_per_step={str(hold_head).lower()}", "beta=0.04",
+                                     f"model.config={UNTIED}", output_dir=tmp_path / f"once-{layer_major}-{hold_head}"))
         metrics = trainer.run_step()[1]
         name_of = {id(p): n for n, p in trainer.policy.named_parameters()}
         per_name = {name_of[id(p)]: arrivals.get(i, 0) for i, p in enumerate(trainer.optimizer.params)}
         layers = {n: c for n, c in per_name.items() if ".layers." in n}
         assert set(layers.values()) == {1 if layer_major else 4}, per_name
         assert per_name.pop("model.embed_tokens.weight") == (0 if layer_major else 4)
-        assert {c for n, c in per_name.items() if n not in layers} == {4}  # the head and the final norm
+        heads = {c for n, c in per_name.items() if n not in layers}  # the head and the final norm
+        assert heads == ({1} if hold_head else {4}), per_name
         assert len(rows_sent) == (4 if layer_major else 0)  # one lookup per micro-batch, each its rows
         table = trainer.policy.get_input_embeddings().weight
         assert all(0 < n < table.shape[0] for n in rows_sent)
@@ -141,6 +167,38 @@ def test_each_layer_runs_over_every_micro_batch_at_once_forward_and_backward(toy
         trainer.step_mode.forward(lambda: (torch.zeros(()), {}))
 
 
+FIVE_LAYERS = json.dumps({**TINY_LLAMA, "tie_word_embeddings": False, "num_hidden_layers": 5})
+
+
+def test_layers_recomputed_in_groups_step_bit_for_bit_as_one_at_a_time(toy_config, tmp_path):
+    """model.layers_per_checkpoint: a group's inner inputs are recomputed, not kept; the same operations in the
+    same order, so the same bits (groups of 2 and 3 over 5 layers: the last group shorter)."""
+    runs = [_run(toy_config, tmp_path / f"group-{g}", True, f"model.config={FIVE_LAYERS}", "beta=0.04",
+                 "offload_activations=true", f"layers_per_checkpoint={g}") for g in (1, 2, 3)]
+    for other in runs[1:]:
+        _same(runs[0], other)
+
+
+def test_a_group_keeps_its_first_input_only_and_runs_its_layers_together(toy_config, tmp_path):
+    trainer = Trainer(toy_config(*STEP, "layer_major_backward=true", "layers_per_checkpoint=2", "max_steps=1",
+                                 "skip_zero_advantage=false", f"model.config={FIVE_LAYERS}",
+                                 output_dir=tmp_path / "groups"))
+    mode = trainer.step_mode
+    kept: list[tuple[int, int]] = []
+    put = mode.store.put
+    mode.store.put = lambda key, hidden: (kept.append(key), put(key, hidden))[1]
+    calls: list[int] = []
+    for i in range(5):
+        mode.layers.layers[i].register_forward_pre_hook(lambda module, args, i=i: calls.append(i))
+    trainer.generation = trainer.new_generation_batch()
+    calls.clear()
+    trainer.optimizer_step()
+    k = 4
+    assert kept == [(i, m) for i in (0, 2, 4) for m in range(k)]
+    backward = [i for first in (4, 2, 0) for _ in range(k) for i in range(first, min(first + 2, 5))]
+    assert calls == [i for i in range(5) for _ in range(k)] + backward
+
+
 def test_the_setting_is_refused_where_it_cannot_run(toy_config):
     with pytest.raises(ConfigError, match="layer_major_backward=true needs optim.offload_optimizer=true"):
         toy_config("layer_major_backward=true")
@@ -149,6 +207,19 @@ def test_the_setting_is_refused_where_it_cannot_run(toy_config):
     cfg = toy_config(*STEP, "layer_major_backward=true")
     with pytest.raises(ValueError, match="runs in one process"):
         layer_major_wanted(cfg, world_size=2)
+    with pytest.raises(ConfigError, match="layers_per_checkpoint=2 groups the layers"):
+        toy_config(*STEP, "layer_major_backward=false", "layers_per_checkpoint=2")
+    with pytest.raises(ConfigError, match="head_gradient_once_per_step sums the head's gradient"):
+        toy_config(*STEP, "layer_major_backward=false", "head_gradient_once_per_step=true")
+    with pytest.raises(ValueError, match="head_gradient_once_per_step needs the layer-major backward"):
+        Trainer(toy_config(*STEP, "head_gradient_once_per_step=true"))
+    with pytest.raises(ConfigError, match="layers_per_checkpoint=2 groups the layers"):
+        toy_config(*STEP, "gradient_checkpointing=false", "layers_per_checkpoint=2")
+    unset = toy_config(*STEP, "layers_per_checkpoint=2")  # unset, and off here: no offload_activations
+    with pytest.raises(ValueError, match="layers_per_checkpoint=2 needs the layer-major backward"):
+        layers_per_checkpoint(unset, world_size=1)
+    with pytest.raises(ValueError, match="layers_per_checkpoint=2 needs the layer-major backward"):
+        Trainer(unset)
 
 
 def test_unset_it_is_on_where_the_layer_inputs_wait_in_host_ram(toy_config):
