@@ -53,6 +53,7 @@ class GRPOConfigFields:
     fast_rollout: bool = True
     compile_decode: Union[bool, str] = 'auto'
     pack_decode_weights: bool = False
+    rollout_quantization: str = 'none'
     engine: str = 'native'
     use_vllm: Optional[bool] = None
     vllm_mode: str = 'colocate'
@@ -180,6 +181,7 @@ class GRPOConfigFields:
             fast_rollout: bool = True,
             compile_decode: Union[bool, str] = 'auto',
             pack_decode_weights: bool = False,
+            rollout_quantization: str = 'none',
             engine: str = 'native',
             use_vllm: Optional[bool] = None,
             vllm_mode: str = 'colocate',

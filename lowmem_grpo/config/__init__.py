@@ -19,7 +19,7 @@ from .loading import apply_mapping, apply_overrides, load_config, resolve_key, s
 from .schema import LR_SCHEDULES, Config, DataConfig, EvalConfig, GenerationConfig, ModelConfig, OptimConfig, \
     OutputConfig, RewardsConfig, TrainConfig, describe, key_index, section_classes, setting
 from .validation import (DEVICE, REPORT_TARGETS, Given, check_field_rules, importance_sampling_correction,
-                         report_targets, rollout_engine, validate)
+                         report_targets, rollout_engine, rollout_sampler, validate)
 
 
 __all__ = [
@@ -27,5 +27,5 @@ __all__ = [
     "resolve_key", "set_value", "LR_SCHEDULES", "Config", "DataConfig", "EvalConfig", "GenerationConfig",
     "ModelConfig", "OptimConfig", "OutputConfig", "RewardsConfig", "TrainConfig", "describe", "key_index",
     "section_classes", "setting", "DEVICE", "REPORT_TARGETS", "Given", "check_field_rules", "report_targets",
-    "validate", "importance_sampling_correction", "rollout_engine",
+    "validate", "importance_sampling_correction", "rollout_engine", "rollout_sampler",
 ]

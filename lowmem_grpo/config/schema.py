@@ -147,6 +147,16 @@ class GenerationConfig:
                                                "weights in host RAM while generating (bf16 under autocast). bf16 "
                                                "computes the same numbers; fp32 differs by GEMM rounding (~1e-6). "
                                                "Ignored elsewhere (logged).")
+    rollout_quantization: str = setting("none", "none | int8: the native engine samples from a compact copy of the "
+                                                "policy whose decoder Linear weights are int8 (one scale per output "
+                                                "row; everything else shared with the policy), quantized again from "
+                                                "the current weights before every generation batch "
+                                                "(policy/compact.py); the copy's own log-probs of the sampled tokens "
+                                                "go with the rollout, and the loss corrects for the mismatch as with "
+                                                "vLLM (vllm_importance_sampling_correction, on by default then). "
+                                                "Costs 1 byte per decoder Linear weight on the device, plus a "
+                                                "log-prob pass of the copy per generation batch.",
+                                                check=("none", "int8"))
     engine: str = setting("native", "Who samples the rollouts: native (lowmem-grpo's decode loop on the trained "
                                     "weights: no second copy) or vllm (vLLM in this process with its own copy of "
                                     "the weights, sent after every optimizer step; TRL's use_vllm with "

@@ -121,7 +121,7 @@ def validate(cfg: Config, given: Given = Given()) -> None:
                           f"warmup_steps={o.warmup_steps} / warmup_ratio={o.warmup_ratio} ask for one: set "
                           "lr_scheduler_type=constant_with_warmup (earlier lowmem-grpo versions warmed up with "
                           "'constant'), or warmup_steps=0 and warmup_ratio=0")
-    check_loss_settings(t, rollout_engine(cfg.generation))
+    check_loss_settings(t, rollout_sampler(cfg.generation))
     check_engine(cfg)
     report_targets(out.report_to)
     if cfg.eval.eval_steps and not d.eval_file and not d.eval_holdout and not given.eval_data:
@@ -144,11 +144,19 @@ def validate(cfg: Config, given: Given = Given()) -> None:
     batch_plan(cfg)
 
 
-def importance_sampling_correction(t, engine: str) -> bool:
-    """Whether the loss weighs tokens by the trained policy's to the sampling engine's probabilities
-    (vllm_importance_sampling_correction; None: on for engine=vllm, as TRL with vLLM)."""
+def importance_sampling_correction(t, sampler: str) -> bool:
+    """Whether the loss weighs tokens by the trained policy's to the sampler's probabilities
+    (vllm_importance_sampling_correction; None: on where the sampler is not the trained policy itself, as TRL
+    with vLLM). `sampler`: `rollout_sampler`'s."""
     setting = t.vllm_importance_sampling_correction
-    return engine == "vllm" if setting is None else bool(setting)
+    return sampler != "native" if setting is None else bool(setting)
+
+
+def rollout_sampler(g) -> str:
+    """What samples the rollouts: vllm, compact (the native engine on generation.rollout_quantization's copy)
+    or native (the native engine on the trained weights)."""
+    engine = rollout_engine(g)
+    return "compact" if engine == "native" and g.rollout_quantization != "none" else engine
 
 
 def rollout_engine(g) -> str:
@@ -166,6 +174,10 @@ def check_engine(cfg) -> None:
                           "name for the same choice)")
     if rollout_engine(g) != "vllm":
         return
+    if g.rollout_quantization != "none":
+        raise ConfigError(f"generation.rollout_quantization={g.rollout_quantization} is the native engine's compact "
+                          "copy; vLLM samples from its own copy of the weights: set it to none, or "
+                          "generation.engine=native")
     if g.vllm_mode != "colocate":
         raise ConfigError(f"vllm_mode={g.vllm_mode} (vLLM in a separate server process) is not built: lowmem-grpo "
                           "runs vLLM in the trainer's process; set vllm_mode=colocate")
@@ -191,7 +203,7 @@ def check_loss_settings(t, engine: str = "native") -> None:
         raise ConfigError("loss_type=vespo folds a per-token importance-sampling ratio into its weight: set "
                           "vllm_importance_sampling_mode to token_truncate or token_mask (got "
                           f"{t.vllm_importance_sampling_mode!r}), or vllm_importance_sampling_correction=false")
-    if t.vllm_importance_sampling_correction and engine == "native":
+    if t.vllm_importance_sampling_correction and engine == "native":  # (a rollout_sampler name)
         logger.warning("vllm_importance_sampling_correction=true has no effect: the native rollout samples with the "
                        "weights being trained (ratio 1) and records no sampling log-probs; the correction applies to "
                        "an external engine")

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import Config, batch_plan, importance_sampling_correction
+from ..config import Config, batch_plan, importance_sampling_correction, rollout_sampler
 from ..kernels.linear import default_chunk_size
 from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..training.activation_offload import MIN_BYTES
@@ -215,7 +215,11 @@ class StepSizes:
         """What every phase holds: the weights, and the optimizer states unless they are on the host."""
         cfg, params = self.cfg, self.arch.params
         states = optimizer_state_bytes(self.arch.tensor_sizes, cfg.optim.optimizer, self.weight_bytes)
-        return {"weights": self.weight_bytes * params, "optimizer states": 0 if cfg.optim.offload_optimizer else states}
+        found = {"weights": self.weight_bytes * params,
+                 "optimizer states": 0 if cfg.optim.offload_optimizer else states}
+        if cfg.generation.rollout_quantization != "none":  # generation.rollout_quantization's copy, kept all run
+            found["rollout copy"] = compact_copy_bytes(self.arch, self.weight_bytes)
+        return found
 
     def head_bytes(self, shape: MicroBatchShape, backward: bool) -> int:
         return loss_head_bytes(shape.completion_tokens, self.arch, self.compute_bytes, self.weight_bytes, backward,
@@ -298,6 +302,13 @@ def activation_bytes(sizes: StepSizes) -> ActivationBytes:
                  saved + norm + layers * casts, saved + layers * casts + costs.backward_peak * positions,
                  costs.saved * positions + shape.mask_call_bytes + casts + costs.backward_peak * positions)
     return ActivationBytes(*(bytes_ + shape.mask_bytes for bytes_ in found))  # the mask lives all step
+
+
+def compact_copy_bytes(arch: Arch, weight_bytes: int) -> int:
+    """Bytes of the int8 rollout copy (policy/compact.py: CompactPolicy.nbytes): a byte per weight of the
+    decoder layers' Linears and a scale (in the weight dtype) per output row; the rest is shared."""
+    rows = (arch.heads + 2 * arch.kv_heads) * arch.head_dim + 2 * arch.hidden + 2 * arch.intermediate
+    return arch.layers * (arch.layer_params() - 2 * arch.hidden + weight_bytes * rows)
 
 
 def _largest(candidates: list[dict]) -> dict:
@@ -383,10 +394,14 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
     train, resident = cfg.train, sizes.resident()
     activations, head = logprob_pass_bytes(sizes)
     found = {}
-    correction = vllm_plan.uses_vllm(cfg) and importance_sampling_correction(train, "vllm")  # its ratio's pass
+    sampler = rollout_sampler(cfg.generation)
+    correction = sampler != "native" and importance_sampling_correction(train, sampler)  # its ratio's pass
     if batch_plan(cfg).needs_old_logprobs or correction:
         found["old log-probs"] = {**resident, "activations": activations + arch.layers * sizes.layer_cast_bytes,
                                   "loss head": head}
+    if sampler == "compact":  # the copy's log-probs of what it sampled, a layer's weight dequantized at a time
+        dequantized = sizes.compute_bytes * arch.hidden * max(arch.intermediate, arch.heads * arch.head_dim)
+        found["sampler log-probs"] = {**resident, "activations": activations + dequantized, "loss head": head}
     if train.beta > 0:
         found["reference log-probs"] = reference = {**resident}
         if sizes.device != "cpu" and train.reference_compute != "cpu":

@@ -30,3 +30,4 @@ class RolloutContext:
     pack: Packing = Packing.OFF  # shared-prompt packing in the log-prob passes (policy/packing.py)
     world: World = field(default_factory=World)  # this process among the torchrun ranks
     engine: Optional[Any] = None  # policy.vllm_engine.VLLMEngine when generation.engine=vllm (training only)
+    compact: Optional[Any] = None  # policy.compact.CompactPolicy with generation.rollout_quantization (training)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..config import BatchPlan, Config, importance_sampling_correction, rollout_engine
+from ..config import BatchPlan, Config, importance_sampling_correction, rollout_sampler
 from ..phases import phase
 from ..policy.batch import Batch
 from ..policy.logprobs import completion_logprobs
@@ -126,6 +126,13 @@ def roll_out(cfg: Config, prompts, ctx: RolloutContext, trainer_state: Optional[
         if ctx.engine is not None:  # vLLM: its sampled tokens' log-probs come with them
             batch, sampling_logp = ctx.engine.generate(repeated, eos_ids=ctx.eos_ids, pad_id=ctx.pad_id)
             batch = replace(batch, sampling_logp=sampling_logp)
+        elif ctx.compact is not None:  # the compact copy samples; its log-probs of what it sampled go along
+            batch = generate(ctx.compact.model, repeated, cfg.generation, eos_ids=ctx.eos_ids, pad_id=ctx.pad_id,
+                             device=ctx.device, autocast_bf16=ctx.autocast)
+            micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
+            sampling_logp = completion_logprobs(ctx.compact.head, batch, temperature=cfg.generation.temperature,
+                                                micro_batch=micro, device=ctx.device, autocast_bf16=ctx.autocast)
+            batch = replace(batch, sampling_logp=sampling_logp)
         else:
             batch = generate(ctx.policy, repeated, cfg.generation, eos_ids=ctx.eos_ids, pad_id=ctx.pad_id,
                              device=ctx.device, autocast_bf16=ctx.autocast)
@@ -201,7 +208,7 @@ def with_logprobs(cfg: Config, plan: BatchPlan, batch: Batch, ctx: RolloutContex
     one optimizer step, or the sampler's probabilities are corrected), the correction's weights, and the
     reference's (beta > 0); and the correction's metrics."""
     correct = batch.sampling_logp is not None and importance_sampling_correction(cfg.train,
-                                                                                 rollout_engine(cfg.generation))
+                                                                                 rollout_sampler(cfg.generation))
     metrics = {}
     if plan.needs_old_logprobs or correct:
         keep = trained_rows(batch, cfg.train)

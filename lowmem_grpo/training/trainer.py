@@ -123,7 +123,8 @@ class Trainer:
             self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
         self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack,
-                                             engine=self._vllm_engine())
+                                             engine=self._vllm_engine(), compact=self._compact_policy())
+        self.compact_step = self.step  # the step whose weights the compact copy holds
         self.engine_closed = False  # close_engine() stopped vLLM: the next rollout starts it again
 
     def _rollout_context(self, **training_parts) -> RolloutContext:
@@ -155,6 +156,17 @@ class Trainer:
             raise ConfigError("generation.engine=vllm runs in one process; under torchrun use generation.engine=native")
         from ..policy.vllm_engine import engine_for_run
         return engine_for_run(self.cfg, self.policy, self.device, self.autocast)
+
+    def _compact_policy(self):
+        """generation.rollout_quantization: the compact copy the native engine samples from (policy/compact.py)."""
+        quantization = self.cfg.generation.rollout_quantization
+        if quantization == "none":
+            return None
+        if self.world.distributed:
+            raise ConfigError(f"generation.rollout_quantization={quantization} runs in one process; under torchrun "
+                              "set it to none")
+        from ..policy.compact import CompactPolicy
+        return CompactPolicy(self.policy, quantization)
 
     # ----- resume and save -----------------------------------------------------------------------
     def _resume(self, path: Path) -> None:
@@ -270,6 +282,11 @@ class Trainer:
             # CUDA: vLLM copies on this thread's stream, now after the uploads) and its RNG (vLLM's seed draws).
             self.step_mode.synchronize()
             engine.sync(self.policy, self.step)
+        compact = self.rollout.compact
+        if compact is not None and self.compact_step != self.step:  # quantized from the weights being trained
+            self.step_mode.synchronize()  # (their last update landed)
+            compact.refresh()
+            self.compact_step = self.step
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
             gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
                                        trainer_state=state)
