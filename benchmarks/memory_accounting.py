@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from lowmem_grpo.config import load_config
-from lowmem_grpo.memory.plan import GiB, Arch, format_plan, plan
+from lowmem_grpo.cli.plan import format_plan
+from lowmem_grpo.memory.plan import GiB, Arch, plan
 from lowmem_grpo.memory.presets import preset
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

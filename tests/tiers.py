@@ -40,6 +40,8 @@ EXTENDED = (
     "tests/test_cli.py::test_a_recipe_with_a_yaml_syntax_error_is_one_line_from_the_real_command",
     "tests/test_docs.py::test_recipe_header_planner_figures_are_the_planners[llama-3.1-8b_gsm8k_24gb.yaml]",
     "tests/test_docs.py::test_recipe_header_planner_figures_are_the_planners[qwen2.5-7b_gsm8k_24gb.yaml]",
+    "tests/test_docs.py::test_recipe_header_planner_figures_are_the_planners[llama-3.1-8b_gsm8k_8gb.yaml]",
+    "tests/test_docs.py::test_recipe_header_planner_figures_are_the_planners[qwen2.5-7b_gsm8k_8gb.yaml]",
     "tests/test_docs.py::test_the_path_check_sees_what_it_should",
     "tests/test_trainer_step.py::test_a_tiny_offloaded_run_records_allocator_time_split_pinned_memory_and_plan",
     "tests/training/test_eval_steps.py::test_each_end_evaluation_is_kept_when_a_resumed_run_ends_again",

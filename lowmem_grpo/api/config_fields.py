@@ -27,6 +27,7 @@ class GRPOConfigFields:
     precision: str = 'fp32'
     layers_per_checkpoint: int = 1
     offload_activations: bool = False
+    offload_weights: bool = False
     bf16: Optional[bool] = None
     attn_implementation: str = 'sdpa'
     trust_remote_code: bool = False
@@ -157,6 +158,7 @@ class GRPOConfigFields:
             precision: str = 'fp32',
             layers_per_checkpoint: int = 1,
             offload_activations: bool = False,
+            offload_weights: bool = False,
             bf16: Optional[bool] = None,
             attn_implementation: str = 'sdpa',
             trust_remote_code: bool = False,

@@ -24,12 +24,33 @@ from pathlib import Path
 from ..config import Config, ConfigError, batch_plan, load_config
 from ..memory.cards import card as find_card
 from ..memory.parallel_plan import per_rank
-from ..memory.plan import GiB, Arch, format_plan, margin_bytes, plan
+from ..memory.plan import GiB, Arch, MemoryPlan, margin_bytes, plan
 from ..memory.presets import PRESETS, preset
 from ..memory.reward_plan import resolve_folders
 from ..memory.step_time import estimate, format_step_time
 from ..memory.suggest import suggestions
 from ..memory.vllm_plan import format_summary as format_vllm
+
+
+def format_plan(result: MemoryPlan) -> str:
+    """Categories (rows) at each phase's predicted peak (columns), GiB; then the peak and the host RAM."""
+    phases, by_phase = result.phases, result.phase_categories
+    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp", "sampler log-probs": "sampler-lp",
+             "evaluation": "eval"}
+    cats = list(dict.fromkeys(c for cats in by_phase.values() for c in cats))  # first seen first
+    lines = [f"{'GiB (predicted)':<20}" + "".join(f"{short.get(p, p):>10}" for p in phases)]
+    for c in cats:
+        lines.append(f"{c:<20}" + "".join(f"{by_phase[p].get(c, 0) / GiB:>10.3f}" for p in phases))
+    lines.append(f"{'total':<20}" + "".join(f"{phases[p] / GiB:>10.3f}" for p in phases))
+    lines += ["", f"peak: {result.peak_bytes / GiB:.3f} GiB ({result.peak_phase}), allocator view"]
+    if result.host_categories:
+        parts = ", ".join(f"{k} {v / GiB:.3f}" for k, v in result.host_categories.items())
+        lines.append(f"host RAM: {result.host_bytes / GiB:.3f} GiB ({parts}), plus the Python process")
+        pinned = result.host_pinned_bytes
+        lines.append(f"  pinned (page-locked, cannot swap): {pinned / GiB:.3f} GiB"
+                     + (f" ({', '.join(result.host_pinned)})" if pinned else "")
+                     + f"; not pinned: {(result.host_bytes - pinned) / GiB:.3f} GiB")
+    return "\n".join(lines)
 
 
 def parse_bytes(text: str, option: str = "--gpu-memory") -> int:

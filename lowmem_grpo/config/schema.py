@@ -74,6 +74,15 @@ class ModelConfig:
                                                "side stream (overlapping compute) and back in backward: saves layers x "
                                                "tokens x hidden x 2 bytes of GPU memory for PCIe traffic. Needs "
                                                "gradient_checkpointing.")
+    offload_weights: bool = setting(False, "Keep the decoder layers' weights in host RAM, in the offloaded "
+                                           "optimizer's weight copy, each layer crossing to the device only while it "
+                                           "computes (the embedding, final norm and output head stay on the device): "
+                                           "the device holds two layers (two groups of layers_per_checkpoint in the "
+                                           "backward) instead of all of them, for each layer's weights crossing PCIe "
+                                           "twice per optimizer step (forward and backward) and once per no-grad "
+                                           "pass. Needs optim.offload_optimizer, the layer-major backward and "
+                                           "generation.rollout_quantization (rollouts from a compact copy on the "
+                                           "device). The same arithmetic as keeping them on the device.")
     bf16: Optional[bool] = setting(None, "bf16 autocast for forward/backward. None = on where bf16 is native: CUDA "
                                          "GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX; off "
                                          "otherwise (emulated bf16 is slower than fp32). Weights stay fp32 (master "
@@ -147,16 +156,17 @@ class GenerationConfig:
                                                "weights in host RAM while generating (bf16 under autocast). bf16 "
                                                "computes the same numbers; fp32 differs by GEMM rounding (~1e-6). "
                                                "Ignored elsewhere (logged).")
-    rollout_quantization: str = setting("none", "none | int8: the native engine samples from a compact copy of the "
-                                                "policy whose decoder Linear weights are int8 (one scale per output "
-                                                "row; everything else shared with the policy), quantized again from "
+    rollout_quantization: str = setting("none", "none | int8 | nf4: the native engine samples from a compact copy "
+                                                "of the policy whose decoder Linear weights are int8 (one scale per "
+                                                "output row) or bitsandbytes' 4-bit NormalFloat (an absmax per 64; "
+                                                "everything else shared with the policy), quantized again from "
                                                 "the current weights before every generation batch "
                                                 "(policy/compact.py); the copy's own log-probs of the sampled tokens "
                                                 "go with the rollout, and the loss corrects for the mismatch as with "
                                                 "vLLM (vllm_importance_sampling_correction, on by default then). "
-                                                "Costs 1 byte per decoder Linear weight on the device, plus a "
-                                                "log-prob pass of the copy per generation batch.",
-                                                check=("none", "int8"))
+                                                "Costs 1 (int8) or 0.56 (nf4) bytes per decoder Linear weight on the "
+                                                "device, plus a log-prob pass of the copy per generation batch.",
+                                                check=("none", "int8", "nf4"))
     engine: str = setting("native", "Who samples the rollouts: native (lowmem-grpo's decode loop on the trained "
                                     "weights: no second copy) or vllm (vLLM in this process with its own copy of "
                                     "the weights, sent after every optimizer step; TRL's use_vllm with "
@@ -329,7 +339,8 @@ class TrainConfig:
                                              "a GPU, cpu otherwise.", check=("auto", "cpu", "stream"))
     logprob_micro_batch_size: Optional[int] = setting(None, "Completions per old/ref log-prob pass (default: "
                                                             "per_device_train_batch_size).", check=POSITIVE)
-    reference_stream_rows: Optional[int] = setting(None, "reference_compute=stream: completions that go through each "
+    reference_stream_rows: Optional[int] = setting(None, "reference_compute=stream (and the old log-prob pass under "
+                                                         "model.offload_weights): completions that go through each "
                                                          "decoder layer while its weights are on the device (whole "
                                                          "log-prob micro-batches, at least one): the weights cross "
                                                          "once per that many rows. None: the whole generation batch "

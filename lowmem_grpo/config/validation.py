@@ -92,6 +92,8 @@ def validate(cfg: Config, given: Given = Given()) -> None:
         raise ConfigError(f"model.layers_per_checkpoint={m.layers_per_checkpoint} groups the layers a layer-major "
                           "backward recomputes: it needs model.gradient_checkpointing=true and "
                           "train.layer_major_backward (true, or unset where it turns on); or set it to 1")
+    if m.offload_weights:
+        _check_offload_weights(m, t, o, cfg.generation)
     if t.head_gradient_once_per_step and (t.layer_major_backward is False or not o.offload_optimizer):
         raise ConfigError("train.head_gradient_once_per_step sums the head's gradient in a layer-major backward: it "
                           "needs optim.offload_optimizer=true and train.layer_major_backward (true, or unset where it "
@@ -142,6 +144,25 @@ def validate(cfg: Config, given: Given = Given()) -> None:
             raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} "
                               "reward functions: give one per entry (null for functions)")
     batch_plan(cfg)
+
+
+def _check_offload_weights(m, t, o, g) -> None:
+    """model.offload_weights: what it needs that the settings alone can tell (the layer-major backward's own
+    conditions are checked where it is resolved: training/step_modes.py, offload_weights)."""
+    if not o.offload_optimizer:
+        raise ConfigError("model.offload_weights keeps the layers' weights in the offloaded optimizer's host copy: set "
+                          "optim.offload_optimizer=true, or model.offload_weights=false")
+    if m.precision == "bf16_sr" and o.optimizer == "adamw":
+        raise ConfigError("model.offload_weights streams the host copy itself, which optim.optimizer=adamw keeps in "
+                          "fp32 beside bf16 weights: set optim.optimizer=adamw_8bit, or model.offload_weights=false")
+    if t.layer_major_backward is False or not m.gradient_checkpointing:
+        raise ConfigError("model.offload_weights brings each layer to the device once for every micro-batch of a step, "
+                          "which takes the layer-major backward: set model.gradient_checkpointing=true and "
+                          "train.layer_major_backward=true (or unset), or model.offload_weights=false")
+    if g.rollout_quantization == "none" or rollout_engine(g) != "native":
+        raise ConfigError("model.offload_weights leaves no full copy of the weights on the device to sample from: set "
+                          "generation.rollout_quantization=int8 or nf4 (the native engine samples from a compact "
+                          "copy), or model.offload_weights=false")
 
 
 def importance_sampling_correction(t, sampler: str) -> bool:

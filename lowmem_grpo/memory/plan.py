@@ -29,7 +29,8 @@ from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
 from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories
 from .layer_probe import LayerCosts, layer_costs
-from ..training.step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint
+from .rollout_copy import compact_copy_bytes  # noqa: F401 (importable from here too)
+from ..training.step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint, offload_weights
 
 GiB = 2**30
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
@@ -190,6 +191,7 @@ class StepSizes:
     layer_major: bool  # train.layer_major_backward as resolved (training/step_modes.py: layer_major_wanted)
     group: int  # model.layers_per_checkpoint: layers recomputed together (1 outside a layer-major backward)
     head_once: bool  # train.head_gradient_once_per_step
+    streams_weights: bool = False  # model.offload_weights: the decoder layers' weights in host RAM
 
     @classmethod
     def of(cls, cfg: Config, arch: Arch, autocast: bool, device: str, world_size: int = 1) -> "StepSizes":
@@ -205,7 +207,8 @@ class StepSizes:
         casts = 2 * arch.layer_params() if (autocast and weight_bytes == 4) else 0
         return cls(cfg, arch, device, weight_bytes, compute_bytes, costs, train, logprob, casts, layer_input,
                    activations_offloaded(cfg, layer_input), layer_major_wanted(cfg, world_size),
-                   layers_per_checkpoint(cfg, world_size), head_gradient_once(cfg, world_size))
+                   layers_per_checkpoint(cfg, world_size), head_gradient_once(cfg, world_size),
+                   offload_weights(cfg, world_size))
 
     def kept_layer_inputs(self) -> int:
         """Layer inputs checkpointing keeps per micro-batch: one per layer, or per group of layers."""
@@ -215,11 +218,29 @@ class StepSizes:
         """What every phase holds: the weights, and the optimizer states unless they are on the host."""
         cfg, params = self.cfg, self.arch.params
         states = optimizer_state_bytes(self.arch.tensor_sizes, cfg.optim.optimizer, self.weight_bytes)
-        found = {"weights": self.weight_bytes * params,
+        layers = self.arch.layers * self.arch.layer_params() if self.streams_weights else 0  # in host RAM
+        found = {"weights": self.weight_bytes * (params - layers),
                  "optimizer states": 0 if cfg.optim.offload_optimizer else states}
-        if cfg.generation.rollout_quantization != "none":  # generation.rollout_quantization's copy, kept all run
-            found["rollout copy"] = compact_copy_bytes(self.arch, self.weight_bytes)
+        if cfg.generation.rollout_quantization != "none" and not self.streams_weights:  # kept all run
+            found.update(self.rollout_copy())
         return found
+
+    def rollout_copy(self) -> dict[str, int]:
+        """generation.rollout_quantization's copy: in every phase, but where model.offload_weights frees it
+        after each rollout's log-prob pass (made again from the host copy for the next one): there only in the
+        rollout, its log-prob pass and evaluation."""
+        g = self.cfg.generation
+        if g.rollout_quantization == "none":
+            return {}
+        return {"rollout copy": compact_copy_bytes(self.arch, self.weight_bytes, self.streams_weights,
+                                                   g.rollout_quantization)}
+
+    def streamed_layers(self, backward: bool = False) -> dict[str, int]:
+        """model.offload_weights: the layers' weights on the device in a pass that runs them: the one computing
+        and the next one on its way (in the backward, a group of layers_per_checkpoint and the next group)."""
+        if not self.streams_weights:
+            return {}
+        return {"streamed layers": 2 * (self.group if backward else 1) * self.weight_bytes * self.arch.layer_params()}
 
     def head_bytes(self, shape: MicroBatchShape, backward: bool) -> int:
         return loss_head_bytes(shape.completion_tokens, self.arch, self.compute_bytes, self.weight_bytes, backward,
@@ -304,13 +325,6 @@ def activation_bytes(sizes: StepSizes) -> ActivationBytes:
     return ActivationBytes(*(bytes_ + shape.mask_bytes for bytes_ in found))  # the mask lives all step
 
 
-def compact_copy_bytes(arch: Arch, weight_bytes: int) -> int:
-    """Bytes of the int8 rollout copy (policy/compact.py: CompactPolicy.nbytes): a byte per weight of the
-    decoder layers' Linears and a scale (in the weight dtype) per output row; the rest is shared."""
-    rows = (arch.heads + 2 * arch.kv_heads) * arch.head_dim + 2 * arch.hidden + 2 * arch.intermediate
-    return arch.layers * (arch.layer_params() - 2 * arch.hidden + weight_bytes * rows)
-
-
 def _largest(candidates: list[dict]) -> dict:
     """The candidate moment with the most bytes (the first, where two are equal)."""
     return max(candidates, key=lambda cats: sum(cats.values()))
@@ -322,7 +336,7 @@ def forward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes)
     worst = _largest([{"gradients": grads.before, "activations": acts.forward_layers + casts},
                       {"gradients": grads.before + grads.head_sum, "activations": acts.forward_head + casts,
                        "loss head": sizes.head_bytes(sizes.train, backward=False)}])
-    return {**sizes.resident(), **worst}
+    return {**sizes.resident(), **sizes.streamed_layers(), **worst}
 
 
 def backward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes) -> dict:
@@ -344,7 +358,7 @@ def backward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes
                      + ([{"gradients": grads.at_head,  # a layer-major step's lookups: every micro-batch's
                           "activations": (cfg.train.gradient_accumulation_steps + 1) * sizes.layer_input_bytes}]
                         if sizes.layer_major else []))  # gradient at the first layer, and one lookup's output
-    found = {**sizes.resident(), **worst}
+    found = {**sizes.resident(), **sizes.streamed_layers(backward=True), **worst}
     if cfg.train.optimizer_in_backward and not offload:  # each tensor's update runs as its gradient is ready
         found["optimizer states"] += optimizer_step_bytes(cfg, arch, sizes.device, one_tensor=True)
     return found
@@ -395,13 +409,16 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
     activations, head = logprob_pass_bytes(sizes)
     found = {}
     sampler = rollout_sampler(cfg.generation)
-    correction = sampler != "native" and importance_sampling_correction(train, sampler)  # its ratio's pass
-    if batch_plan(cfg).needs_old_logprobs or correction:
+    if old_logprob_pass(cfg):
         found["old log-probs"] = {**resident, "activations": activations + arch.layers * sizes.layer_cast_bytes,
                                   "loss head": head}
+        if sizes.streams_weights:  # layer-major, as the streamed reference's: the rows wait at each layer
+            found["old log-probs"]["activations"] += waiting_at_each_layer(sizes)
+            found["old log-probs"].update(sizes.streamed_layers())
     if sampler == "compact":  # the copy's log-probs of what it sampled, a layer's weight dequantized at a time
         dequantized = sizes.compute_bytes * arch.hidden * max(arch.intermediate, arch.heads * arch.head_dim)
-        found["sampler log-probs"] = {**resident, "activations": activations + dequantized, "loss head": head}
+        found["sampler log-probs"] = {**resident, **sizes.rollout_copy(), "activations": activations + dequantized,
+                                      "loss head": head}
     if train.beta > 0:
         found["reference log-probs"] = reference = {**resident}
         if sizes.device != "cpu" and train.reference_compute != "cpu":
@@ -409,14 +426,29 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
             # every micro-batch's hidden states, mask and rotary tables wait at each layer, and the head
             # scores every row. (A CPU run counts it as host.)
             shape, k = sizes.logprob, reference_stream_groups(cfg)[0]
-            waiting = (k - 1) * (shape.mask_bytes + shape.positions * (arch.hidden + 2 * arch.head_dim)
-                                 * sizes.weight_bytes)
+            waiting = waiting_at_each_layer(sizes)
             every_row = shape._replace(completion_tokens=k * shape.completion_tokens)
             chunk = default_chunk_size(every_row.completion_tokens, arch.vocab)
             reference["reference buffers"] = (2 * arch.layer_params() * sizes.weight_bytes
                                               + chunk * arch.hidden * sizes.compute_bytes + activations + waiting
                                               + sizes.head_bytes(every_row, backward=False))
     return found
+
+
+def old_logprob_pass(cfg: Config) -> bool:
+    """Whether the policy's no-grad log-prob pass runs over each generation batch: the loss needs old
+    log-probs, or the importance-sampling correction divides by the sampler's (vLLM, the compact copy)."""
+    sampler = rollout_sampler(cfg.generation)
+    correction = sampler != "native" and importance_sampling_correction(cfg.train, sampler)
+    return batch_plan(cfg).needs_old_logprobs or correction
+
+
+def waiting_at_each_layer(sizes: StepSizes) -> int:
+    """A streamed layer-major no-grad pass: the other micro-batches of a group (reference_stream_rows) wait at
+    each layer with their hidden states, mask and rotary tables."""
+    shape, k = sizes.logprob, reference_stream_groups(sizes.cfg)[0]
+    return (k - 1) * (shape.mask_bytes + shape.positions * (sizes.arch.hidden + 2 * sizes.arch.head_dim)
+                      * sizes.weight_bytes)
 
 
 def reference_micro_batches(cfg: Config) -> int:
@@ -453,8 +485,8 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     vllm = vllm_plan.uses_vllm(cfg)  # vLLM samples: the trainer makes no KV cache (vLLM's share is added below)
     generation_rows = min(cfg.generation.generation_micro_batch_size, batch_plan(cfg).generation_batch_size)
     phases = {"rollout": {**sizes.resident()} if vllm else
-              {**sizes.resident(), "KV cache": generation_bytes(sizes, generation_rows,
-                                                                cfg.generation.generation_micro_batch_size)}}
+              {**sizes.resident(), **sizes.rollout_copy(),
+               "KV cache": generation_bytes(sizes, generation_rows, cfg.generation.generation_micro_batch_size)}}
     rewards = reward_plan.reward_archs(cfg) if rewards is None else rewards
     where = reward_placement or reward_plan.placement(cfg, device)
     resident_rewards, scoring = reward_plan.device_bytes(cfg, rewards, where)
@@ -469,7 +501,7 @@ def plan(cfg: Config, arch: Arch, autocast: Optional[bool] = None, device: str =
     rows = evaluation_rows(cfg)
     if rows:  # between steps: the gradients are gone (zero_grad(set_to_none)), weights and states stay
         evaluation = generation_bytes(sizes, rows, cfg.eval.eval_batch_size)
-        phases["evaluation"] = {**sizes.resident(), "KV cache": evaluation}
+        phases["evaluation"] = {**sizes.resident(), **sizes.rollout_copy(), "KV cache": evaluation}
     if resident_rewards:  # gpu-placed reward models: their weights, all run
         phases = {p: {**cats, "reward model": resident_rewards} for p, cats in phases.items()}
     vllm_entry = vllm_plan.summary(cfg, vllm_plan.need(cfg, arch, autocast, device), card_bytes) if vllm else None
@@ -546,26 +578,6 @@ def evaluation_rows(cfg: Config) -> int:
         return 0
     limits = [e.eval_batch_size] + [n for n in (e.eval_max_samples, None if d.eval_file else d.eval_holdout) if n]
     return min(limits)
-
-
-def format_plan(result: MemoryPlan) -> str:
-    """Categories (rows) at each phase's predicted peak (columns), GiB; then the peak and the host RAM."""
-    phases, by_phase = result.phases, result.phase_categories
-    short = {"old log-probs": "old-lp", "reference log-probs": "ref-lp", "evaluation": "eval"}
-    cats = list(dict.fromkeys(c for cats in by_phase.values() for c in cats))  # first seen first
-    lines = [f"{'GiB (predicted)':<20}" + "".join(f"{short.get(p, p):>10}" for p in phases)]
-    for c in cats:
-        lines.append(f"{c:<20}" + "".join(f"{by_phase[p].get(c, 0) / GiB:>10.3f}" for p in phases))
-    lines.append(f"{'total':<20}" + "".join(f"{phases[p] / GiB:>10.3f}" for p in phases))
-    lines += ["", f"peak: {result.peak_bytes / GiB:.3f} GiB ({result.peak_phase}), allocator view"]
-    if result.host_categories:
-        parts = ", ".join(f"{k} {v / GiB:.3f}" for k, v in result.host_categories.items())
-        lines.append(f"host RAM: {result.host_bytes / GiB:.3f} GiB ({parts}), plus the Python process")
-        pinned = result.host_pinned_bytes
-        lines.append(f"  pinned (page-locked, cannot swap): {pinned / GiB:.3f} GiB"
-                     + (f" ({', '.join(result.host_pinned)})" if pinned else "")
-                     + f"; not pinned: {(result.host_bytes - pinned) / GiB:.3f} GiB")
-    return "\n".join(lines)
 
 
 # What the allocator does not show, added to the allocator-view peak before comparing with a card:

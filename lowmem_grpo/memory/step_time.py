@@ -22,7 +22,7 @@ from typing import Optional
 from ..config import Config, batch_plan
 from ..training.step_modes import layer_major_wanted
 from .cards import Card
-from .plan import (Arch, StepSizes, activations_offloaded, compiled_decode, decoder_positions,
+from .plan import (Arch, StepSizes, activations_offloaded, compiled_decode, decoder_positions, old_logprob_pass,
                    reference_micro_batches, reference_stream_groups)
 from .vllm_plan import uses_vllm
 
@@ -140,8 +140,9 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
     once per logprob micro-batch, as the code did before, for the calibration runs); the offloaded
     optimizer's gradients once per micro-batch (a tied embedding's head part separately; with a layer-major
     backward the layers' once per step, the embedding lookup's as at most one row per position, the head's
-    too with train.head_gradient_once_per_step) and the
-    new weights once per step; offloaded activations (the layer inputs checkpointing keeps, one per group of
+    too with train.head_gradient_once_per_step) and the new weights once per step (model.offload_weights:
+    the layers' weights up in each forward, backward and old log-prob pass instead, and into the compact
+    copy); offloaded activations (the layer inputs checkpointing keeps, one per group of
     model.layers_per_checkpoint layers, and the final norm's saves) down in each forward and up in each
     backward."""
     t = cfg.train
@@ -168,7 +169,17 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         # the head's and final norm's sums, held on the device (a layer-major step's setting)
         once = cfg.train.head_gradient_once_per_step and layer_major_wanted(cfg, 1)
         out.append(Transfer("gradients", "d2h", every, 1 if once else micro, "step" if once else "micro-batch"))
-        out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
+        layers = wb * arch.layers * arch.layer_params()
+        if cfg.model.offload_weights:  # the layers cross when they compute, not after their update: in the
+            # step's forward and backward, each old log-prob pass, and into the compact copy per generation batch
+            out.append(Transfer("weights", "h2d", wb * arch.params - layers, 1, "step"))
+            out.append(Transfer("policy layers", "h2d", layers, 2, "step"))
+            if old_logprob_pass(cfg):
+                out.append(Transfer("policy layers", "h2d", layers, reference_stream_groups(cfg)[1] / steps,
+                                    "old log-prob pass"))
+            out.append(Transfer("rollout copy", "h2d", layers, 1 / steps, "generation batch"))
+        else:
+            out.append(Transfer("weights", "h2d", wb * arch.params, 1, "step"))
     layer_io = positions * arch.hidden * wb
     if activations_offloaded(cfg, layer_io):  # the layer inputs, and the final norm's saves that go with them
         sizes = StepSizes.of(cfg, arch, cfg.model.bf16 is not False, device)
@@ -233,7 +244,7 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     forward = (fwd_layers + fwd_head) / flop_rate
     backward = ((3 if cfg.model.gradient_checkpointing else 2) * fwd_layers + 3 * fwd_head) / flop_rate
     training = micro * (forward + backward)
-    if batches.needs_old_logprobs:  # the policy's no-grad pass over the generation batch
+    if old_logprob_pass(cfg):  # the policy's no-grad pass over the generation batch
         training += passes * (lp_layers + lp_head)
     stalls = 0.0
     if "gradients" in moves:  # the first micro-batch's copies overlap its backward (side stream); later ones
@@ -248,6 +259,14 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
         stalls += max(0.0, once / pcie - micro * backward) if once else 0.0
     if "lookup gradients" in moves:  # a layer-major lookup's rows: the host waits for them
         stalls += micro * moves["lookup gradients"].nbytes / pcie
+    if "policy layers" in moves:  # model.offload_weights: each layer's copy overlaps the compute of the one before
+        # it (every micro-batch of it), in the forward and in the backward; the old log-prob pass's likewise
+        layers = moves["policy layers"].nbytes / pcie  # (every layer once)
+        stalls += max(0.0, layers - micro * fwd_layers / flop_rate)
+        stalls += max(0.0, layers - micro * (backward - 3 * fwd_head / flop_rate))
+        if old_logprob_pass(cfg):
+            stalls += max(0.0, layers * reference_stream_groups(cfg)[1] / steps - passes * lp_layers)
+        stalls += moves["rollout copy"].total / pcie  # quantized as it arrives: not overlapped
     if "activations" in moves:  # down during the forward, up (prefetched) during the backward
         copy = moves["activations"].nbytes / pcie
         stalls += micro * (max(0.0, copy - forward) + max(0.0, copy - backward))

@@ -109,6 +109,29 @@ def _half_micro_batch(c: Config):
     return edits
 
 
+def _offload_weights(c: Config):
+    """The decoder layers' weights to host RAM, streamed a layer at a time; rollouts from an int8 copy (with the
+    importance-sampling correction): what lets a model whose bf16 weights alone fill the card train on it."""
+    m, g = c.model, c.generation
+    if m.offload_weights or not m.gradient_checkpointing or vllm_plan.uses_vllm(c):
+        return None
+    edits = {("model", "offload_weights"): True}
+    if not c.optim.offload_optimizer:
+        edits[("optim", "offload_optimizer")] = True
+    if c.optim.optimizer == "paged_adamw_8bit" or (m.precision == "bf16_sr" and c.optim.optimizer == "adamw"):
+        edits[("optim", "optimizer")] = "adamw_8bit"
+    if c.train.layer_major_backward is False:
+        edits[("train", "layer_major_backward")] = None
+    if g.rollout_quantization == "none":
+        edits[("generation", "rollout_quantization")] = "int8"
+    return edits
+
+
+def _four_bit_rollouts(c: Config):
+    """The rollout copy in 4 bits (nf4) instead of 8."""
+    return {("generation", "rollout_quantization"): "nf4"} if c.generation.rollout_quantization == "int8" else None
+
+
 def _shorter_completions(c: Config):
     length = c.generation.max_completion_length
     return {("generation", "max_completion_length"): int(length * 0.75)} if length > 128 else None
@@ -116,7 +139,7 @@ def _shorter_completions(c: Config):
 
 SUGGESTIONS = (_smaller_eval_batch, _reference_on_cpu, _optimizer_in_backward, _bf16_sr, _checkpointing_or_offload,
                _offload_optimizer, _native_engine, _smaller_generation_micro_batch, _half_micro_batch,
-               _shorter_completions)
+               _offload_weights, _four_bit_rollouts, _shorter_completions)
 
 
 def _apply(cfg: Config, edits: dict) -> Config:
@@ -131,6 +154,8 @@ def _describe(edits: dict) -> str:
                     if v is not None)
     if ("model", "precision") in edits:
         text += " (bf16 weights, stochastic rounding; GPU sm_80+)"
+    if ("model", "offload_weights") in edits:
+        text += " (layers streamed from host RAM; rollouts from a quantized copy, corrected for)"
     return text
 
 

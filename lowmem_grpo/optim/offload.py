@@ -100,6 +100,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self._first_copies: dict[int, Optional[torch.cuda.Event]] = {}  # first copies still landing, by index
         self._in_flight: deque = deque()  # (event, bytes) of first copies, to bound the device gradients held
         self._in_flight_bytes = 0
+        self._on_host: set[int] = set()  # indices whose weight is its host copy (keep_on_host)
         self._holding = False  # gradients_held
         self._summed: set[int] = set()  # indices whose host buffer holds a gradient in this optimizer step
         self._this_backward: set[int] = set()  # indices whose hook ran in the current backward
@@ -372,9 +373,10 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             # Read here, on the calling thread: the scheduler changes the rates right after end_step, and
             # the rounding draws must not interleave with the caller's sampling.
             lrs = [self.param_groups[self._group_of[i]]["lr"] for i in order]
-            # each updated weight goes up once (counted here, on the calling thread: this step's bytes)
+            # each updated weight goes up once (counted here, on the calling thread: this step's bytes), but
+            # those kept on the host (they cross when they compute: policy layers)
             count_transfer("weights", "h2d", sum(self.params[i].numel() * self.params[i].element_size()
-                                                 for i in order))
+                                                 for i in order if i not in self._on_host))
             generator = self._rounding_generator()
             if self.on_cuda:  # kernels that read the old weights (the backward) are queued on the compute stream
                 self.side.wait_stream(torch.cuda.current_stream(self.params[0].device))
@@ -445,6 +447,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             if rounded:
                 grad.copy_(host)
         upload = grad if rounded else host
+        if index in self._on_host:  # the host copy is the weight itself (keep_on_host)
+            return
         if self.on_cuda:  # (the side stream already waits for the backward: end_step)
             with torch.cuda.stream(self.side):  # the new weight goes back while the host updates the next
                 p.data.copy_(upload, non_blocking=True)
@@ -455,6 +459,25 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             with torch.no_grad():
                 p.copy_(upload)
 
+
+    def keep_on_host(self, params: list[torch.Tensor]) -> None:
+        """model.offload_weights: each of `params` takes its host copy as its own storage (the device copy, or
+        the host tensor it had, is dropped), and its update is not sent up: whoever runs it on the device
+        copies it there first, after `wait_for_update` (policy/streaming.py). Needs the weight's own dtype on
+        the host (no fp32 master)."""
+        self.synchronize()
+        for p in params:
+            host = self.host[p]
+            if host.dtype != p.dtype:
+                raise ValueError(f"model.offload_weights streams the host copy, but it is {host.dtype} where the "
+                                 f"weight is {p.dtype} (an fp32 master): use an 8-bit optimizer")
+            host.copy_(p.detach())
+            p.data = host
+            self._on_host.add(self._index_of[p])
+
+    def wait_for_update(self, params: list[torch.Tensor]) -> None:
+        """Until the pending updates of `params` are done (a no-op where none is pending)."""
+        self._wait_for([self._index_of[p] for p in params if p in self._index_of])
 
     def step_zero_gradients(self) -> float:
         """One optimizer step in which every gradient is exactly zero, without a backward (every completion
@@ -486,7 +509,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self.synchronize()
         with torch.no_grad():
             for p, h in self.host.items():
-                h.copy_(p.detach())
+                if p.data_ptr() != h.data_ptr():  # (not a weight kept on the host: keep_on_host)
+                    h.copy_(p.detach())
 
     def _updated(self, p: torch.Tensor) -> torch.Tensor:
         return self.host[p]

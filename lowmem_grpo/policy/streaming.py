@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -37,29 +37,44 @@ def pinned_copies(params: list[nn.Parameter]) -> HostArena:
 
 
 class LayerStreamer:
-    """Forward hooks that give each decoder layer device copies of its weights just in time."""
+    """Forward hooks that give each decoder layer device copies of its weights just in time.
 
-    def __init__(self, layers: nn.ModuleList, device: torch.device, kind: str = "reference layers"):
+    `wait(i)`: called before layer i's weights are read for a copy (the trained policy's: until the host
+    update of those weights is done). `copy_on_cpu`: on a CPU device, make real copies too (the tests then
+    see what a GPU run would: a layer's compute never reads the host tensors)."""
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device, kind: str = "reference layers",
+                 wait: Optional[Callable[[int], None]] = None, copy_on_cpu: bool = False):
         self.device, self.kind = device, kind  # kind: what its copies are counted as (transfers.py)
+        self.wait, self.copy_on_cpu = wait, copy_on_cpu
         self.host = [[(p, p.data) for p in layer.parameters()] for layer in layers]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.ready: dict[int, tuple[list[Tensor], object]] = {}
         self.copies = 0  # layer copies started (a test checks the hooks ran)
-        self._installed: Optional[int] = None  # the layer whose device copies its parameters hold
-        self._resident: Optional[int] = None  # the layer kept on the device across calls (`resident`)
+        self._installed: set[int] = set()  # the layers whose device copies their parameters hold
+        self._resident: list[int] = []  # the layers kept on the device across calls (`resident`)
+        self._following: list[int] = []  # and the ones fetched while they compute
         for i, layer in enumerate(layers):
             if any(True for _ in layer.buffers()):
                 raise NotImplementedError(f"decoder layer {i} has buffers; streaming handles parameters only")
             layer.register_forward_pre_hook(functools.partial(self._before, i))
             layer.register_forward_hook(functools.partial(self._after, i))
 
+    def layer_bytes(self, i: int) -> int:
+        return sum(h.numel() * h.element_size() for _, h in self.host[i])
+
     def _fetch(self, i: int) -> None:
-        if i in self.ready or i >= len(self.host):
+        if i in self.ready or i in self._installed or not 0 <= i < len(self.host):
             return
-        count(self.kind, "h2d", sum(h.numel() * h.element_size() for _, h in self.host[i]))
+        if self.wait is not None:
+            self.wait(i)
+        count(self.kind, "h2d", self.layer_bytes(i))
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
-            copies = [h.to(self.device, non_blocking=True) for _, h in self.host[i]]
+            if self.copy_on_cpu and self.device.type == "cpu":
+                copies = [h.clone() for _, h in self.host[i]]
+            else:
+                copies = [h.to(self.device, non_blocking=True) for _, h in self.host[i]]
             event = torch.cuda.Event() if self.stream is not None else None
             if event is not None:
                 event.record(self.stream)
@@ -67,19 +82,27 @@ class LayerStreamer:
         self.copies += 1
 
     @contextlib.contextmanager
-    def resident(self, i: int) -> Iterator[None]:
-        """Inside, layer i's weights stay on the device across its calls: fetched at the first (or already on
-        their way), released at the end."""
-        self._resident = i
+    def resident(self, layers: int | Sequence[int], following: Optional[Sequence[int]] = None) -> Iterator[None]:
+        """Inside, the weights of `layers` (one index or several) stay on the device across their calls:
+        fetched at the first call (or already on their way), released at the end. While they compute, the
+        rest of them and then `following` are fetched (default: the layer after the last one)."""
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        self._resident = layers
+        self._following = [layers[-1] + 1] if following is None else list(following)
         try:
             yield
         finally:
-            self._resident = None
-            if self._installed == i:
-                self._release(i)
+            self._resident, self._following = [], []
+            for i in layers:
+                if i in self._installed:
+                    self._release(i)
+
+    def forget(self) -> None:
+        """Drop copies fetched ahead and not used (before the host weights change: they would be stale)."""
+        self.ready.clear()
 
     def _before(self, i: int, module, args):
-        if self._installed == i:  # resident, and installed by an earlier call
+        if i in self._installed:  # resident, and installed by an earlier call
             return
         self._fetch(i)
         copies, event = self.ready.pop(i)
@@ -90,17 +113,21 @@ class LayerStreamer:
                 t.record_stream(current)
         for (p, _), t in zip(self.host[i], copies):
             p.data = t
-        self._installed = i
-        self._fetch(i + 1)  # the next layer's copy overlaps this layer's compute
+        self._installed.add(i)
+        if i in self._resident:  # the copies overlap this layer's compute
+            for j in self._resident[self._resident.index(i) + 1:] + self._following:
+                self._fetch(j)
+        else:
+            self._fetch(i + 1)
 
     def _after(self, i: int, module, args, output):
-        if self._resident != i:
+        if i not in self._resident:
             self._release(i)
 
     def _release(self, i: int) -> None:
         for p, h in self.host[i]:
             p.data = h  # the device copy is freed once the compute stream is done with it
-        self._installed = None
+        self._installed.discard(i)
 
 
 def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,
@@ -115,3 +142,28 @@ def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,
         if name not in ("layers", "embed_tokens"):
             child.to(device)  # final norm, rotary tables: a few KiB
     return arena, LayerStreamer(decoder.layers, device, kind)
+
+
+def move_all_but_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
+    """`model.to(device)` for everything except the weights of `layers`, which stay where they are (host RAM):
+    model.offload_weights, where the whole model would not fit the device."""
+    kept = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in kept:
+                    p.data = p.data.to(device)
+            for name, b in list(module.named_buffers(recurse=False)):
+                if id(b) not in kept:
+                    module._buffers[name] = b.to(device)
+
+
+def stream_trained_layers(optimizer, layers: nn.ModuleList, device: torch.device,
+                          copy_on_cpu: bool = False) -> LayerStreamer:
+    """model.offload_weights: the trained layers' weights become the offloaded optimizer's host copies
+    (`OffloadedOptimizer.keep_on_host`, pinned on CUDA) and stream to `device` a layer at a time, each copy
+    made once the layer's update is done. `copy_on_cpu`: LayerStreamer's."""
+    params = [list(layer.parameters()) for layer in layers]
+    optimizer.keep_on_host([p for group in params for p in group])
+    return LayerStreamer(layers, device, kind="policy layers", copy_on_cpu=copy_on_cpu,
+                         wait=lambda i: optimizer.wait_for_update(params[i]))

@@ -31,3 +31,4 @@ class RolloutContext:
     world: World = field(default_factory=World)  # this process among the torchrun ranks
     engine: Optional[Any] = None  # policy.vllm_engine.VLLMEngine when generation.engine=vllm (training only)
     compact: Optional[Any] = None  # policy.compact.CompactPolicy with generation.rollout_quantization (training)
+    streamer: Optional[Any] = None  # policy.streaming.LayerStreamer of the policy's layers (model.offload_weights)

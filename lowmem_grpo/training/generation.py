@@ -133,6 +133,8 @@ def roll_out(cfg: Config, prompts, ctx: RolloutContext, trainer_state: Optional[
             sampling_logp = completion_logprobs(ctx.compact.head, batch, temperature=cfg.generation.temperature,
                                                 micro_batch=micro, device=ctx.device, autocast_bf16=ctx.autocast)
             batch = replace(batch, sampling_logp=sampling_logp)
+            if ctx.streamer is not None:  # model.offload_weights: made again from the host copy for the next one
+                ctx.compact.release()
         else:
             batch = generate(ctx.policy, repeated, cfg.generation, eos_ids=ctx.eos_ids, pad_id=ctx.pad_id,
                              device=ctx.device, autocast_bf16=ctx.autocast)
@@ -185,7 +187,8 @@ def old_logprobs(cfg: Config, batch: Batch, keep: Tensor, ctx: RolloutContext) -
             micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
             kept = completion_logprobs(ctx.head, batch.select(keep), temperature=cfg.generation.temperature,
                                        micro_batch=micro, device=ctx.device, autocast_bf16=ctx.autocast,
-                                  pack=ctx.pack)  # (kept, <= C)
+                                       pack=ctx.pack, streamer=ctx.streamer,
+                                       stream_rows=cfg.train.reference_stream_rows)  # (kept, <= C)
             found[keep, :kept.shape[1]] = kept
     ctx.policy.train(was_training)
     return found

@@ -28,11 +28,13 @@ from ..config.batching import BatchPlan, steps_for_epochs
 from ..config.schema import DataConfig, GenerationConfig, ModelConfig, OptimConfig, OutputConfig, RewardsConfig
 from ..config.schema import TrainConfig
 from ..optim.optimizers import build_optimizer, build_scheduler
+from ..policy.layer_major import decoder_layers
 from ..policy.limits import check_run_limits
 from ..policy.model import Head, bf16_autocast_wanted, build_head, check_bf16_weights, enable_checkpointing
 from ..policy.model import load_model
 from ..policy.packing import Packing
 from ..policy.reference import Reference
+from ..policy.streaming import move_all_but_layers
 from ..rewards import ModelSettings, load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
@@ -237,12 +239,16 @@ def setup_reference(t: TrainConfig, policy: torch.nn.Module, device: torch.devic
 
 def setup_training_model(m: ModelConfig, t: TrainConfig, g: GenerationConfig, policy: torch.nn.Module,
                          device: torch.device, resume: Optional[Path] = None, *,
-                         checkpoint_layers: Optional[bool] = None) -> TrainingModel:
+                         checkpoint_layers: Optional[bool] = None, offload_weights: bool = False) -> TrainingModel:
     """Move the policy to `device` and make it ready to train: gradient checkpointing (`checkpoint_layers`,
     default model.gradient_checkpointing; off where the step recomputes the layers itself), no KV cache in
     training forwards, its one loss head, the packing mode; then the resumed checkpoint's weights (whole,
-    before FSDP2 shards them; the rest of its state loads after the optimizer exists)."""
-    policy.to(device)
+    before FSDP2 shards them; the rest of its state loads after the optimizer exists). With `offload_weights`
+    (model.offload_weights) the decoder layers' weights stay in host RAM (the optimizer takes them over)."""
+    if offload_weights:
+        move_all_but_layers(policy, decoder_layers(build_head(policy).decoder).layers, device)
+    else:
+        policy.to(device)
     if m.gradient_checkpointing if checkpoint_layers is None else checkpoint_layers:
         enable_checkpointing(policy)
     policy.config.use_cache = False  # training forwards never need the KV cache

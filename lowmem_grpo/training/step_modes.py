@@ -18,7 +18,7 @@ skipped still steps Adam on a zero gradient. Design notes: docs/training.md, doc
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from ..optim.optimizer_in_backward import OptimizerInBackward
 from ..phases import phase
 from ..policy.layer_major import DecoderLayers, LayerInputs, decoder_layers
 from ..policy.model import Head
+from ..policy.streaming import LayerStreamer
 from . import distributed
 from .layer_inputs import LayerInputStore
 from .lookup_rows import LookupRows
@@ -181,9 +182,11 @@ class LayerMajorStep(OffloadStep):
     (V, H) sum on the device through every micro-batch's loss head."""
 
     def __init__(self, optimizer: OffloadedOptimizer, model: nn.Module, head: Head, policy_loss: PolicyLoss, *,
-                 autocast: bool, offload_inputs: bool, group: int = 1, hold_head: bool = False):
+                 autocast: bool, offload_inputs: bool, group: int = 1, hold_head: bool = False,
+                 streamer: Optional[LayerStreamer] = None):
         super().__init__(optimizer, model, head)
         self.layers: DecoderLayers = decoder_layers(head.decoder)
+        self.streamer = streamer  # model.offload_weights: the layers' weights cross per layer (or group)
         self.group, self.hold_head = group, hold_head
         self.policy_loss = policy_loss  # its offload_copy_on_cpu: a CPU memory profile wants real host copies
         self.autocast = autocast
@@ -206,12 +209,15 @@ class LayerMajorStep(OffloadStep):
         hidden = [r.hidden.detach() for r in records]  # (the graph to the embedding: made again in finish)
         del records  # each input lives in the store only (in host RAM with offload_inputs)
         if hidden:
+            if self.streamer is not None:
+                self.streamer.forget()  # (nothing fetched before this step's weights is used)
             with torch.no_grad(), self._autocast(hidden[0]):
                 for i in range(len(self.layers)):
-                    for m, calls in enumerate(self._calls):
-                        if i % self.group == 0:
-                            self.store.put((i, m), hidden[m])
-                        hidden[m] = self.layers.run(i, hidden[m], calls[i])
+                    with self._resident([i]):
+                        for m, calls in enumerate(self._calls):
+                            if i % self.group == 0:
+                                self.store.put((i, m), hidden[m])
+                            hidden[m] = self.layers.run(i, hidden[m], calls[i])
         self._last = [h.detach().requires_grad_() for h in hidden]
 
     def forward(self, loss_fn: LossFn) -> tuple[Tensor, dict]:
@@ -241,18 +247,24 @@ class LayerMajorStep(OffloadStep):
         grads = [last.grad if last.grad is not None else torch.zeros_like(last) for last in self._last]
         self._last = []
         k, n_layers = len(self._calls), len(self.layers)
-        order = [(i, m) for i in reversed(range(0, n_layers, self.group)) for m in range(k)]
-        for n, (i, m) in enumerate(order):
-            if n + 1 < len(order):
-                self.store.prefetch(order[n + 1])
-            x = self.store.take((i, m)).requires_grad_()
-            held = self.optimizer.gradients_held() if m + 1 < k else contextlib.nullcontext()
-            with held, self._autocast(x):
-                out = x
-                for j in range(i, min(i + self.group, n_layers)):
-                    out = self.layers.run(j, out, self._calls[m][j])
-                torch.autograd.backward(out, grads[m])
-            grads[m] = x.grad
+        starts = list(reversed(range(0, n_layers, self.group)))
+        order = [(i, m) for i in starts for m in range(k)]
+        for g, i in enumerate(starts):
+            group = list(range(i, min(i + self.group, n_layers)))
+            following = list(range(starts[g + 1], i)) if g + 1 < len(starts) else []
+            with self._resident(group, following):  # the group's weights on the device for every micro-batch
+                for m in range(k):
+                    n = g * k + m
+                    if n + 1 < len(order):
+                        self.store.prefetch(order[n + 1])
+                    x = self.store.take((i, m)).requires_grad_()
+                    held = self.optimizer.gradients_held() if m + 1 < k else contextlib.nullcontext()
+                    with held, self._autocast(x):
+                        out = x
+                        for j in group:
+                            out = self.layers.run(j, out, self._calls[m][j])
+                        torch.autograd.backward(out, grads[m])
+                    grads[m] = x.grad
         self._calls = []
         for loss_fn, grad in zip(self._loss_fns, grads):  # the lookup (and whatever runs before the layers)
             with self.lookup.compact() as lookups:  # its gradient as the rows it read
@@ -265,6 +277,11 @@ class LayerMajorStep(OffloadStep):
                 self.optimizer.end_backward()
         self._loss_fns = []
 
+    def _resident(self, layers: list[int], following: Optional[list[int]] = None):
+        if self.streamer is None:
+            return contextlib.nullcontext()
+        return self.streamer.resident(layers, following)
+
     def _autocast(self, like: Tensor):
         return torch.autocast(like.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
@@ -272,13 +289,14 @@ class LayerMajorStep(OffloadStep):
 def layer_major_wanted(cfg: Config, world_size: int) -> bool:
     """train.layer_major_backward resolved. None (the default) is on where it takes gradients off PCIe for
     little device memory: offload_optimizer with gradient_accumulation_steps > 1, gradient checkpointing and
-    model.offload_activations (every micro-batch's layer inputs then wait in host RAM), in one process. On
+    model.offload_activations (every micro-batch's layer inputs then wait in host RAM), in one process; and
+    with model.offload_weights (which needs it). On
     the device instead (`true` without offload_activations) they cost gradient_accumulation_steps times
     checkpointing's layer inputs: `lowmem-grpo plan` shows whether that fits. True under torchrun raises."""
     t, o, m = cfg.train, cfg.optim, cfg.model
     if t.layer_major_backward is None:
-        return (o.offload_optimizer and m.gradient_checkpointing and m.offload_activations
-                and t.gradient_accumulation_steps > 1 and world_size == 1)
+        return (o.offload_optimizer and m.gradient_checkpointing and world_size == 1
+                and (m.offload_weights or (m.offload_activations and t.gradient_accumulation_steps > 1)))
     if t.layer_major_backward and world_size > 1:
         raise ValueError("train.layer_major_backward runs in one process: under torchrun set it to false (or leave "
                          "it unset)")
@@ -302,29 +320,38 @@ def head_gradient_once(cfg: Config, world_size: int) -> bool:
     return cfg.train.head_gradient_once_per_step
 
 
+def offload_weights(cfg: Config, world_size: int) -> bool:
+    """model.offload_weights, checked against the step mode it needs (the layer-major one)."""
+    if cfg.model.offload_weights:
+        _needs_layer_major(cfg, world_size, "model.offload_weights", "model.offload_weights=false")
+    return cfg.model.offload_weights
+
+
 def _needs_layer_major(cfg: Config, world_size: int, setting: str, off: str) -> None:
     if not layer_major_wanted(cfg, world_size):
         raise ValueError(f"{setting} needs the layer-major backward, which is off here (it runs with "
                          "optim.offload_optimizer, gradient_checkpointing and gradient_accumulation_steps > 1, in one "
-                         f"process; unset, also offload_activations): set {off}, or train.layer_major_backward=true")
+                         f"process; unset, also offload_activations or offload_weights): set {off}, or "
+                         "train.layer_major_backward=true")
 
 
 def make_step_mode(optimizer: torch.optim.Optimizer, model: torch.nn.Module, loss_module: torch.nn.Module,
                    shards, max_grad_norm: float | None, head: Head, *, layer_major: bool = False,
                    autocast: bool = False, offload_inputs: bool = False, group: int = 1,
-                   hold_head: bool = False) -> StepMode:
+                   hold_head: bool = False, streamer: Optional[LayerStreamer] = None) -> StepMode:
     """The mode of the optimizer `build_optimizer` made. `head`: the policy's one loss head, which the loss
     and the old log-prob pass share (the offload mode may give it a handle of its own on a tied weight).
     `layer_major` (`layer_major_wanted`; offload only): LayerMajorStep, its layers under bf16 `autocast`
     as the loss's, their inputs in host RAM with `offload_inputs` (model.offload_activations), recomputed
     `group` layers at a time (`layers_per_checkpoint`), the head's gradient sent once with `hold_head`
-    (`head_gradient_once`)."""
+    (`head_gradient_once`), the layers' weights streamed from host RAM by `streamer` (model.offload_weights)."""
     if isinstance(optimizer, OffloadedOptimizer):
         if layer_major:
             if not isinstance(loss_module, PolicyLoss):
                 raise ValueError("a layer-major backward runs in one process, on the policy's own loss module")
             return LayerMajorStep(optimizer, model, head, loss_module, autocast=autocast,
-                                  offload_inputs=offload_inputs, group=group, hold_head=hold_head)
+                                  offload_inputs=offload_inputs, group=group, hold_head=hold_head,
+                                  streamer=streamer)
         return OffloadStep(optimizer, model, head)
     if layer_major:
         raise ValueError("a layer-major backward needs the offloaded optimizer (optim.offload_optimizer=true)")

@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 
 from ..config import Config, ConfigError, batch_plan, rollout_engine
 from ..phases import phase
+from ..policy.layer_major import decoder_layers
 from ..policy.model import load_tokenizer
+from ..policy.streaming import stream_trained_layers
 from ..policy.batch import Batch
 from ..transfers import TRANSFERS
 from . import checkpoint as ckpt
@@ -42,7 +44,8 @@ from .micro_batch import computed_tokens, plan_micro_batch, step_completion_toke
 from .metrics import (NullLog, RunLog, StepTally, StepTotals, peak_memory_bytes, reset_peak_memory, step_means,
                       trl_names)
 from .plot import save_run_plot
-from .step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint, make_step_mode
+from .step_modes import (head_gradient_once, layer_major_wanted, layers_per_checkpoint, make_step_mode,
+                         offload_weights)
 from .setup import (pick_device, seed_everything, setup_data, setup_loss, setup_model, setup_optimizer, setup_output,
                     setup_precision, setup_reference, setup_rewards, setup_training_model, setup_world, special_ids)
 from .stopping import RunOutOfMemory, StopRequest, out_of_memory_message, save_on_error
@@ -102,17 +105,22 @@ class Trainer:
         self.layer_major = layer_major_wanted(cfg, self.world.size)
         group = layers_per_checkpoint(cfg, self.world.size)  # (both checked before the model is moved)
         hold_head = head_gradient_once(cfg, self.world.size)
+        streamed = offload_weights(cfg, self.world.size)
         self.head, self.pack = setup_training_model(m, t, g, self.policy, self.device, resume,
-                                                    checkpoint_layers=m.gradient_checkpointing and not self.layer_major)
+                                                    checkpoint_layers=m.gradient_checkpointing and not self.layer_major,
+                                                    offload_weights=streamed)
         self.loss_module, self.shards = setup_loss(cfg, self.policy, self.head, self.pack, self.autocast, self.world)
         self.optimizer, self.scheduler = setup_optimizer(
             cfg.optim, self.shards.module if self.shards else self.policy, t.max_steps,
             stochastic_rounding=m.precision == "bf16_sr", in_backward=t.optimizer_in_backward)
+        # model.offload_weights: the layers' weights are the optimizer's host copies, streamed per layer
+        streamer = (stream_trained_layers(self.optimizer, decoder_layers(self.head.decoder).layers, self.device)
+                    if streamed else None)
         # How backwards become an update in this memory mode (step_modes.py)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
                                         cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,
                                         autocast=self.autocast, offload_inputs=m.offload_activations, group=group,
-                                        hold_head=hold_head)
+                                        hold_head=hold_head, streamer=streamer)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -123,7 +131,8 @@ class Trainer:
             self._resume(resume)
         self.stop = StopRequest()  # set by Ctrl-C/SIGTERM (or a caller): stop after the current step
         self.rollout = self._rollout_context(head=self.head, reference=self.ref, pack=self.pack,
-                                             engine=self._vllm_engine(), compact=self._compact_policy())
+                                             engine=self._vllm_engine(), compact=self._compact_policy(),
+                                             streamer=streamer)
         self.compact_step = self.step  # the step whose weights the compact copy holds
         self.engine_closed = False  # close_engine() stopped vLLM: the next rollout starts it again
 
@@ -166,7 +175,8 @@ class Trainer:
             raise ConfigError(f"generation.rollout_quantization={quantization} runs in one process; under torchrun "
                               "set it to none")
         from ..policy.compact import CompactPolicy
-        return CompactPolicy(self.policy, quantization)
+        return CompactPolicy(self.policy, quantization, device=self.device,
+                             layers_on_host=self.cfg.model.offload_weights)
 
     # ----- resume and save -----------------------------------------------------------------------
     def _resume(self, path: Path) -> None:
@@ -282,11 +292,7 @@ class Trainer:
             # CUDA: vLLM copies on this thread's stream, now after the uploads) and its RNG (vLLM's seed draws).
             self.step_mode.synchronize()
             engine.sync(self.policy, self.step)
-        compact = self.rollout.compact
-        if compact is not None and self.compact_step != self.step:  # quantized from the weights being trained
-            self.step_mode.synchronize()  # (their last update landed)
-            compact.refresh()
-            self.compact_step = self.step
+        self._refresh_compact()
         with distributed.full_weights(self.loss_module, self.world):  # FSDP2: rollout and log-probs need them whole
             gb = make_generation_batch(self.cfg, self.plan, prompts, self.rollout, epoch=self.sampler.epoch,
                                        trainer_state=state)
@@ -499,14 +505,32 @@ class Trainer:
             notify(self.callbacks, "on_log", self, self.step, metrics)
         return metrics
 
+    def _refresh_compact(self) -> None:
+        """The compact copy quantized from the weights being trained, if it is older than them."""
+        compact = self.rollout.compact
+        if compact is not None and (self.compact_step != self.step or compact.released):
+            self.step_mode.synchronize()  # (their last update landed)
+            compact.refresh()
+            self.compact_step = self.step
+
     def evaluate(self) -> dict:
+        """Greedy completions of the held-out prompts, scored. Under model.offload_weights by the compact copy
+        (the rollouts' sampler): the policy's own weights are never all on the device at once."""
         if self.eval_set is None:
             raise ConfigError("no held-out prompts: set data.eval_file or data.eval_holdout")
         e = self.cfg.eval
-        with phase("evaluation"):
-            return evaluate(self.rollout, self.eval_set, self.cfg.generation, batch_size=e.eval_batch_size,
-                            max_samples=e.eval_max_samples,
-                            output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
-                            trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
-                                                             epoch=self.sampler.epoch,
-                                                             num_input_tokens_seen=self.num_input_tokens_seen))
+        ctx = self.rollout
+        if ctx.streamer is not None:
+            self._refresh_compact()
+            ctx = replace(ctx, policy=ctx.compact.model)
+        try:
+            with phase("evaluation"):
+                return evaluate(ctx, self.eval_set, self.cfg.generation, batch_size=e.eval_batch_size,
+                                max_samples=e.eval_max_samples,
+                                output_file=Path(self.cfg.output.output_dir, "eval_completions.jsonl"),
+                                trainer_state=make_trainer_state(self.cfg, self.plan, global_step=self.step,
+                                                                 epoch=self.sampler.epoch,
+                                                                 num_input_tokens_seen=self.num_input_tokens_seen))
+        finally:
+            if ctx.streamer is not None:  # (made again before the next rollout)
+                ctx.compact.release()

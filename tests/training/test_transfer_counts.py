@@ -2,7 +2,8 @@
 recorded in metrics.jsonl, against what the planner predicts (memory/step_time.py, `transfers`), on the
 shipped recipes' batch structure and memory modes with a tiny model on the CPU.
 
-Tolerance: the weights, the gradients and the reference's layers and head are exact (they do not depend on
+Tolerance: the weights, the gradients, the reference's layers and head, and the policy's layers streamed
+under model.offload_weights (and into the compact copy) are exact (they do not depend on
 what was sampled). A layer-major step's lookup gradients are the rows of the distinct tokens a micro-batch
 read: at most the planner's one per position. Offloaded activations depend on each micro-batch's padded width, which the planner takes
 at full length: the count is at most the planner's and at least half of it here."""
@@ -20,7 +21,7 @@ from lowmem_grpo.transfers import TRANSFERS
 
 from .conftest import TINY_LLAMA, toy_rows, write_jsonl
 
-EXACT = ("weights", "gradients", "reference layers", "reference head")
+EXACT = ("weights", "gradients", "reference layers", "reference head", "policy layers", "rollout copy")
 HIDDEN = json.dumps({**TINY_LLAMA, "hidden_size": 1024, "intermediate_size": 256, "num_attention_heads": 8,
                      "num_hidden_layers": 3})  # 3: two groups of model.layers_per_checkpoint=2, the last shorter
 CASES = {  # recipe, overrides: each shipped mix of memory modes
@@ -30,6 +31,9 @@ CASES = {  # recipe, overrides: each shipped mix of memory modes
     "3b": ("qwen2.5-3b_gsm8k_8gb.yaml", ["skip_zero_advantage=false"]),
     "4096": ("qwen2.5-1.5b_gsm8k-4096_8gb.yaml", ["pack_prompts=false"]),  # unpacked: 1.25 MiB layer inputs
     "8192": ("qwen2.5-1.5b_gsm8k-8192_8gb.yaml", []),
+    # two steps: the compact copy is made at start, quantized again from the host copy from the second step on
+    "offload-weights": ("qwen2.5-1.5b_gsm8k_8gb.yaml", ["offload_weights=true", "rollout_quantization=int8",
+                                                        "max_steps=2"]),
 }
 
 
