@@ -31,8 +31,9 @@ second: the first call's steps that did not finish on this machine (not started,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
-  plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe and the 0.5B GSM8K recipe at their
-  full lengths under an 8 GiB cap (each of those needs about 2.5 minutes: a call of its own).
+  plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe, the 0.5B GSM8K recipe and the 7B
+  8 GB recipe (its layers in host RAM, NF4 rollouts, eager decode: one step) at their full lengths under an
+  8 GiB cap (each of those needs about 2.5 minutes: a call of its own; the 7B one's time is a guess).
 Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter;
 kernel-tests: what it took on an H200 from a cold Triton cache, plus a half; decode, the 1.5B shape alone:
 an estimate (RESULTS.md, "GPU session rehearsal").
@@ -60,7 +61,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -141,13 +142,14 @@ def _test_step(key: str, name: str, selection: list[str], timeout_s: float, juni
 
 
 def _trainer_step(key: str, arch: str, recipe: str, completion_len: int, steps: int, timeout_s: float,
-                  tiny: bool) -> Step:
-    """trainer_step.py: `steps` steps of `recipe` at its full lengths (prompt 256) under an 8 GiB cap."""
+                  tiny: bool, overrides: Sequence[str] = ()) -> Step:
+    """trainer_step.py: `steps` steps of `recipe` at its full lengths (prompt 256) under an 8 GiB cap, with
+    `overrides` (key=value)."""
     lengths = ["--prompt-len", "16", "--completion-len", "8", "--tiny"] if tiny else \
         ["--prompt-len", "256", "--completion-len", str(completion_len), "--memory-cap-gib", "8"]
     return Step(key, f"{steps} trainer step(s), {recipe}, random weights, 8 GiB cap",
                 [PY, "benchmarks/trainer_step.py", "--arch", arch, "--recipe", f"recipes/{recipe}.yaml",
-                 "--steps", str(steps), *lengths], timeout_s)
+                 "--steps", str(steps), *lengths, *overrides], timeout_s)
 
 
 def first_call(tiny: bool, out: Path) -> list[Step]:
@@ -181,6 +183,10 @@ def second_call(tiny: bool, out: Path) -> list[Step]:
         _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
         _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 1, 150, tiny),
         _trainer_step("trainer-0.5b-gsm8k", "Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 1024, 2, 120, tiny),
+        # 7.6B with its layers in host RAM (model.offload_weights) and an NF4 rollout copy: one step, eager
+        # decode (the NF4 layers in a compiled step have not met a GPU either; one thing at a time)
+        _trainer_step("trainer-7b-8gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_8gb", 1024, 1, 150, tiny,
+                      ["compile_decode=false"]),
     ]
 
 

@@ -67,8 +67,12 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
 
 
-def build(args) -> Trainer:
-    """A Trainer for `args`: `arch` is a preset name or a transformers config dict (with model_type)."""
+def build(args, before_trainer=None) -> Trainer:
+    """A Trainer for `args`: `arch` is a preset name or a transformers config dict (with model_type).
+    `before_trainer()` (main: the memory cap) is called before the random model is drawn, or, under
+    model.offload_weights, after: a model larger than the cap is drawn whole on the GPU and handed to the
+    host (the cap's context is then measured after CUDA's start: cap_cuda_memory); the Trainer's own set-up
+    runs under the cap either way."""
     arch = preset(args.arch) if isinstance(args.arch, str) else dict(args.arch)
     if getattr(args, "tiny", False):
         arch.update(TINY)
@@ -94,7 +98,13 @@ def build(args) -> Trainer:
     ]
     cfg = load_config(args.recipe, overrides)
     device = torch.device(args.device)
-    return Trainer(cfg, model=random_model_drawn_on(cfg, device) if device.type == "cuda" else None)
+    draw_first = cfg.model.offload_weights
+    if before_trainer is not None and not draw_first:
+        before_trainer()
+    model = random_model_drawn_on(cfg, device) if device.type == "cuda" else None
+    if before_trainer is not None and draw_first:
+        before_trainer()
+    return Trainer(cfg, model=model)
 
 
 def random_model_drawn_on(cfg, device: torch.device) -> torch.nn.Module:
@@ -228,12 +238,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
-    cap = None
-    if device.type == "cuda" and args.memory_cap_gib:
-        cap = cap_cuda_memory(args.memory_cap_gib, device)
+    cap = {}
+
+    def capped():
+        if device.type == "cuda" and args.memory_cap_gib:
+            cap.update(cap_cuda_memory(args.memory_cap_gib, device))
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    trainer = build(args)
+    trainer = build(args, before_trainer=capped)
+    cap = cap or None
     setup_s = time.perf_counter() - t0
     planned = plan(trainer.cfg, Arch.from_config(trainer.policy.config), autocast=trainer.autocast,
                    device=trainer.device.type)

@@ -21,7 +21,7 @@ from tests.cuda_names import cuda_parameters
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = ["env", "cuda-tests", "kernel-tests", "trainer-1.5b", "decode", "head-memory"]
 SECOND = ["other-cuda-tests", "head-speed", "trainer-1.5b-4096", "trainer-3b",
-          "trainer-0.5b-gsm8k"]  # in order of importance
+          "trainer-0.5b-gsm8k", "trainer-7b-8gb"]  # in order of importance
 
 
 def _gpu_session():

@@ -459,7 +459,6 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             with torch.no_grad():
                 p.copy_(upload)
 
-
     def keep_on_host(self, params: list[torch.Tensor]) -> None:
         """model.offload_weights: each of `params` takes its host copy as its own storage (the device copy, or
         the host tensor it had, is dropped), and its update is not sent up: whoever runs it on the device

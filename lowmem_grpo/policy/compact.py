@@ -29,7 +29,7 @@ NF4_BLOCK = 64  # weights per absmax of the 4-bit copy (bitsandbytes' default fo
 
 class QuantizedLinear(nn.Module):
     """y = x @ (qweight * scale[:, None])^T + bias: an nn.Linear's weight as int8 rows and a scale per row.
-    `bias` is the source layer's own tensor (shared, not copied)."""
+    `bias` is the source layer's own tensor (shared, not copied) unless another is given."""
 
     def __init__(self, source: nn.Linear, device: Optional[torch.device] = None, bias: Optional[Tensor] = None,
                  from_host: bool = False):

@@ -1,15 +1,16 @@
-"""A frozen decoder kept in host RAM and run on the device a layer at a time (the reference model and
-streamed reward models).
+"""Decoder layers kept in host RAM and run on the device a layer at a time: the reference model, streamed
+reward models, and the trained policy's own layers under model.offload_weights.
 
 `stream_decoder(model, decoder, device)` leaves the weights of `decoder.layers` and of the embedding
 where they are (host RAM; one pinned block on CUDA, `pinned_copies`), moves the decoder's other children
 (final norm, rotary tables: a few KiB) to `device`, and installs forward hooks that copy each layer's
 weights to the device just before it runs, the next layer's copy overlapping this layer's compute (a
 side stream on CUDA). The device then holds about two layers' weights. Callers look the embeddings up
-on the host and pass `inputs_embeds`. A layer-major pass (policy/layer_major.py) keeps a layer on the
-device across its calls with `LayerStreamer.resident(i)`: one copy for every micro-batch. On a CPU-only
-machine the copies are no-ops and the hooks run as they would on a GPU, which is how the tests exercise
-this path.
+on the host and pass `inputs_embeds`. A layer-major pass (policy/layer_major.py) keeps a layer (or a
+group) on the device across its calls with `LayerStreamer.resident`: one copy for every micro-batch.
+`stream_trained_layers` does the same for the policy, whose host copies are the offloaded optimizer's.
+On a CPU-only machine the copies are no-ops (real ones with `copy_on_cpu`) and the hooks run as they
+would on a GPU, which is how the tests exercise this path.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def move_all_but_layers(model: nn.Module, layers: nn.ModuleList, device: torch.d
     kept = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
     with torch.no_grad():
         for module in model.modules():
-            for name, p in list(module.named_parameters(recurse=False)):
+            for _, p in list(module.named_parameters(recurse=False)):
                 if id(p) not in kept:
                     p.data = p.data.to(device)
             for name, b in list(module.named_buffers(recurse=False)):

@@ -168,7 +168,11 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
                      f"{_halve(cfg.rewards.model_batch_size or t.per_device_train_batch_size)}")],
         "forward": [(not m.gradient_checkpointing, "gradient_checkpointing=true"),
                     (not m.offload_activations, "offload_activations=true"),
-                    (t.per_device_train_batch_size > 1, _smaller_micro_batch(cfg))],
+                    (t.per_device_train_batch_size > 1, _smaller_micro_batch(cfg)),
+                    (not m.offload_weights and t.device != "cpu",
+                     "offload_weights=true with offload_optimizer=true and rollout_quantization=nf4 (the decoder "
+                     "layers' weights stay in host RAM and cross to the GPU one at a time; rollouts from a 4-bit "
+                     "copy)")],
         "evaluation": [(cfg.eval.eval_batch_size > 1,
                         f"eval_batch_size={_halve(cfg.eval.eval_batch_size)} (evaluation decodes that many prompts "
                         f"at once: its KV cache scales with it)"),

@@ -51,9 +51,10 @@ def _learning(metrics: list[dict]) -> list[dict]:
 @pytest.mark.parametrize("overrides", [
     [],
     [f"model.config={THREE_LAYERS}", "layers_per_checkpoint=2", "beta=0.04", "reference_compute=stream"],
-    ["offload_activations=true", "head_gradient_once_per_step=true", "loss_type=grpo", "steps_per_generation=8"],
+    ["offload_activations=true", "head_gradient_once_per_step=true", "loss_type=grpo", "steps_per_generation=8",
+     "pack_prompts=true"],
     ["precision=bf16_sr", "optimizer=adamw_8bit", "logprob_micro_batch_size=2", "reference_stream_rows=4"],
-], ids=["tied-fp32", "groups-reference", "offload-held-head-two-steps", "bf16-8bit"])
+], ids=["tied-fp32", "groups-reference", "offload-held-head-two-steps-packed", "bf16-8bit"])
 def test_streamed_layers_step_bit_for_bit_as_resident_ones(toy_config, tmp_path, real_copies, overrides):
     if "optimizer=adamw_8bit" in overrides:
         pytest.importorskip("bitsandbytes")
@@ -220,3 +221,31 @@ def test_the_planner_suggests_the_mode_where_nothing_cheaper_fits(monkeypatch):
     found = {s.change.split(" (")[0]: s for s in suggestions(cfg, Arch.from_config(preset("Qwen2.5-3B")), 5 * 2**30)}
     mode = found["offload_weights=true rollout_quantization=int8"]
     assert mode.fits and not any(s.fits for change, s in found.items() if "offload_weights" not in change)
+
+
+def test_out_of_memory_in_training_names_the_mode_last():
+    """When nothing cheaper is left in the training phases, the runtime's advice names the mode."""
+    from pathlib import Path
+    from lowmem_grpo.config import load_config
+    from lowmem_grpo.training.stopping import _cheapest_fix
+    recipe = str(Path(__file__).parents[2] / "recipes" / "qwen2.5-3b_gsm8k_8gb.yaml")
+    assert _cheapest_fix("backward", load_config(recipe, ["train.device=cuda"])).startswith("offload_weights=true")
+    streamed = load_config(recipe, ["train.device=cuda", "offload_weights=true", "rollout_quantization=nf4"])
+    assert _cheapest_fix("backward", streamed) == "shorter completions or a smaller batch"
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_each_supported_family_streams_bit_for_bit(toy_config, tmp_path, real_copies, family):
+    """Qwen2's q/k/v biases (the compact copy's own bias copies), Qwen3's q/k norms, Gemma 3's per-layer masks
+    and rotary tables (a sliding window shorter than the rows) and its four norms per layer."""
+    from tests.policy.test_architectures import CONFIGS
+    shared = {k: TINY_LLAMA[k] for k in ("vocab_size", "eos_token_id", "pad_token_id")}
+    config = ({**CONFIGS["qwen3"], "model_type": "qwen2", "head_dim": None, **shared} if family == "qwen2" else
+              {**CONFIGS[family], **shared, "tie_word_embeddings": False, "sliding_window": 6} if family == "gemma3"
+              else {**CONFIGS[family], **shared})
+    overrides = (f"model.config={json.dumps({k: v for k, v in config.items() if v is not None})}", "beta=0.04")
+    _, resident, _ = _run(toy_config, tmp_path, False, *overrides, steps=2)
+    trainer, streamed, _ = _run(toy_config, tmp_path, True, *overrides, steps=2)
+    for name, value in resident.items():
+        assert torch.equal(streamed[name], value), name
+    assert trainer.rollout.streamer.copies > 0
