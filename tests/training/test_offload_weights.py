@@ -249,3 +249,32 @@ def test_each_supported_family_streams_bit_for_bit(toy_config, tmp_path, real_co
     for name, value in resident.items():
         assert torch.equal(streamed[name], value), name
     assert trainer.rollout.streamer.copies > 0
+
+
+def test_a_resumed_run_continues_exactly(toy_config, tmp_path, real_copies):
+    """The checkpoint is saved from the host copies (save_pretrained reads the layers where they live) and
+    the resumed run's layers become the host copies of the loaded weights."""
+    pytest.importorskip("bitsandbytes")
+    common = [*STEP, "max_steps=4", "offload_weights=true", "precision=bf16_sr", "optimizer=adamw_8bit",
+              "save_steps=1"]
+    straight = Trainer(toy_config(*common, output_dir=tmp_path / "a"))
+    straight.train()
+    interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
+    real_step = interrupted.optimizer_step
+
+    def step_then_stop_at_2():
+        out = real_step()
+        if interrupted.step == 1:  # the loop counts this step after it returns: stop after step 2
+            interrupted.stop.request("test")
+        return out
+
+    interrupted.optimizer_step = step_then_stop_at_2
+    assert interrupted.train()["step"] == 2
+    resumed = Trainer(toy_config(*common, "resume_from=latest", output_dir=tmp_path / "b"))
+    for layer in resumed.head.decoder.layers:
+        for p in layer.parameters():
+            assert p.data_ptr() == resumed.optimizer.host[p].data_ptr()
+    resumed.train()
+    a, b = straight.policy.state_dict(), resumed.policy.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
