@@ -179,7 +179,9 @@ class LayerMajorStep(OffloadStep):
     `group` layers per checkpoint (model.layers_per_checkpoint), only each group's first input is kept and
     the group's layers are recomputed and back-propagated together: the same operations in the same order.
     Otherwise the head's (and the final norm's) gradients leave once per micro-batch: holding them keeps a
-    (V, H) sum on the device through every micro-batch's loss head."""
+    (V, H) sum on the device through every micro-batch's loss head. With a `streamer` (model.offload_weights)
+    each layer (each group) is on the device only for its calls, for every micro-batch at once, while the next
+    one is copied: twice per step."""
 
     def __init__(self, optimizer: OffloadedOptimizer, model: nn.Module, head: Head, policy_loss: PolicyLoss, *,
                  autocast: bool, offload_inputs: bool, group: int = 1, hold_head: bool = False,
