@@ -132,10 +132,10 @@ def test_a_tiny_offloaded_run_records_allocator_time_split_pinned_memory_and_pla
     _no_allocator_settings(monkeypatch)
     real_build, seen = ts.build, {}
 
-    def build(args):  # on a GPU machine this is where CUDA starts (no cap asked for)
+    def build(args, before_trainer=None):  # on a GPU machine this is where CUDA starts (no cap asked for)
         seen["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the rest runs on the CPU
-        return real_build(args)
+        return real_build(args, before_trainer)
     monkeypatch.setattr(ts, "build", build)
     out = tmp_path / "result.json"
     recipe = str(ROOT / "recipes" / "qwen2.5-1.5b_gsm8k_8gb.yaml")
