@@ -158,13 +158,13 @@ class GenerationConfig:
                                                "Ignored elsewhere (logged).")
     rollout_quantization: str = setting("none", "none | int8 | nf4: the native engine samples from a compact copy "
                                                 "of the policy whose decoder Linear weights are int8 (one scale per "
-                                                "output row) or bitsandbytes' 4-bit NormalFloat (an absmax per 64; "
+                                                "output row) or bitsandbytes' 4-bit NormalFloat (an absmax per 32; "
                                                 "everything else shared with the policy), quantized again from "
                                                 "the current weights before every generation batch "
                                                 "(policy/compact.py); the copy's own log-probs of the sampled tokens "
                                                 "go with the rollout, and the loss corrects for the mismatch as with "
                                                 "vLLM (vllm_importance_sampling_correction, on by default then). "
-                                                "Costs 1 (int8) or 0.56 (nf4) bytes per decoder Linear weight on the "
+                                                "Costs 1 (int8) or 0.625 (nf4) bytes per decoder Linear weight on the "
                                                 "device, plus a log-prob pass of the copy per generation batch.",
                                                 check=("none", "int8", "nf4"))
     engine: str = setting("native", "Who samples the rollouts: native (lowmem-grpo's decode loop on the trained "

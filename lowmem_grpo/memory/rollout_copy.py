@@ -11,7 +11,7 @@ def compact_copy_bytes(arch: Arch, weight_bytes: int, streams_weights: bool = Fa
                        quantization: str = "int8") -> int:
     """Bytes of the rollout copy (policy/compact.py: CompactPolicy.nbytes) of the decoder layers' Linears: int8, a
     byte per weight and a scale (in the weight dtype) per output row; nf4, half a byte per weight and an fp32
-    absmax per 64. The rest is shared, but for the layers' norms under model.offload_weights
+    absmax per NF4_BLOCK. The rest is shared, but for the layers' norms under model.offload_weights
     (`streams_weights`), which the copy holds on the device."""
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     shapes = [(q, arch.hidden), (kv, arch.hidden), (kv, arch.hidden), (arch.hidden, q),

@@ -24,7 +24,9 @@ from ..transfers import count
 from .model import Head, build_head, decoder_of
 
 QUANTIZATIONS = ("int8", "nf4")
-NF4_BLOCK = 64  # weights per absmax of the 4-bit copy (bitsandbytes' default for its 4-bit layers)
+# Weights per absmax of the 4-bit copy: half bitsandbytes' default of 64, because 64 cost the CPU demo learning and
+# 32 did not (benchmarks/RESULTS.md, "Compact rollouts"); 0.625 bytes per weight.
+NF4_BLOCK = 32
 
 
 class QuantizedLinear(nn.Module):

@@ -73,24 +73,24 @@ def test_refresh_quantizes_the_current_weights():
 
 
 def test_an_nf4_layer_computes_what_bitsandbytes_own_4bit_layer_does():
-    """The same quantization as bitsandbytes' Linear4bit (nf4, blocks of 64), applied the same way: the
+    """The same quantization as bitsandbytes' Linear4bit (nf4, blocks of NF4_BLOCK), applied the same way: the
     outputs agree to the rounding of the two GEMMs; the weight itself is within NF4's step of the source."""
     import bitsandbytes as bnb
-    from lowmem_grpo.policy.compact import NF4Linear
+    from lowmem_grpo.policy.compact import NF4_BLOCK, NF4Linear
     torch.manual_seed(0)
     source = nn.Linear(128, 64, bias=True)
     layer = NF4Linear(source)
     theirs = bnb.nn.Linear4bit(128, 64, bias=True, compute_dtype=torch.float32, quant_type="nf4")
     theirs.weight = bnb.nn.Params4bit(source.weight.detach().clone(), requires_grad=False, quant_type="nf4",
-                                      blocksize=64, compress_statistics=False)  # (ours: fp32 absmax)
+                                      blocksize=NF4_BLOCK, compress_statistics=False)  # (ours: fp32 absmax)
     theirs.bias = nn.Parameter(source.bias.detach().clone())
     theirs = theirs.to("cpu")  # (quantizes on the move)
     x = torch.randn(5, 128)
     torch.testing.assert_close(layer(x), theirs(x), rtol=1e-5, atol=1e-6)
     w = source.weight.detach()
     back = bnb.functional.dequantize_4bit(layer.packed, layer.state)
-    blocks = w.reshape(-1, 64).abs().amax(1, keepdim=True)
-    assert torch.all((back - w).reshape(-1, 64).abs() <= 0.17 * blocks)  # NF4's widest gap / 2 is ~0.16
-    assert layer.nbytes() == 128 * 64 // 2 + 128 * 64 // 64 * 4
+    blocks = w.reshape(-1, NF4_BLOCK).abs().amax(1, keepdim=True)
+    assert torch.all((back - w).reshape(-1, NF4_BLOCK).abs() <= 0.17 * blocks)  # NF4's widest gap / 2 is ~0.16
+    assert layer.nbytes() == 128 * 64 // 2 + 128 * 64 // NF4_BLOCK * 4
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer(x).dtype == torch.bfloat16
