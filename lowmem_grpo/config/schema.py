@@ -358,6 +358,11 @@ class TrainConfig:
                                               "denominators count them as before and the optimizer still steps, so the "
                                               "update is the same.")
 
+    @property
+    def logprob_rows(self) -> int:
+        """Completions per log-prob micro-batch: logprob_micro_batch_size, or per_device_train_batch_size."""
+        return self.logprob_micro_batch_size or self.per_device_train_batch_size
+
 
 @dataclass
 class OptimConfig:

@@ -199,7 +199,7 @@ class StepSizes:
         compute_bytes = 2 if (weight_bytes == 2 or autocast) else 4
         costs = layer_costs(arch.config, torch.bfloat16 if weight_bytes == 2 else torch.float32, autocast)
         train_rows = cfg.train.per_device_train_batch_size
-        logprob_rows = cfg.train.logprob_micro_batch_size or train_rows
+        logprob_rows = cfg.train.logprob_rows
         train, logprob = (MicroBatchShape(*decoder_positions(cfg, arch, rows, compute_bytes),
                                           rows * cfg.generation.max_completion_length)
                           for rows in (train_rows, logprob_rows))
@@ -453,9 +453,7 @@ def waiting_at_each_layer(sizes: StepSizes) -> int:
 
 def reference_micro_batches(cfg: Config) -> int:
     """Micro-batches of one reference pass: the generation batch in logprob_micro_batch_size rows."""
-    t = cfg.train
-    return math.ceil(batch_plan(cfg).generation_batch_size / (t.logprob_micro_batch_size or
-                                                               t.per_device_train_batch_size))
+    return math.ceil(batch_plan(cfg).generation_batch_size / cfg.train.logprob_rows)
 
 
 def reference_stream_groups(cfg: Config) -> tuple[int, int]:
@@ -463,7 +461,7 @@ def reference_stream_groups(cfg: Config) -> tuple[int, int]:
     batch): train.reference_stream_rows in whole log-prob micro-batches (policy/reference.py)."""
     t, total = cfg.train, reference_micro_batches(cfg)
     rows = t.reference_stream_rows or batch_plan(cfg).generation_batch_size
-    together = min(total, max(1, rows // (t.logprob_micro_batch_size or t.per_device_train_batch_size)))
+    together = min(total, max(1, rows // t.logprob_rows))
     return together, math.ceil(total / together)
 
 

@@ -221,7 +221,7 @@ def estimate(cfg: Config, arch: Arch, card: Card, efficiency: Efficiency = EFFIC
     every_move = transfers(cfg, arch, reference_per_micro_batch=reference_per_micro_batch)
     moves = {x.kind: x for x in every_move}  # (gradients: see below)
     exposed = {}
-    mb_lp = t.logprob_micro_batch_size or t.per_device_train_batch_size
+    mb_lp = t.logprob_rows
     positions_lp = decoder_positions(cfg, arch, mb_lp)[0]
     lp_layers = layers_flops(arch, positions_lp, mb_lp, P + C) / flop_rate
     lp_head = head_flops(arch, mb_lp * C) / flop_rate

@@ -129,7 +129,7 @@ def roll_out(cfg: Config, prompts, ctx: RolloutContext, trainer_state: Optional[
         elif ctx.compact is not None:  # the compact copy samples; its log-probs of what it sampled go along
             batch = generate(ctx.compact.model, repeated, cfg.generation, eos_ids=ctx.eos_ids, pad_id=ctx.pad_id,
                              device=ctx.device, autocast_bf16=ctx.autocast)
-            micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
+            micro = cfg.train.logprob_rows
             sampling_logp = completion_logprobs(ctx.compact.head, batch, temperature=cfg.generation.temperature,
                                                 micro_batch=micro, device=ctx.device, autocast_bf16=ctx.autocast)
             batch = replace(batch, sampling_logp=sampling_logp)
@@ -184,7 +184,7 @@ def old_logprobs(cfg: Config, batch: Batch, keep: Tensor, ctx: RolloutContext) -
     with phase("old log-probs"):
         found = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)
         if keep.any():
-            micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
+            micro = cfg.train.logprob_rows
             kept = completion_logprobs(ctx.head, batch.select(keep), temperature=cfg.generation.temperature,
                                        micro_batch=micro, device=ctx.device, autocast_bf16=ctx.autocast,
                                        pack=ctx.pack, streamer=ctx.streamer,
@@ -221,7 +221,7 @@ def with_logprobs(cfg: Config, plan: BatchPlan, batch: Batch, ctx: RolloutContex
             batch = replace(batch, is_weight=weight)
     reference = ctx.reference
     if reference is not None:
-        micro = cfg.train.logprob_micro_batch_size or cfg.train.per_device_train_batch_size
+        micro = cfg.train.logprob_rows
         with phase("reference log-probs"):
             autocast = ctx.autocast and reference.device.type != "cpu"
             ref_logp = reference.logprobs(batch, temperature=cfg.generation.temperature, micro_batch=micro,

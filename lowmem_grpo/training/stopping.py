@@ -150,7 +150,7 @@ def _cheapest_fix(phase: Optional[str], cfg: Config) -> str:
     A static table on purpose: the planner (memory/, a layer above the training loop) ranks changes by
     predicted bytes for a whole configuration; `lowmem-grpo plan` is where to get that."""
     m, g, t, o = cfg.model, cfg.generation, cfg.train, cfg.optim
-    logprob_micro = t.logprob_micro_batch_size or t.per_device_train_batch_size
+    logprob_micro = t.logprob_rows
     fixes = {
         "rollout": [(g.generation_micro_batch_size > 1,
                      f"generation_micro_batch_size={_halve(g.generation_micro_batch_size)} "

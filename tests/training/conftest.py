@@ -53,3 +53,18 @@ def toy_config(tmp_path):
         return load_config(None, items)
 
     return make
+
+
+def train_until_stopped(trainer, stop_after: int) -> None:
+    """trainer.train(), stopped (as a signal would stop it: a checkpoint, then return) once `stop_after`
+    optimizer steps are done."""
+    real_step = trainer.optimizer_step
+
+    def step_then_stop():
+        out = real_step()
+        if trainer.step == stop_after - 1:  # the loop counts this step after it returns
+            trainer.stop.request("test")
+        return out
+
+    trainer.optimizer_step = step_then_stop
+    assert trainer.train()["step"] == stop_after

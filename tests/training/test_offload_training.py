@@ -14,6 +14,7 @@ from lowmem_grpo.optim import host_adamw
 from lowmem_grpo.optim.offload import OffloadedOptimizer
 from lowmem_grpo.training.trainer import Trainer
 from tests.optional import needs_bitsandbytes
+from .conftest import train_until_stopped
 
 # steps_per_generation=2 with per-tensor clipping active (small max_grad_norm): several in-backward steps
 # per generation batch, with stored old log-probs
@@ -127,16 +128,7 @@ def test_offloaded_resume_is_exact(toy_config, tmp_path, optimizer):
     straight = Trainer(toy_config(*common, output_dir=tmp_path / "a"))
     straight.train()
     interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
-    real_step = interrupted.optimizer_step
-
-    def step_then_stop_at_2():
-        out = real_step()
-        if interrupted.step == 1:  # the loop counts this step after it returns: stop after step 2
-            interrupted.stop.request("test")
-        return out
-
-    interrupted.optimizer_step = step_then_stop_at_2
-    assert interrupted.train()["step"] == 2
+    train_until_stopped(interrupted, 2)
     resumed = Trainer(toy_config(*common, "resume_from=latest", output_dir=tmp_path / "b"))
     for p in resumed.policy.parameters():  # host copies hold the resumed weights, not the initial ones
         assert torch.equal(p.detach(), resumed.optimizer.host[p].to(p.dtype))

@@ -18,7 +18,7 @@ from lowmem_grpo.training import trainer as trainer_module
 from lowmem_grpo.training.step_modes import LayerMajorStep, offload_weights
 from lowmem_grpo.training.trainer import Trainer
 
-from .conftest import TINY_LLAMA
+from .conftest import TINY_LLAMA, train_until_stopped
 
 STEP = ["offload_optimizer=true", "per_device_train_batch_size=2", "gradient_accumulation_steps=4", "max_steps=3",
         "rollout_quantization=int8", "layer_major_backward=true"]
@@ -260,16 +260,7 @@ def test_a_resumed_run_continues_exactly(toy_config, tmp_path, real_copies):
     straight = Trainer(toy_config(*common, output_dir=tmp_path / "a"))
     straight.train()
     interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
-    real_step = interrupted.optimizer_step
-
-    def step_then_stop_at_2():
-        out = real_step()
-        if interrupted.step == 1:  # the loop counts this step after it returns: stop after step 2
-            interrupted.stop.request("test")
-        return out
-
-    interrupted.optimizer_step = step_then_stop_at_2
-    assert interrupted.train()["step"] == 2
+    train_until_stopped(interrupted, 2)
     resumed = Trainer(toy_config(*common, "resume_from=latest", output_dir=tmp_path / "b"))
     for layer in resumed.head.decoder.layers:
         for p in layer.parameters():

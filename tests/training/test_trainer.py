@@ -16,6 +16,7 @@ from lowmem_grpo.policy.batch import Batch
 from lowmem_grpo.training.generation import compute_advantages
 from lowmem_grpo.training.trainer import Trainer, TrainingStopped
 from tests.optional import needs_bitsandbytes
+from .conftest import train_until_stopped
 
 REQUIRED_METRICS = ["step", "reward", "reward_std", "frac_reward_zero_std", "rewards/label_reward/mean", "kl",
                     "entropy", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean",
@@ -142,16 +143,7 @@ def test_resume_gives_identical_parameters_and_metrics(toy_config, tmp_path, pre
               f"precision={precision}", f"optimizer_in_backward={in_backward}", f"reference_compute={reference}"]
     straight = _run(toy_config(*common, output_dir=tmp_path / "a"))
     interrupted = Trainer(toy_config(*common, output_dir=tmp_path / "b"))
-    real_step = interrupted.optimizer_step
-
-    def step_then_stop_at_2():
-        out = real_step()
-        if interrupted.step == 1:  # the loop increments after this returns: stop after step 2
-            interrupted.stop.request("test")
-        return out
-
-    interrupted.optimizer_step = step_then_stop_at_2
-    assert interrupted.train()["step"] == 2
+    train_until_stopped(interrupted, 2)
     resumed = Trainer(toy_config(*common, "resume_from=latest", output_dir=tmp_path / "b"))
     assert resumed.step == 2 and resumed.generation is not None and resumed.generation.steps_done == 2
     resumed.train()
