@@ -17,8 +17,9 @@ import threading
 from collections import defaultdict
 
 DIRECTIONS = ("h2d", "d2h")
-KINDS = ("weights", "gradients", "lookup gradients", "policy layers", "rollout copy", "reference layers",
-         "reference head", "reward model layers", "reward model head", "activations", "batches", "log-probs")
+KINDS = ("weights", "gradients", "lookup gradients", "policy layers", "embedding rows", "rollout copy",
+         "reference layers", "reference head", "reward model layers", "reward model head", "activations", "batches",
+         "log-probs")
 
 
 class TransferCounter:

@@ -38,6 +38,8 @@ EXTENDED = (
     "tests/training/test_transfer_counts.py::test_counted_bytes_are_the_planners[4096]",
     "tests/training/test_transfer_counts.py::test_counted_bytes_are_the_planners[8192]",
     "tests/training/test_transfer_counts.py::test_counted_bytes_are_the_planners[offload-weights]",
+    "tests/training/test_transfer_counts.py::test_counted_bytes_are_the_planners[offload-weights-untied]",
+    "tests/training/test_offload_weights.py::test_an_untied_table_stays_in_host_ram_and_only_its_rows_cross",
     "tests/training/test_offload_weights.py::test_a_resumed_run_continues_exactly",
     "tests/training/test_offload_weights.py::test_streamed_layers_step_bit_for_bit_as_resident_ones[bf16-8bit]",
     "tests/training/test_offload_weights.py::test_the_planner_suggests_the_mode_where_nothing_cheaper_fits",

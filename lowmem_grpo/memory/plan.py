@@ -218,12 +218,16 @@ class StepSizes:
         """What every phase holds: the weights, and the optimizer states unless they are on the host."""
         cfg, params = self.cfg, self.arch.params
         states = optimizer_state_bytes(self.arch.tensor_sizes, cfg.optim.optimizer, self.weight_bytes)
-        layers = self.arch.layers * self.arch.layer_params() if self.streams_weights else 0  # in host RAM
-        found = {"weights": self.weight_bytes * (params - layers),
+        found = {"weights": self.weight_bytes * (params - self.params_in_host_ram()),
                  "optimizer states": 0 if cfg.optim.offload_optimizer else states}
         if cfg.generation.rollout_quantization != "none" and not self.streams_weights:  # kept all run
             found.update(self.rollout_copy())
         return found
+
+    def params_in_host_ram(self) -> int:
+        """Parameters model.offload_weights keeps in host RAM: the layers' and an untied embedding table's."""
+        return (self.arch.layers * self.arch.layer_params() + table_in_host_ram(self.cfg, self.arch)
+                if self.streams_weights else 0)
 
     def rollout_copy(self) -> dict[str, int]:
         """generation.rollout_quantization's copy: in every phase, but where model.offload_weights frees it
@@ -433,6 +437,12 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
                                               + chunk * arch.hidden * sizes.compute_bytes + activations + waiting
                                               + sizes.head_bytes(every_row, backward=False))
     return found
+
+
+def table_in_host_ram(cfg: Config, arch: Arch) -> int:
+    """Parameters of the input embedding's table that model.offload_weights keeps in host RAM and looks up
+    there (an untied one: policy/streaming.py, host_table), or 0."""
+    return arch.vocab * arch.hidden if cfg.model.offload_weights and not arch.tied else 0
 
 
 def old_logprob_pass(cfg: Config) -> bool:

@@ -23,7 +23,7 @@ from ..config import Config, batch_plan
 from ..training.step_modes import layer_major_wanted
 from .cards import Card
 from .plan import (Arch, StepSizes, activations_offloaded, compiled_decode, decoder_positions, old_logprob_pass,
-                   reference_micro_batches, reference_stream_groups)
+                   reference_micro_batches, reference_stream_groups, table_in_host_ram)
 from .vllm_plan import uses_vllm
 
 
@@ -172,7 +172,10 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         layers = wb * arch.layers * arch.layer_params()
         if cfg.model.offload_weights:  # the layers cross when they compute, not after their update: in the
             # step's forward and backward, each old log-prob pass, and into the compact copy per generation batch
-            out.append(Transfer("weights", "h2d", wb * arch.params - layers, 1, "step"))
+            table = table_in_host_ram(cfg, arch)  # an untied embedding: only the rows it reads cross
+            out.append(Transfer("weights", "h2d", wb * (arch.params - table) - layers, 1, "step"))
+            if table:
+                out.extend(_embedding_rows(cfg, arch, wb, positions, micro, steps))
             out.append(Transfer("policy layers", "h2d", layers, 2, "step"))
             if old_logprob_pass(cfg):
                 out.append(Transfer("policy layers", "h2d", layers, reference_stream_groups(cfg)[1] / steps,
@@ -186,6 +189,19 @@ def transfers(cfg: Config, arch: Arch, device: str = "cuda", reference_per_micro
         moved = sizes.kept_layer_inputs() * layer_io + int(sizes.costs.norm_offloaded * positions)
         for direction in ("d2h", "h2d"):
             out.append(Transfer("activations", direction, moved, micro, "micro-batch"))
+    return out
+
+
+def _embedding_rows(cfg: Config, arch: Arch, wb: int, positions: int, micro: float, steps: int) -> list[Transfer]:
+    """The rows an embedding table in host RAM sends up per optimizer step, at most: two lookups of every
+    training micro-batch (its forward, and its recomputation for the lookup's gradient), and every position of
+    the generation batch in the rollout, in the compact copy's log-prob pass and in the old log-prob pass."""
+    row = wb * arch.hidden
+    g, rows = cfg.generation, batch_plan(cfg).generation_batch_size
+    out = [Transfer("embedding rows", "h2d", 2 * positions * row, micro, "micro-batch")]
+    sequences = rows * (g.max_prompt_length + g.max_completion_length) * row
+    passes = 1 + (cfg.generation.rollout_quantization != "none") + old_logprob_pass(cfg)
+    out.append(Transfer("embedding rows", "h2d", passes * sequences, 1 / steps, "generation batch"))
     return out
 
 

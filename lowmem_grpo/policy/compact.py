@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..transfers import count
 from .model import Head, build_head, decoder_of
+from .streaming import HostLookup
 
 QUANTIZATIONS = ("int8", "nf4")
 # Weights per absmax of the 4-bit copy: half bitsandbytes' default of 64, because 64 cost the CPU demo learning and
@@ -143,9 +144,10 @@ class CompactPolicy:
 
     `device` (default: where the input embedding is): where the copy computes. A tensor of `model` elsewhere
     (model.offload_weights: the decoder layers' norms and biases in host RAM) gets a copy of its own there,
-    refreshed with the rest; a quantized weight is quantized there from wherever it is. `layers_on_host`: the
-    decoder layers' weights are in host RAM (model.offload_weights), so their copies count as transfers
-    (transfers.py) on a CPU-only run too."""
+    refreshed with the rest, but for an embedding table looked up in host RAM (policy/streaming.py:
+    look_up_on_host), which stays shared; a quantized weight is quantized there from wherever it is.
+    `layers_on_host`: the decoder layers' weights are in host RAM (model.offload_weights), so their copies
+    count as transfers (transfers.py) on a CPU-only run too."""
 
     def __init__(self, model: nn.Module, quantization: str = "int8", device: Optional[torch.device] = None,
                  layers_on_host: bool = False):
@@ -161,13 +163,16 @@ class CompactPolicy:
         to_quantize = {id(model.get_submodule(name).weight) for name in quantized}
         layers = getattr(decoder_of(model), "layers", None) if layers_on_host else None
         in_layers = {id(t) for t in layers.parameters()} if layers is not None else set()
+        looked_up = {id(t) for m in model.modules() if isinstance(m, HostLookup)  # tables looked up in host RAM
+                     for t in [*m.parameters(), *m.buffers()]}
         memo: dict[int, object] = {}
         self._copies: list[tuple[Tensor, Tensor]] = []  # (the policy's tensor, this copy's own on `device`)
         for t in [*model.parameters(), *model.buffers()]:
             if id(t) in memo:
                 continue
             memo[id(t)] = t
-            if (t.device != device or (layers_on_host and id(t) in in_layers)) and id(t) not in to_quantize:
+            if ((t.device != device or (layers_on_host and id(t) in in_layers))
+                    and id(t) not in to_quantize and id(t) not in looked_up):
                 own = t.detach().to(device, copy=True)
                 memo[id(t)] = nn.Parameter(own, requires_grad=False) if isinstance(t, nn.Parameter) else own
                 self._copies.append((t, memo[id(t)]))

@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from .decode_graphs import StepGraphs, default_recorder
 from .decode_slots import Entry, Prefill, Slots, cache_argument
 from .packing import sliding_window
+from .streaming import HostLookup
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ def static_decode_problem(model) -> Optional[str]:
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in MASKED_IMPLEMENTATIONS:
         return f"attention implementation {impl!r} takes no ready 4D mask (static decode needs sdpa or eager)"
+    if isinstance(model.get_input_embeddings(), HostLookup):
+        return "the input embedding is looked up in host RAM (model.offload_weights), which a captured step cannot do"
     window = sliding_window(model.config)
     if window is not None:  # the step's one full mask would reach past the window on the sliding layers
         return (f"{model.config.model_type} has sliding-window attention (window {window}), which the static "

@@ -8,7 +8,8 @@ weights to the device just before it runs, the next layer's copy overlapping thi
 side stream on CUDA). The device then holds about two layers' weights. Callers look the embeddings up
 on the host and pass `inputs_embeds`. A layer-major pass (policy/layer_major.py) keeps a layer (or a
 group) on the device across its calls with `LayerStreamer.resident`: one copy for every micro-batch.
-`stream_trained_layers` does the same for the policy, whose host copies are the offloaded optimizer's.
+`stream_trained_layers` does the same for the policy, whose host copies are the offloaded optimizer's;
+`look_up_on_host` keeps its untied embedding table there too, looked up where it is.
 On a CPU-only machine the copies are no-ops (real ones with `copy_on_cpu`) and the hooks run as they
 would on a GPU, which is how the tests exercise this path.
 """
@@ -145,10 +146,10 @@ def stream_decoder(model: nn.Module, decoder: nn.Module, device: torch.device,
     return arena, LayerStreamer(decoder.layers, device, kind)
 
 
-def move_all_but_layers(model: nn.Module, layers: nn.ModuleList, device: torch.device) -> None:
-    """`model.to(device)` for everything except the weights of `layers`, which stay where they are (host RAM):
-    model.offload_weights, where the whole model would not fit the device."""
-    kept = {id(t) for t in [*layers.parameters(), *layers.buffers()]}
+def move_all_but(model: nn.Module, kept_modules: Sequence[nn.Module], device: torch.device) -> None:
+    """`model.to(device)` for everything except the tensors of `kept_modules`, which stay where they are (host
+    RAM): model.offload_weights, where the whole model would not fit the device."""
+    kept = {id(t) for m in kept_modules for t in [*m.parameters(), *m.buffers()]}
     with torch.no_grad():
         for module in model.modules():
             for _, p in list(module.named_parameters(recurse=False)):
@@ -157,6 +158,57 @@ def move_all_but_layers(model: nn.Module, layers: nn.ModuleList, device: torch.d
             for name, b in list(module.named_buffers(recurse=False)):
                 if id(b) not in kept:
                     module._buffers[name] = b.to(device)
+
+
+def host_table(model: nn.Module) -> Optional[nn.Embedding]:
+    """model.offload_weights: the input embedding whose table stays in host RAM with the layers, or None: it
+    must be an nn.Embedding and not tied to the output head (the loss head needs a tied table on the device)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, nn.Embedding) or (head is not None and head.weight is embedding.weight):
+        return None
+    return embedding
+
+
+class HostLookup:
+    """Mixed into an embedding's class by `look_up_on_host`: the lookup runs where the table is (host RAM) and
+    its rows go to the ids' device. A call that gives the module a table of its own (torch.func.functional_call:
+    LookupRows' rows) runs the class's lookup as it is."""
+
+    def forward(self, ids: Tensor, *args, **kwargs) -> Tensor:
+        if id(self.weight) != self.host_table_id:
+            return super().forward(ids, *args, **kwargs)
+        self.before_read()
+        rows = super().forward(ids.to(self.weight.device), *args, **kwargs)
+        count("embedding rows", "h2d", rows.numel() * rows.element_size())
+        return rows.to(ids.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _host_lookup_class(cls: type) -> type:
+    return type(f"HostLookup{cls.__name__}", (HostLookup, cls), {})
+
+
+def table_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
+    """Rows `ids` of `embedding`'s table (detached), on the ids' device: from host RAM, counted, where
+    `look_up_on_host` keeps the table there."""
+    table = embedding.weight.detach()
+    if not isinstance(embedding, HostLookup):
+        return table[ids]
+    embedding.before_read()
+    rows = table[ids.to(table.device)]
+    count("embedding rows", "h2d", rows.numel() * rows.element_size())
+    return rows.to(ids.device)
+
+
+def look_up_on_host(optimizer, embedding: nn.Embedding) -> None:
+    """model.offload_weights: `embedding`'s table (`host_table`) becomes the offloaded optimizer's host copy
+    (`OffloadedOptimizer.keep_on_host`) and is looked up there, once its update is done; only the rows read
+    cross to the device (the embedding's gradient comes back as those rows: training/lookup_rows.py)."""
+    optimizer.keep_on_host([embedding.weight])
+    weight = embedding.weight
+    embedding.__class__ = _host_lookup_class(type(embedding))
+    embedding.host_table_id = id(weight)
+    embedding.before_read = lambda: optimizer.wait_for_update([weight])
 
 
 def stream_trained_layers(optimizer, layers: nn.ModuleList, device: torch.device,

@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from ..policy.streaming import table_rows
+
 
 class LookupRows:
     """An embedding module whose lookups can run on the rows they read (module docstring). A module that is
@@ -45,7 +47,7 @@ class LookupRows:
 
         def forward(ids: Tensor, *args, **kwargs) -> Tensor:
             distinct, inverse = torch.unique(ids, return_inverse=True)
-            rows = module.weight.detach()[distinct].requires_grad_()
+            rows = table_rows(module, distinct).requires_grad_()  # (from host RAM: model.offload_weights)
             calls.append((distinct, rows))
             pad = module.padding_idx
             del module.forward  # the class's own forward, on the rows

@@ -34,7 +34,7 @@ from ..policy.model import Head, bf16_autocast_wanted, build_head, check_bf16_we
 from ..policy.model import load_model
 from ..policy.packing import Packing
 from ..policy.reference import Reference
-from ..policy.streaming import move_all_but_layers
+from ..policy.streaming import host_table, move_all_but
 from ..rewards import ModelSettings, load_reward_functions
 from ..rewards.timeout import with_timeout
 from . import checkpoint as ckpt
@@ -244,9 +244,12 @@ def setup_training_model(m: ModelConfig, t: TrainConfig, g: GenerationConfig, po
     default model.gradient_checkpointing; off where the step recomputes the layers itself), no KV cache in
     training forwards, its one loss head, the packing mode; then the resumed checkpoint's weights (whole,
     before FSDP2 shards them; the rest of its state loads after the optimizer exists). With `offload_weights`
-    (model.offload_weights) the decoder layers' weights stay in host RAM (the optimizer takes them over)."""
+    (model.offload_weights) the decoder layers' weights and an untied input embedding's table stay in host RAM
+    (the optimizer takes them over)."""
     if offload_weights:
-        move_all_but_layers(policy, decoder_layers(build_head(policy).decoder).layers, device)
+        table = host_table(policy)
+        move_all_but(policy, [decoder_layers(build_head(policy).decoder).layers, *([table] if table else [])],
+                     device)
     else:
         policy.to(device)
     if m.gradient_checkpointing if checkpoint_layers is None else checkpoint_layers:

@@ -30,7 +30,7 @@ from ..config import Config, ConfigError, batch_plan, rollout_engine
 from ..phases import phase
 from ..policy.layer_major import decoder_layers
 from ..policy.model import load_tokenizer
-from ..policy.streaming import stream_trained_layers
+from ..policy.streaming import host_table, look_up_on_host, stream_trained_layers
 from ..policy.batch import Batch
 from ..transfers import TRANSFERS
 from . import checkpoint as ckpt
@@ -116,6 +116,8 @@ class Trainer:
         # model.offload_weights: the layers' weights are the optimizer's host copies, streamed per layer
         streamer = (stream_trained_layers(self.optimizer, decoder_layers(self.head.decoder).layers, self.device)
                     if streamed else None)
+        if streamed and host_table(self.policy) is not None:  # and an untied embedding's table, looked up there
+            look_up_on_host(self.optimizer, host_table(self.policy))
         # How backwards become an update in this memory mode (step_modes.py)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
                                         cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,

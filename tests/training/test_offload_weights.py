@@ -13,7 +13,8 @@ from torch import nn
 
 from lowmem_grpo.config import ConfigError
 from lowmem_grpo.policy.compact import CompactPolicy
-from lowmem_grpo.policy.streaming import LayerStreamer, stream_trained_layers
+from lowmem_grpo.policy.static_decode import static_decode_problem
+from lowmem_grpo.policy.streaming import HostLookup, LayerStreamer, stream_trained_layers
 from lowmem_grpo.training import trainer as trainer_module
 from lowmem_grpo.training.step_modes import LayerMajorStep, offload_weights
 from lowmem_grpo.training.trainer import Trainer
@@ -158,14 +159,39 @@ def test_the_planner_keeps_the_layers_off_the_device_but_two(toy_config, tmp_pat
     streamed = plan(cfg, arch, autocast=False, device="cpu").phase_categories
     resident = plan(toy_config(*STEP, f"model.config={THREE_LAYERS}", "layers_per_checkpoint=2"), arch,
                     autocast=False, device="cpu").phase_categories
+    table = 4 * arch.vocab * arch.hidden  # untied: the input embedding's table stays in host RAM too
     for phase, cats in streamed.items():
-        assert cats["weights"] == resident[phase]["weights"] - arch.layers * layer, phase
+        assert cats["weights"] == resident[phase]["weights"] - arch.layers * layer - table, phase
     assert streamed["forward"]["streamed layers"] == 2 * layer  # one computing, the next on its way
     assert streamed["backward"]["streamed layers"] == 2 * 2 * layer  # a group of two and the next group
     assert streamed["old log-probs"]["streamed layers"] == 2 * layer
     assert "streamed layers" not in streamed["rollout"]  # the compact copy samples
     with_copy = {phase for phase, cats in streamed.items() if "rollout copy" in cats}
     assert with_copy == {"rollout", "sampler log-probs", "evaluation"}  # freed for the rest
+
+
+def test_an_untied_table_stays_in_host_ram_and_only_its_rows_cross(toy_config, tmp_path, real_copies):
+    """The input embedding's table is the optimizer's host copy, looked up there by the policy and by the
+    compact copy (which shares it), once its update is done; the rows read cross, and the weights sent up after
+    an update leave it out. A tied table is the head's, and stays on the device."""
+    trainer, _, metrics = _run(toy_config, tmp_path, True, f"model.config={THREE_LAYERS}", steps=2)
+    embedding = trainer.policy.get_input_embeddings()
+    assert isinstance(embedding, HostLookup) and isinstance(embedding, nn.Embedding)
+    assert embedding.weight.data_ptr() == trainer.optimizer.host[embedding.weight].data_ptr()
+    assert trainer.rollout.compact.model.get_input_embeddings().weight is embedding.weight  # shared, no copy
+    assert "looked up in host RAM" in static_decode_problem(trainer.rollout.compact.model)
+    layers = sum(p.numel() for p in trainer.head.decoder.layers.parameters())
+    resident = sum(p.numel() for p in trainer.policy.parameters()) - layers - embedding.weight.numel()
+    for m in metrics:
+        assert m["transfer/h2d/weights"] == 4 * resident  # the final norm and the head, after their update
+        assert 0 < m["transfer/h2d/embedding rows"]
+    waited = []
+    real = trainer.optimizer.wait_for_update
+    trainer.optimizer.wait_for_update = lambda params: waited.append(params) or real(params)
+    trainer.run_step()
+    assert [embedding.weight] in waited  # each lookup only after the table's update
+    tied, _, _ = _run(toy_config, tmp_path, True, steps=1)
+    assert not isinstance(tied.policy.get_input_embeddings(), HostLookup)
 
 
 def test_the_streamer_never_reads_a_layer_before_its_update(toy_config, tmp_path, real_copies, monkeypatch):
