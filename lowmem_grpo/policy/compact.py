@@ -4,10 +4,11 @@
 (embeddings, norms, the output head, biases, buffers) except the weights of its Linear layers other than the
 output head (the decoder layers'), which it holds as int8 with one scale per output row (symmetric, round to
 nearest: q = round(w / s), s = max|w_row| / 127), or as bitsandbytes' 4-bit NormalFloat (nf4: two weights
-per byte, an absmax per 64). `refresh()` quantizes the policy's current weights again (after every optimizer
-step); `head` is the copy's `Head`, for the sampler's own log-probs that the importance-sampling correction
-divides by. A quantized layer computes in the input's (or autocast's) dtype, its dequantized weight made
-for the call only (int8 in bf16 on the CPU: torch's int8 weight-only GEMM, no dequantized weight at all).
+per byte, an fp32 absmax per NF4_BLOCK weights). `refresh()` quantizes the policy's current weights again
+(after every optimizer step); `head` is the copy's `Head`, for the sampler's own log-probs that the
+importance-sampling correction divides by. A quantized layer computes in the input's (or autocast's) dtype,
+its dequantized weight made for the call only (int8 in bf16 on the CPU: torch's int8 weight-only GEMM, no
+dequantized weight at all).
 Design notes: docs/rollouts.md, "Compact rollouts"
 """
 

@@ -178,9 +178,13 @@ class HostLookup:
         if id(self.weight) != self.host_table_id:
             return super().forward(ids, *args, **kwargs)
         self.before_read()
-        rows = super().forward(ids.to(self.weight.device), *args, **kwargs)
-        count("embedding rows", "h2d", rows.numel() * rows.element_size())
-        return rows.to(ids.device)
+        return _rows_up(super().forward(ids.to(self.weight.device), *args, **kwargs), ids.device)
+
+
+def _rows_up(rows: Tensor, device: torch.device) -> Tensor:
+    """Rows read from a table in host RAM, to `device` (counted where a GPU run would copy them)."""
+    count("embedding rows", "h2d", rows.numel() * rows.element_size())
+    return rows.to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,9 +199,7 @@ def table_rows(embedding: nn.Module, ids: Tensor) -> Tensor:
     if not isinstance(embedding, HostLookup):
         return table[ids]
     embedding.before_read()
-    rows = table[ids.to(table.device)]
-    count("embedding rows", "h2d", rows.numel() * rows.element_size())
-    return rows.to(ids.device)
+    return _rows_up(table[ids.to(table.device)], ids.device)
 
 
 def look_up_on_host(optimizer, embedding: nn.Embedding) -> None:

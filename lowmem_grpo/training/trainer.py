@@ -116,8 +116,9 @@ class Trainer:
         # model.offload_weights: the layers' weights are the optimizer's host copies, streamed per layer
         streamer = (stream_trained_layers(self.optimizer, decoder_layers(self.head.decoder).layers, self.device)
                     if streamed else None)
-        if streamed and host_table(self.policy) is not None:  # and an untied embedding's table, looked up there
-            look_up_on_host(self.optimizer, host_table(self.policy))
+        table = host_table(self.policy) if streamed else None  # and an untied embedding's table, looked up there
+        if table is not None:
+            look_up_on_host(self.optimizer, table)
         # How backwards become an update in this memory mode (step_modes.py)
         self.step_mode = make_step_mode(self.optimizer, self.policy, self.loss_module, self.shards,
                                         cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,
