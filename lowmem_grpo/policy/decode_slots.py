@@ -6,18 +6,23 @@ and columns that are padding in every slot are trimmed at host reads. Each promp
 (`Prefill`); its samples copy its K/V into slots (`Slots.place`). A refilled row takes its prompt's
 prefix and the last prompt token as its next decode input, so it joins without a forward of its own.
 Each slot's left padding is also kept on the host, so no device read decides the attention mask.
+Also here: `grouped_decode_attention`, the attention of both decode steps (this one and static_decode.py's)
+under sdpa, which reads each K/V head once for all its query heads.
 Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+
+from .packing import sliding_window
 
 
 def new_cache(model):
@@ -47,6 +52,45 @@ def cache_layers_problem(cache) -> Optional[str]:
                    for n in ("keys", "values")):
             return f"its cache layers ({type(layer).__name__}) hold no (batch, heads, length, dim) keys/values"
     return None
+
+
+GROUPED_ATTENTION = "lowmem_grouped_decode"  # its name in transformers' attention registry
+
+
+def grouped_decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                             dropout: float = 0.0, scaling: Optional[float] = None, **kwargs) -> tuple[Tensor, None]:
+    """sdpa for one query token per row, each K/V head read once: query (B, heads, 1, D), key/value (B, kv_heads,
+    L, D), mask (B, 1, 1, L) -> (B, 1, heads, D) as transformers' attention functions return it.
+
+    Query head h attends with K/V head h // (heads / kv_heads) (repeat_kv's order), so the query heads
+    reshape to (B, kv_heads, heads / kv_heads, D): each group is its K/V head's "queries", the mask
+    broadcasts over them, and no copy of K or V is made."""
+    B, heads, q_len, D = query.shape
+    if q_len != 1:
+        raise ValueError(f"grouped_decode_attention takes one query token per row, got {q_len}")
+    grouped = query.reshape(B, key.shape[1], heads // key.shape[1], D)  # (B, kv_heads, group, D)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling)
+    return out.reshape(B, 1, heads, value.shape[-1]), None
+
+
+@contextlib.contextmanager
+def grouped_attention(model):
+    """The model's attention is grouped_decode_attention inside the block (a config field its layers read)."""
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = GROUPED_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def grouped_decode_applies(model) -> bool:
+    """Whether a decode step of `model` may run grouped_decode_attention: its attention is sdpa (which the
+    function computes) over one full mask (no sliding-window layers)."""
+    return getattr(model.config, "_attn_implementation", None) == "sdpa" and sliding_window(model.config) is None
 
 
 @dataclass
@@ -205,11 +249,15 @@ class Slots:
                 layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
 
     def forward(self, model, keep_logits: bool, cache_arg: str) -> Tensor:
-        """One decode step of every slot (after append_input): fp32 logits (S, V); the cache grows by a column."""
+        """One decode step of every slot (after append_input): fp32 logits (S, V); the cache grows by a column.
+        Under sdpa, with grouped_decode_attention and the mask as (S, 1, 1, L + 1): transformers' sdpa path
+        copies every K/V head once per query head on some versions (docs/rollouts.md)."""
         kwargs = {"logits_to_keep": 1} if keep_logits else {}
-        out = model(input_ids=self.inp[:, None], attention_mask=self.attention if self.padded else None,
-                    position_ids=self.pos[:, None], use_cache=True, return_dict=True, **{cache_arg: self.cache},
-                    **kwargs)
+        grouped = grouped_decode_applies(model)
+        mask = self.attention[:, None, None, :] if grouped else self.attention if self.padded else None
+        with grouped_attention(model) if grouped else contextlib.nullcontext():
+            out = model(input_ids=self.inp[:, None], attention_mask=mask, position_ids=self.pos[:, None],
+                        use_cache=True, return_dict=True, **{cache_arg: self.cache}, **kwargs)
         self.cache = returned_cache(out)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (S, V), as generate() copies them
 

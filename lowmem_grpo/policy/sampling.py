@@ -199,19 +199,41 @@ def _processors(s: _Settings, pad_lengths: Tensor):
     return procs
 
 
+# Tokens per block of the CPU draw: a block is chosen from the running sums of the blocks' probabilities,
+# then a token inside it (see draw).
+DRAW_BLOCK = 256
+
+
 def draw(scores: Tensor) -> Tensor:
     """One token per row from softmax(scores): (S, V) fp32 -> (S,) long.
 
-    On a GPU: torch.multinomial, as generate() draws. On the CPU: the exponential race, argmax of
-    p_i / E_i with E_i ~ Exp(1) independent (from float64 uniforms, -log U; taken as the argmin of
-    p_i / log U_i, one pass fewer), which picks i with
-    probability exactly p_i and runs faster than torch's CPU multinomial (docs/rollouts.md)."""
+    On a GPU: torch.multinomial, as generate() draws. On the CPU: the inverse of each row's cumulative
+    distribution at one float64 uniform u per row, in two levels: the block of DRAW_BLOCK tokens whose
+    running float64 sum of block totals first exceeds u x the row's total, then the token inside it whose
+    running float64 sum of probabilities first exceeds what is left of u. A token is drawn with its
+    probability up to the rounding of its block's fp32 total (a relative ~1e-6); tokens of probability
+    0 never are, nor those under ~1e-16 of their block's total. It reads the probabilities once and draws
+    one number per row: at (64, 49152) an exponential race over every token took 8x its time, torch's CPU
+    multinomial 25x (docs/rollouts.md)."""
     probs = nn.functional.softmax(scores, dim=-1)  # (S, V)
     if probs.device.type != "cpu":
         return torch.multinomial(probs, num_samples=1).squeeze(1)
-    # (S, V) log U = -E, E ~ Exp(1): p / log U = -(p / E) exactly, so the race's argmax is this argmin (U=0: -0)
-    log_u = torch.rand(probs.shape, dtype=torch.float64).log_().float()
-    return probs.div_(log_u).argmin(dim=-1)
+    S, V = probs.shape
+    whole = V // DRAW_BLOCK
+    sums = probs[:, :whole * DRAW_BLOCK].view(S, whole, DRAW_BLOCK).sum(-1)  # (S, whole) fp32: fast
+    if whole * DRAW_BLOCK < V:  # the last, shorter block
+        sums = torch.cat([sums, probs[:, whole * DRAW_BLOCK:].sum(-1, keepdim=True)], 1)
+    ends = sums.double().cumsum_(-1)  # (S, blocks): where each block's share of [0, total) ends
+    # float64 uniforms are at most 1 - 2**-53, and (1 - 2**-53) x total rounds below total: u < total
+    u = torch.rand((S, 1), dtype=torch.float64).mul_(ends[:, -1:])  # (S, 1)
+    block = torch.searchsorted(ends, u, right=True)  # (S, 1): the first block ending above u
+    u -= torch.where(block > 0, ends.gather(1, (block - 1).clamp_(min=0)), 0.0)  # u within the block
+    columns = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # (S, DRAW_BLOCK)
+    inner = probs.gather(1, columns.clamp(max=V - 1)).masked_fill_(columns >= V, 0.0)
+    inner_ends = inner.cumsum(-1, dtype=torch.float64)
+    # the block's fp32 total and its float64 running sum differ in the last bits: u stays below the latter
+    u = torch.minimum(u, torch.nextafter(inner_ends[:, -1:], torch.zeros_like(u)))
+    return (block * DRAW_BLOCK + torch.searchsorted(inner_ends, u, right=True)).squeeze(1)
 
 
 def group_runs(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:

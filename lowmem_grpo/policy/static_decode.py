@@ -19,10 +19,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from transformers import AttentionInterface
 
 from .decode_graphs import StepGraphs, default_recorder
-from .decode_slots import Entry, Prefill, Slots, cache_argument
+from .decode_slots import Entry, Prefill, Slots, cache_argument, grouped_attention
 from .packing import sliding_window
 from .streaming import HostLookup
 
@@ -70,39 +69,6 @@ def static_decode_problem(model) -> Optional[str]:
         return (f"{model.config.model_type} has sliding-window attention (window {window}), which the static "
                 "step's one mask omits")
     return None
-
-
-GROUPED_ATTENTION = "lowmem_grouped_decode"  # its name in transformers' attention registry
-
-
-def grouped_decode_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                             dropout: float = 0.0, scaling: Optional[float] = None, **kwargs) -> tuple[Tensor, None]:
-    """sdpa for one query token per row, each K/V head read once: query (B, heads, 1, D), key/value (B, kv_heads,
-    L, D), mask (B, 1, 1, L) -> (B, 1, heads, D) as transformers' attention functions return it.
-
-    Query head h attends with K/V head h // (heads / kv_heads) (repeat_kv's order), so the query heads
-    reshape to (B, kv_heads, heads / kv_heads, D): each group is its K/V head's "queries", the mask
-    broadcasts over them, and no copy of K or V is made."""
-    B, heads, q_len, D = query.shape
-    if q_len != 1:
-        raise ValueError(f"grouped_decode_attention takes one query token per row, got {q_len}")
-    grouped = query.reshape(B, key.shape[1], heads // key.shape[1], D)  # (B, kv_heads, group, D)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)
-    return out.reshape(B, 1, heads, value.shape[-1]), None
-
-
-@contextlib.contextmanager
-def _grouped_attention(model):
-    """The model's attention is grouped_decode_attention inside the block (a config field its layers read;
-    StaticKV has registered the function under that name)."""
-    config = model.config
-    before = config._attn_implementation
-    config._attn_implementation = GROUPED_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
 
 
 def bf16_weight_copies(model, device_type: str) -> dict:
@@ -234,8 +200,6 @@ class StaticKV:
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
         self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
-        if self.grouped:
-            AttentionInterface.register(GROUPED_ATTENTION, grouped_decode_attention)  # (again: the same entry)
         self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
@@ -274,7 +238,7 @@ class StaticKV:
         keys, values = self.bucket_views(B, L)
 
         def step(ids: Tensor, pos: Tensor, into: Optional[Tensor] = None) -> Tensor:
-            with _weights_swapped(self.weights), (_grouped_attention(model) if self.grouped
+            with _weights_swapped(self.weights), (grouped_attention(model) if self.grouped
                                                   else contextlib.nullcontext()):
                 return self.step(model, ids, pos, keys, values, into=into, **self.kwargs)
         if self.graphs is None:

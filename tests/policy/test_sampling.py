@@ -16,7 +16,7 @@ import torch
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.policy.batch import Batch, eos_mask, left_pad
 from lowmem_grpo.policy.rollout import generate
-from lowmem_grpo.policy.sampling import (SamplingStats, draw, fast_sampling_problem, group_runs,
+from lowmem_grpo.policy.sampling import (DRAW_BLOCK, SamplingStats, draw, fast_sampling_problem, group_runs,
                                          repetition_penalty_problem, sample)
 
 CPU = torch.device("cpu")
@@ -84,6 +84,30 @@ def test_greedy_matches_generate(arch, autocast_bf16, G, micro_batch):
     assert stats.generated_tokens == int(lengths.sum())
     # finished rows stopped costing compute: fewer row-steps than every row decoding to the longest
     assert stats.decode_row_steps < len(prompts) * (fast.completion_ids.shape[1] - 1)
+
+
+@pytest.mark.parametrize("implementation, grouped", [("sdpa", True), ("eager", False)])
+def test_dynamic_decode_steps_attend_grouped_under_sdpa(implementation, grouped, monkeypatch):
+    """Under sdpa the dynamic step's attention is grouped_decode_attention (one call per layer and decode step,
+    no copy of a K/V head per query head) and greedy rows still equal generate()'s; eager attention is left
+    as the model runs it."""
+    from lowmem_grpo.policy import decode_slots
+    calls = []
+    real = decode_slots.grouped_decode_attention
+    monkeypatch.setattr(decode_slots, "grouped_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_model("qwen2")
+    model.config._attn_implementation = implementation
+    distinct = random_prompts([3, 7, 5], 64)
+    cfg = GenerationConfig(max_completion_length=12, generation_micro_batch_size=8)
+    eos = frequent_token(model, distinct, cfg)
+    slow, fast = both_paths(model, [p for p in distinct for _ in range(3)], cfg, eos_ids=[eos], pad_id=PAD,
+                            greedy=True)
+    assert_same_batch(slow, fast)
+    stats = SamplingStats()
+    calls.clear()
+    sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, stats=stats)
+    assert len(calls) == (stats.decode_steps * model.config.num_hidden_layers if grouped else 0)
+    assert stats.decode_steps > 0 and model.config._attn_implementation == implementation
 
 
 def test_greedy_takes_model_generation_config_like_generate():
@@ -206,9 +230,9 @@ def tv_tolerance(p, n: int) -> float:
 
 
 def test_draw_matches_the_softmax():
-    """The CPU draw (an exponential race) picks each token with its softmax probability: logits spread
+    """The CPU draw (an inverse CDF in blocks) picks each token with its softmax probability: logits spread
     over 12 nats (probabilities from ~0.5 down to ~5e-6) and tokens filtered to -inf, 200,000 draws
-    per row, TV within the bound above; filtered tokens never drawn; the race's randomness is the
+    per row, TV within the bound above; filtered tokens never drawn; the draw's randomness is the
     global generator's (same seed, same tokens)."""
     torch.manual_seed(3)
     scores = torch.linspace(0.0, -12.0, V)[torch.randperm(V)].repeat(2, 1)  # (2, V)
@@ -288,30 +312,40 @@ def test_sampled_distribution_matches_generate(name, micro_batch, decode):
     assert all(v > 1 for v in power.values()), f"{name}: the test cannot tell these mistakes apart: {power}"
 
 
-def test_draw_is_the_race_in_five_passes():
-    """The CPU draw runs softmax, the float64 uniforms, their log, the fp32 cast, one in-place divide and an
-    argmin (p / log U = -p / E, so the race's argmax is its argmin, bit for bit): no separate negation pass,
-    and the same tokens as the race written out with it, seed for seed."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    scores = torch.randn(4, 300) * 3
+@pytest.mark.parametrize("V", [300, 1024], ids=["short_last_block", "whole_blocks"])
+def test_draw_is_the_inverse_cdf(V):
+    """The CPU draw picks, for the seeded uniform u of each row, the first token whose running sum of the
+    probabilities exceeds u x the row's total: the same tokens, seed for seed, as a one-level float64
+    search over every token (the block totals only choose where to look), over rows with -inf runs."""
+    scores = torch.randn(6, V) * 3
     scores[:, :7] = float("-inf")
-    with Ops() as ops:
-        draw(scores)
-    assert not any(name.startswith("neg") for name in ops.names), ops.names
-    assert sum(name.startswith(("div", "mul", "reciprocal")) for name in ops.names) == 1, ops.names
-    for seed in range(20):
+    scores[1, DRAW_BLOCK - 3:2 * DRAW_BLOCK + 5] = float("-inf")  # a whole block that cannot be drawn
+    for seed in range(30):
         torch.manual_seed(seed)
-        race = torch.rand(scores.shape, dtype=torch.float64).log_().neg_().float()
-        expected = (torch.softmax(scores, dim=-1) / race).argmax(dim=-1)
+        ends = torch.softmax(scores, dim=-1).cumsum(-1, dtype=torch.float64)
+        u = torch.rand(6, 1, dtype=torch.float64) * ends[:, -1:]
+        expected = torch.searchsorted(ends, u, right=True).squeeze(1)
         torch.manual_seed(seed)
-        assert torch.equal(draw(scores), expected)
+        assert torch.equal(draw(scores), expected), seed
+
+
+@pytest.mark.parametrize("extreme", [0.0, 1.0 - 2.0 ** -53], ids=["u_0", "u_below_1"])
+def test_draw_at_the_ends_of_the_uniform_draws_a_possible_token(extreme, monkeypatch):
+    """u = 0 draws each row's first token of probability > 0; the largest uniform below 1 (where u x total
+    can round up to the total, and a block's total differs from its running sum in the last bits) draws the
+    last: never a filtered token, never past the vocabulary."""
+    V = 700  # blocks of 256, 256 and 188
+    scores = torch.randn(3, V)
+    scores[:, :10] = float("-inf")
+    scores[:, -20:] = float("-inf")
+    scores[1, 200:600] = float("-inf")
+    scores[2, :] = float("-inf")
+    scores[2, 300] = 0.0  # one possible token
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: real_rand(*a, **k).fill_(extreme))
+    tokens = draw(scores)
+    columns = torch.arange(V).expand(3, V)
+    possible = torch.isfinite(scores)
+    first = torch.where(possible, columns, V).min(1).values
+    last = torch.where(possible, columns, -1).max(1).values
+    assert torch.equal(tokens, first if extreme == 0.0 else last), (tokens, first, last)

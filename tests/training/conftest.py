@@ -35,6 +35,13 @@ def label_reward(prompts, completions, completion_ids, label, **kwargs):
     return [float(sum(t == lab for t in ids)) for ids, lab in zip(completion_ids, label)]
 
 
+def spread_reward(prompts, completions, completion_ids, label, **kwargs):
+    """The toy label reward plus a tie-breaker under 0.01 from the tokens: a group's rewards differ unless its
+    completions are the same, so even a batch of two prompts has something to learn, whatever the sampled stream."""
+    return [sum(t == lab for t in ids) + 0.01 * (sum((i + 1) * t for i, t in enumerate(ids)) % 97) / 97
+            for ids, lab in zip(completion_ids, label)]
+
+
 @pytest.fixture
 def toy_config(tmp_path):
     """A function: overrides -> Config for the toy token task on a tiny random Llama."""

@@ -167,7 +167,7 @@ def test_accumulated_offloaded_run_equals_the_plain_run(toy_config, tmp_path, mo
     fused_calls = _host_kernel(monkeypatch, host_kernel) if optimizer == "adamw_8bit" else []
     common = ["max_steps=3", "per_device_train_batch_size=2", "gradient_accumulation_steps=4",
               "steps_per_generation=4", "max_grad_norm=0.05", f"optimizer={optimizer}", f"precision={precision}",
-              "lr_scheduler_type=cosine"]
+              "lr_scheduler_type=cosine", "reward_funcs=[tests.training.conftest:spread_reward]"]
     runs, logged = {}, {}
     for offload in (False, True):
         trainer = Trainer(toy_config(*common, f"offload_optimizer={offload}", output_dir=tmp_path / str(offload)))

@@ -72,7 +72,10 @@ def test_streamed_layers_step_bit_for_bit_as_resident_ones(toy_config, tmp_path,
 
 
 def test_each_layer_crosses_twice_per_step_and_once_per_old_log_prob_pass(toy_config, tmp_path, real_copies):
-    trainer, _, metrics = _run(toy_config, tmp_path, True, "steps_per_generation=8", "logprob_micro_batch_size=2")
+    # rewards that differ within every group: a batch whose advantages are all zero trains nothing, and its
+    # layers would not cross at all
+    trainer, _, metrics = _run(toy_config, tmp_path, True, "steps_per_generation=8", "logprob_micro_batch_size=2",
+                               "reward_funcs=[tests.training.conftest:spread_reward]")
     layers = trainer.head.decoder.layers
     layer_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
     passes = [m["transfer/h2d/policy layers"] / layer_bytes for m in metrics]

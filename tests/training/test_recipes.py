@@ -22,14 +22,15 @@ def _train(name: str, tmp_path, *overrides) -> list[dict]:
 
 
 def test_char_e_learns_to_write_e(tmp_path, capsys):
-    rows = _train("char_e.yaml", tmp_path, "max_steps=14", "eval_on_start=false", "eval_on_end=false")
+    # 20 steps: the gain over the last three is 6-12 across seeds (after 14 it was 1.9-4.2, the margin a coin toss)
+    rows = _train("char_e.yaml", tmp_path, "max_steps=20", "eval_on_start=false", "eval_on_end=false")
     first = rows[0]["reward"]
     last = sum(r["reward"] for r in rows[-3:]) / 3
     assert first < 1.0, first  # a random character model rarely writes `e`
     assert last > first + 3.0, (first, last)
     # `lowmem-grpo eval RECIPE model=CHECKPOINT` scores the trained model on the held-out prompts
     capsys.readouterr()
-    code = main(["eval", str(RECIPES / "char_e.yaml"), f"model={tmp_path / 'checkpoint-14'}",
+    code = main(["eval", str(RECIPES / "char_e.yaml"), f"model={tmp_path / 'checkpoint-20'}",
                  f"output_dir={tmp_path / 'eval'}", "device=cpu"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
@@ -38,7 +39,7 @@ def test_char_e_learns_to_write_e(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_toy_tokens_recipe_learns(tmp_path):
-    rows = _train("toy_tokens.yaml", tmp_path)
+    rows = [r for r in _train("toy_tokens.yaml", tmp_path) if "reward" in r]  # training steps, not evaluations
     first = sum(r["reward"] for r in rows[:8]) / 8
     last = sum(r["reward"] for r in rows[-8:]) / 8
     assert last > first + 0.5, (first, last)
