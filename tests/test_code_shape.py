@@ -11,7 +11,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lowmem_grpo"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
-NATIVE = sorted(PACKAGE.rglob("*.cpp"))
+NATIVE = sorted([*PACKAGE.rglob("*.cpp"), *PACKAGE.rglob("*.h")])
 
 MAX_FILE_LINES = 600
 MAX_MODULE_DOCSTRING_LINES = 15

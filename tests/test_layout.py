@@ -19,12 +19,13 @@ BELOW = {
     "phases": set(),
     "transfers": set(),  # the host<->device byte counter every copy site calls
     "host_arena": set(),  # pinned host memory: the optimizer's states, offloaded activations, the reference
+    "native_build": set(),  # compiling the plain-C++ CPU kernels (the host optimizer's, the decode attention)
     "kernels": {"ranges"},
     "integrations": {"ranges", "kernels"},  # other trainers (TRL) on our kernels; nothing imports it
     "config": {"ranges"},
     "shipped_recipes": set(),
-    "optim": {"ranges", "config", "phases", "host_arena", "transfers"},
-    "policy": {"ranges", "config", "kernels", "host_arena", "transfers"},
+    "optim": {"ranges", "config", "phases", "host_arena", "transfers", "native_build"},
+    "policy": {"ranges", "config", "kernels", "host_arena", "transfers", "native_build"},
     "rewards": {"policy", "transfers"},  # reward models stream their layers as the reference model does
     "training": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "policy", "rewards", "optim"},
     "memory": {"ranges", "config", "phases", "host_arena", "transfers", "kernels", "policy", "rewards", "optim", "training"},

@@ -13,17 +13,11 @@
 #include <immintrin.h>
 #endif
 
-// host_pool.cpp: fn(ctx, c) for every chunk c in [0, n) on the caller and up to threads - 1 helper threads.
-void host_parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
+#include "host_pool.h"
 
 namespace {
 
-// f(c) for every chunk c in [0, n), in parallel (host_pool.cpp: no wait for a helper that never started).
-template <typename F>
-void parallel_for(int64_t n, int threads, const F& f) {
-  host_parallel_for(n, threads, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
-                    const_cast<F*>(&f));
-}
+using host_pool::parallel_for;
 
 constexpr int64_t kBlock = 256;          // bitsandbytes' quantisation block (elements)
 constexpr int64_t kSerialBlocks = 64;    // 8-bit step: tensors of up to this many blocks on the caller alone

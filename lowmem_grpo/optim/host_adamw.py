@@ -16,21 +16,22 @@ Design notes: docs/memory-modes.md ("The host AdamW kernels")
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import math
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..native_build import build_library
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
 SOURCES = [SOURCE, SOURCE.with_name("host_adamw_fp32.cpp"), SOURCE.with_name("host_grad_norm.cpp"),
            SOURCE.with_name("host_pool.cpp")]  # kernels; threads
+HEADERS = [SOURCE.with_name("host_pool.h")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-ffp-contract=off", "-fno-math-errno",
           "-std=c++17"]
 _FP32, _BF16 = 0, 1  # dtype codes of the C ABI
@@ -43,42 +44,11 @@ _march: str | None = None  # the -march of the loaded build
 SIMD = True  # False: the kernel's scalar loops only (what a CPU without AVX2 runs; the tests run every path)
 
 
-def _cpu_tag() -> str:
-    """Names the build after the CPU's instruction sets: -march=native code must not run on another CPU
-    type that shares the extension cache (a home directory on several machines)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
-
-
-def _source_tag() -> str:
-    """A hash of the kernel's sources and flags, part of the build's name: two checkouts with different
-    kernels that share torch's extension cache (one home directory) keep a build each, where one name would
-    have each process rebuild the other's library in place."""
-    digest = hashlib.sha1(" ".join(CFLAGS).encode())
-    for source in SOURCES:
-        digest.update(source.read_bytes())
-    return digest.hexdigest()[:10]
-
-
 def _build(march: str = "native") -> ctypes.CDLL:
     """Compile (or find in torch's extension cache) and load the kernels for `-march=<march>`."""
-    from torch.utils import cpp_extension
-    try:  # the pip package `ninja` puts its binary beside its module; a venv's bin/ is not always on PATH
-        import ninja
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
-    tag = _cpu_tag() if march == "native" else march.replace("-", "_")
     flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
-    path = cpp_extension.load(name=f"lowmem_grpo_host_adamw_{tag}_{_source_tag()}",
-                              sources=[str(s) for s in SOURCES], extra_cflags=flags,
-                              extra_ldflags=["-pthread"], is_python_module=False, verbose=False)
-    lib = ctypes.CDLL(path)
+    lib = build_library("lowmem_grpo_host_adamw", SOURCES, flags, HEADERS,
+                        target=None if march == "native" else march.replace("-", "_"))
     p, i64, i32, u32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32, ctypes.c_float
     lib.build_quantize_lut.argtypes = [p, p]
     lib.build_quantize_lut.restype = None

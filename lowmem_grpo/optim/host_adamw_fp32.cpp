@@ -12,17 +12,11 @@
 #include <immintrin.h>
 #endif
 
-// host_pool.cpp: fn(ctx, c) for every chunk c in [0, n) on the caller and up to threads - 1 helper threads.
-void host_parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
+#include "host_pool.h"
 
 namespace {
 
-// f(c) for every chunk c in [0, n), in parallel (host_pool.cpp: no wait for a helper that never started).
-template <typename F>
-void parallel_for(int64_t n, int threads, const F& f) {
-  host_parallel_for(n, threads, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
-                    const_cast<F*>(&f));
-}
+using host_pool::parallel_for;
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t float_to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }

@@ -7,8 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-// host_pool.cpp: fn(ctx, c) for every chunk c in [0, n) on the caller and up to threads - 1 helper threads.
-void host_parallel_for(int64_t n, int threads, void (*fn)(void*, int64_t), void* ctx);
+#include "host_pool.h"
 
 namespace {
 
@@ -23,12 +22,7 @@ inline float load(const uint16_t* x, int64_t i) {  // bf16
   return f;
 }
 
-// f(c) for every chunk c in [0, n), in parallel (host_pool.cpp: no wait for a helper that never started).
-template <typename F>
-void parallel_for(int64_t n, int threads, const F& f) {
-  host_parallel_for(n, threads, [](void* ctx, int64_t c) { (*static_cast<const F*>(ctx))(c); },
-                    const_cast<F*>(&f));
-}
+using host_pool::parallel_for;
 
 template <typename G>
 double sum_squares(int64_t n, const G* g, int threads) {

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from transformers import AttentionInterface, DynamicCache
 
+from .decode_attention import cpu_decode_attention
 from .packing import sliding_window
 
 
@@ -64,13 +65,18 @@ def grouped_decode_attention(module, query: Tensor, key: Tensor, value: Tensor, 
 
     Query head h attends with K/V head h // (heads / kv_heads) (repeat_kv's order), so the query heads
     reshape to (B, kv_heads, heads / kv_heads, D): each group is its K/V head's "queries", the mask
-    broadcasts over them, and no copy of K or V is made."""
+    broadcasts over them, and no copy of K or V is made. On the CPU the kernel of decode_attention.py
+    computes it where it applies (decode_attention.problem), else sdpa."""
     B, heads, q_len, D = query.shape
     if q_len != 1:
         raise ValueError(f"grouped_decode_attention takes one query token per row, got {q_len}")
     grouped = query.reshape(B, key.shape[1], heads // key.shape[1], D)  # (B, kv_heads, group, D)
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
-                                                           dropout_p=dropout, scale=scaling)
+    out = None
+    if dropout == 0.0:
+        out = cpu_decode_attention(grouped, key, value, attention_mask, D ** -0.5 if scaling is None else scaling)
+    if out is None:
+        out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, scale=scaling)
     return out.reshape(B, 1, heads, value.shape[-1]), None
 
 

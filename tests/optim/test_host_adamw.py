@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowmem_grpo.native_build import source_tag
 from lowmem_grpo.optim import host_adamw
 from lowmem_grpo.optim.host_adamw import host_adamw8bit_class
 from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
@@ -381,7 +382,8 @@ def test_kernel_status_says_the_native_kernel_is_loaded(kernel):
     assert status.threads == torch.get_num_threads()
     assert str(status).startswith("host optimizer kernel: native")
     # the build is named after its sources: another checkout's kernel in the same cache is another build
-    assert host_adamw._source_tag() in Path(status.path).name
+    flags = [f if f != "-march=native" else f"-march={status.march}" for f in host_adamw.CFLAGS]
+    assert source_tag([*host_adamw.SOURCES, *host_adamw.HEADERS], flags) in Path(status.path).name
 
 
 def test_kernel_status_after_a_failed_build_gives_the_reason_and_raises_on_request(monkeypatch, caplog):
