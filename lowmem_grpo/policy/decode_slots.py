@@ -23,6 +23,7 @@ from torch import Tensor
 from transformers import AttentionInterface, DynamicCache
 
 from .decode_attention import cpu_decode_attention
+from .kv_columns import ColumnsLayer, columns_cache
 from .packing import sliding_window
 
 
@@ -99,6 +100,14 @@ def grouped_decode_applies(model) -> bool:
     return getattr(model.config, "_attn_implementation", None) == "sdpa" and sliding_window(model.config) is None
 
 
+def _set(layer, keys: Tensor, values: Tensor) -> None:
+    """A cache layer's keys and values replaced (through ColumnsLayer.set, which keeps or releases its buffers)."""
+    if isinstance(layer, ColumnsLayer):
+        layer.set(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
+
+
 @dataclass
 class Prefill:
     """Some prompts, run once as a left-padded batch (each prompt's last token is in the last column)."""
@@ -128,12 +137,13 @@ class Entry:
 class Slots:
     """Per-slot decode state; device tensors, with the left padding also kept on the host.
 
-    The K/V live in a growing DynamicCache here; static_decode.StaticSlots keeps the same bookkeeping
-    (history, mask, positions, stop flags) over a preallocated cache by overriding the `_cache_*` hooks,
-    `forward` and `compaction`."""
+    The K/V live in a growing DynamicCache here, whose layers append each step's column into buffers of
+    `columns` columns (kv_columns.py; the rollout's prompt + completion columns) rather than copying the
+    cache; static_decode.StaticSlots keeps the same bookkeeping (history, mask, positions, stop flags) over
+    a preallocated cache by overriding the `_cache_*` hooks, `forward` and `compaction`."""
 
-    def __init__(self, model, n: int, pad_id: int, device: torch.device, empty_row: int = 0):
-        self.cache = new_cache(model) if model is not None else None
+    def __init__(self, model, n: int, pad_id: int, device: torch.device, empty_row: int = 0, columns: int = 0):
+        self.cache = columns_cache(new_cache(model), columns) if model is not None else None
         self.pad_id = pad_id
         self.history = torch.full((n, 0), pad_id, dtype=torch.long, device=device)  # (S, L) cached tokens
         self.attention = torch.zeros((n, 0), dtype=torch.bool, device=device)  # (S, L) real (not padding)
@@ -167,10 +177,9 @@ class Slots:
         S = len(self)
         if self._layers_ready():
             for layer in self.cache.layers:
-                layer.keys = torch.cat([layer.keys.new_zeros((S, layer.keys.shape[1], n, layer.keys.shape[3])),
-                                        layer.keys], 2)
-                layer.values = torch.cat([layer.values.new_zeros((S, layer.values.shape[1], n,
-                                                                  layer.values.shape[3])), layer.values], 2)
+                k, v = layer.keys, layer.values
+                _set(layer, torch.cat([k.new_zeros((S, k.shape[1], n, k.shape[3])), k], 2),
+                     torch.cat([v.new_zeros((S, v.shape[1], n, v.shape[3])), v], 2))
         else:  # nothing decoded yet: the cache's first update() builds its layers
             width = self.width + n
             for i, (k, v) in enumerate(zip(like.keys, like.values)):
@@ -238,10 +247,10 @@ class Slots:
     def _cache_select(self, idx: Tensor) -> None:
         if self._layers_ready():
             for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+                _set(layer, layer.keys[idx], layer.values[idx])
 
     def trim(self) -> None:
-        """Drop the leading columns that are padding in every slot (views: the next step's cat copies)."""
+        """Drop the leading columns that are padding in every slot (views: the next step appends after them)."""
         n = min(self.left_pad, default=0)
         if n == 0:
             return
@@ -252,7 +261,7 @@ class Slots:
     def _cache_trim(self, n: int) -> None:
         if self._layers_ready():
             for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, n:], layer.values[:, :, n:]
+                _set(layer, layer.keys[:, :, n:], layer.values[:, :, n:])
 
     def forward(self, model, keep_logits: bool, cache_arg: str) -> Tensor:
         """One decode step of every slot (after append_input): fp32 logits (S, V); the cache grows by a column.

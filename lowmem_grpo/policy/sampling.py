@@ -379,7 +379,7 @@ class _Rollout:
     def _new_slots(self, entries: list[Entry]) -> Slots:
         """Slots for a new batch: as many as entries (dynamic), or the smallest bucket that holds them (static)."""
         if self.decode_mode == "dynamic":
-            return Slots(self.model, len(entries), self.pad_id, self.device)
+            return Slots(self.model, len(entries), self.pad_id, self.device, columns=self.static_length)
         if self.static is None:  # the first batch: its prefill gives the K/V shapes and dtype
             # rows: the micro-batch, or the bucket that holds every row of this call if fewer (memory/plan.py)
             rows = bucket_for(min(self.micro_batch, len(self.out) - 1), self.micro_batch)
