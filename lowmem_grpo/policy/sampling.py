@@ -182,7 +182,9 @@ def fast_sampling_problem(model: nn.Module, cfg: GenerationConfig, greedy: bool 
 
 
 def _processors(s: _Settings, pad_lengths: Tensor):
-    """generate()'s processor list for these settings (same classes, same order, same conditions)."""
+    """generate()'s processor list for these settings (same classes, same order, same conditions), less
+    min-p at 0, which generate() runs and which returns its scores unchanged (a softmax and a top-k over the
+    vocabulary per step: ~8% of a 64-row CPU decode step of SmolLM2-135M)."""
     procs = LogitsProcessorList()
     if s.repetition_penalty is not None and s.repetition_penalty != 1.0:
         # generate() passes the prompt's left-padding lengths, so pad ids are not penalised
@@ -194,7 +196,7 @@ def _processors(s: _Settings, pad_lengths: Tensor):
             procs.append(TopKLogitsWarper(top_k=s.top_k, min_tokens_to_keep=1))
         if s.top_p is not None and s.top_p < 1.0:
             procs.append(TopPLogitsWarper(top_p=s.top_p, min_tokens_to_keep=1))
-        if s.min_p is not None:
+        if s.min_p is not None and s.min_p > 0:  # at 0 it removes nothing (probs < 0 never holds): skipped
             procs.append(MinPLogitsWarper(min_p=s.min_p, min_tokens_to_keep=1))
     return procs
 

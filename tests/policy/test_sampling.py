@@ -165,6 +165,25 @@ def test_sampled_batch_format_and_max_new_tokens():
         assert (batch.prompt_ids[i * G:(i + 1) * G, -len(p):] == torch.tensor(p)).all()
 
 
+def test_min_p_zero_is_skipped_and_changes_nothing():
+    """generate() runs MinPLogitsWarper at min_p=0 (the explicit "off" sampling_kwargs passes); the fast loop
+    skips it, which is exact only while the warper returns its scores unchanged there: checked on scores
+    with -inf (a top-k before it), ties and a row of one finite score."""
+    from transformers.generation import MinPLogitsWarper
+
+    from lowmem_grpo.policy import sampling
+    model = tiny_model("llama")
+    names = lambda cfg: [type(p).__name__ for p in sampling._processors(  # noqa: E731
+        sampling._resolve(model, cfg, False)[0], torch.zeros(1, dtype=torch.long))]
+    assert "MinPLogitsWarper" not in names(GenerationConfig())
+    assert "MinPLogitsWarper" in names(GenerationConfig(min_p=0.05))
+    scores = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 8
+    scores[0, ::3] = -math.inf
+    scores[1, 10:20] = scores[1].max() + 1
+    scores[2, 1:] = -math.inf
+    assert torch.equal(MinPLogitsWarper(0.0)(torch.zeros(4, 1, dtype=torch.long), scores), scores)
+
+
 def test_group_runs():
     assert group_runs([[1, 2], [1, 2], [3], [1, 2]]) == ([[1, 2], [3], [1, 2]], [2, 1, 1])
 
