@@ -84,9 +84,10 @@ class ModelConfig:
                                            "generation.rollout_quantization (rollouts from a compact copy on the "
                                            "device). The same arithmetic as keeping them on the device.")
     bf16: Optional[bool] = setting(None, "bf16 autocast for forward/backward. None = on where bf16 is native: CUDA "
-                                         "GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX; off "
-                                         "otherwise (emulated bf16 is slower than fp32). Weights stay fp32 (master "
-                                         "weights).")
+                                         "GPUs of compute capability >= 8.0, CPUs with AVX512-BF16 or AMX whose bf16 "
+                                         "GEMM runs >= 1.25x fp32's (measured once at start); off otherwise (emulated "
+                                         "bf16, and oneDNN's bf16 on Intel CPUs without AMX, is slower than fp32). "
+                                         "Weights stay fp32 (master weights).")
     attn_implementation: str = setting("sdpa", "transformers attention implementation (sdpa | eager | "
                                                "flash_attention_2).")
     trust_remote_code: bool = setting(False, "Passed to transformers when loading.")

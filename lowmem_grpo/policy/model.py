@@ -8,12 +8,14 @@ a save_pretrained copy), a model file shipped inside an installed PyPI package
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -393,9 +395,36 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+# bf16 autocast is chosen on a CPU only where its GEMMs run at least this much faster than fp32's: it adds
+# casts, and on some CPUs with AVX512-BF16 (Intel ones without AMX) oneDNN's bf16 GEMMs are slower than fp32.
+CPU_BF16_MIN_SPEEDUP = 1.25
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_gemm_speedup(threads: int) -> float:
+    """fp32 seconds over bf16 seconds of one (512 x 1024) x (1024 x 1024) GEMM on this CPU with `threads`
+    threads (torch.nn.functional.linear, the fastest of 5 after a warm-up; ~0.1 s). Measured once per
+    process and thread count."""
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(512, 1024, generator=g).to(dtype), torch.randn(1024, 1024, generator=g).to(dtype)
+        nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        seconds[dtype] = best
+    return seconds[torch.float32] / seconds[torch.bfloat16]
+
+
 def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
-    """Resolve model.bf16: None means on where bf16 is native: GPUs of compute capability >= 8.0, CPUs
-    with AVX512-BF16 or AMX (a 2-core AMD EPYC without them ran the CPU demo's steps ~4x slower in bf16)."""
+    """Resolve model.bf16: None means on where bf16 is native and pays: GPUs of compute capability >= 8.0;
+    CPUs with AVX512-BF16 or AMX (a 2-core AMD EPYC without them ran the CPU demo's steps ~4x slower in
+    bf16) whose bf16 GEMM runs >= CPU_BF16_MIN_SPEEDUP x fp32's (cpu_bf16_gemm_speedup; on a 2-core Xeon
+    with AVX512-BF16 and no AMX it ran at ~0.5x, and the demo's steps in fp32 at 1.15x those in bf16).
+    LOWMEM_GRPO_CPU_BF16=1/0 decides without measuring."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         native = major >= 8  # is_bf16_supported() is True on Turing through emulation; that is slow
@@ -403,7 +432,15 @@ def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
             raise ModelError(f"model.bf16=true but {torch.cuda.get_device_name(device)} (sm_{major}{minor}) has no "
                              "native bf16 (needs compute capability >= 8.0); set model.bf16=false")
         return native if setting is None else bool(setting)
-    return cpu_has_native_bf16() if setting is None else bool(setting)
+    if setting is not None:
+        return bool(setting)
+    if os.environ.get("LOWMEM_GRPO_CPU_BF16") in ("0", "1") or not cpu_has_native_bf16():
+        return cpu_has_native_bf16()
+    speedup = cpu_bf16_gemm_speedup(torch.get_num_threads())
+    wanted = speedup >= CPU_BF16_MIN_SPEEDUP
+    logger.info("model.bf16 auto: bf16 autocast %s (this CPU's bf16 GEMM ran at %.2fx fp32's; on from %.2fx)",
+                "on" if wanted else "off", speedup, CPU_BF16_MIN_SPEEDUP)
+    return wanted
 
 
 def enable_checkpointing(model) -> None:

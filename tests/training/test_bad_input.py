@@ -92,9 +92,19 @@ def test_bf16_auto_on_a_cpu_follows_its_native_bf16(monkeypatch):
         cpuinfo = f"processor: 0\nflags\t: {flags}\n"
         monkeypatch.setattr("builtins.open", lambda *a, text=cpuinfo, **k: io.StringIO(text))
         assert model.cpu_has_native_bf16() is native
-        assert bf16_autocast_wanted(None, torch.device("cpu")) is native
+        for speedup in (2.6, 1.1, 0.6):  # auto: on only where the bf16 GEMM is measured faster enough
+            monkeypatch.setattr(model, "cpu_bf16_gemm_speedup", lambda threads, x=speedup: x)
+            assert bf16_autocast_wanted(None, torch.device("cpu")) is (native and speedup >= 1.25)
         assert bf16_autocast_wanted(True, torch.device("cpu")) is True  # asked for: on (emulated where not native)
         assert bf16_autocast_wanted(False, torch.device("cpu")) is False
+    monkeypatch.setenv("LOWMEM_GRPO_CPU_BF16", "1")  # the override decides without measuring
+    assert bf16_autocast_wanted(None, torch.device("cpu")) is True
+
+
+def test_cpu_bf16_gemm_speedup_is_a_measured_ratio():
+    from lowmem_grpo.policy import model
+    speedup = model.cpu_bf16_gemm_speedup(1)
+    assert 0.02 < speedup < 50 and model.cpu_bf16_gemm_speedup(1) == speedup  # measured once per thread count
 
 
 def test_bf16_weights_need_the_sr_optimizer_and_a_bf16_gpu(toy_config, monkeypatch):
