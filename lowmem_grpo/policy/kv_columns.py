@@ -10,8 +10,9 @@ Edits outside `update` go through `set(keys, values)`: a view of the buffer that
 filled columns end (leading columns trimmed) keeps appending in place; any other tensor (rows selected,
 columns added at the left) replaces the buffer, which is released at once, and the next update copies
 that tensor into a new buffer. Writes into the views in place (`keys[idx] = ...`) are writes into the
-buffer. A buffer holds max(capacity, columns needed) columns, so a caller that passes the rollout's
-prompt + completion columns holds what the planner counts for the cache (memory/plan.generation_bytes).
+buffer. A buffer holds max(capacity, 1.25 x the columns needed) columns, so a caller that passes the
+rollout's prompt + completion columns holds what the planner counts for the cache (memory/plan.py,
+generation_bytes) unless a row outgrows them.
 """
 
 from __future__ import annotations
