@@ -11,7 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -330,6 +330,219 @@ void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& 
   else attend_vector_any(p, row, head, w);
 }
 constexpr int kLanes = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same loops 8 lanes at a time, for CPUs with AVX2 and FMA but no AVX-512 (AMD before Zen 4, most
+// desktop Intel CPUs): the keys' products widened to fp32 (no bf16 dot product), sums in a different order.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i to_bf16x8(__m256 x) {  // to_bf16 of 8 lanes, in the low half of each 32-bit lane
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));  // magnitudes: signed order is fine
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+inline __m256 load8(const Fp32ReadAsBf16* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16x8(_mm256_loadu_ps(&x->x)), 16));
+}
+
+// exp16's arithmetic for x <= 0 (scores with their maximum subtracted): 2^n built from its exponent bits,
+// n >= -126 wherever x >= -87.3; below that (and -inf, NaN) 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 poly = _mm256_set1_ps(1.0f / 720);
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
+  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(poly, _mm256_castsi256_ps(power)));
+}
+
+inline float reduce_max8(__m256 x) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 0x1)));
+}
+inline float reduce_add8(__m256 x) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 0x1)));
+}
+
+// Lanes [0, n) set, n <= 8: the mask of _mm256_maskload_ps / _mm256_maskstore_ps.
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void softmax_vector(float* s, int64_t length) {
+  const int64_t end = length - length % 8;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  __m256 top = _mm256_set1_ps(minus_inf);
+  for (int64_t l = 0; l < end; l += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + l));
+  float high = reduce_max8(top);
+  for (int64_t l = end; l < length; ++l) high = std::max(high, s[l]);
+  if (high == minus_inf) {
+    std::fill(s, s + length, 0.0f);
+    return;
+  }
+  const __m256 m = _mm256_set1_ps(high);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t l = 0; l < end; l += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
+    _mm256_storeu_ps(s + l, e);
+    total = _mm256_add_ps(total, e);
+  }
+  if (end < length) {  // the tail's missing lanes read as -inf: exp gives them 0
+    const __m256i tail = first_lanes(length - end);
+    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(minus_inf), _mm256_maskload_ps(s + end, tail),
+                                      _mm256_castsi256_ps(tail));
+    const __m256 e = exp8(_mm256_sub_ps(x, m));
+    _mm256_maskstore_ps(s + end, tail, e);
+    total = _mm256_add_ps(total, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / reduce_add8(total));
+  for (int64_t l = 0; l < end; l += 8) _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
+  for (int64_t l = end; l < length; ++l) s[l] *= _mm256_cvtss_f32(inv);
+}
+
+inline void store8(float* out, __m256 x) { _mm256_storeu_ps(out, x); }
+inline void store8(uint16_t* out, __m256 x) {
+  const __m256i w = to_bf16x8(x);  // 8 x u32 (< 2^16) -> 8 x u16
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+}
+
+// r[i] = the sum of the 8 lanes of a[i], for 8 vectors.
+inline __m256 sum_lanes8(const __m256 a[8]) {
+  const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per 128-bit half
+  const __m256 q1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// Positions l0 .. l0 + 7 that attend, as bits (all of them without a mask; none past the length).
+inline unsigned attending(const uint8_t* mask, int64_t l0, int64_t length) {
+  const int64_t n = std::min<int64_t>(8, length - l0);
+  unsigned live = (1U << n) - 1;
+  if (mask) {
+    uint64_t bytes = 0;
+    std::memcpy(&bytes, mask + l0, n);
+    const __m128i zero = _mm_cmpeq_epi8(_mm_cvtsi64_si128(static_cast<int64_t>(bytes)), _mm_setzero_si128());
+    live &= ~static_cast<unsigned>(_mm_movemask_epi8(zero));
+  }
+  return live;
+}
+
+// Scores of one query against positions 0 .. 7 of `k` (those in `live`; 0 for the others): (q . k) x scale.
+template <int C, typename Q, typename K>
+inline __m256 scores8(const Q* q, const K* k, int64_t k_pos, unsigned live, float scale) {
+  __m256 query[C];
+  for (int c = 0; c < C; ++c) query[c] = _mm256_mul_ps(load8(q + 8 * c), _mm256_set1_ps(scale));
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) {
+    acc[i] = _mm256_setzero_ps();
+    if (live >> i & 1)
+      for (int c = 0; c < C; ++c) acc[i] = _mm256_fmadd_ps(query[c], load8(k + i * k_pos + 8 * c), acc[i]);
+  }
+  return sum_lanes8(acc);
+}
+
+// dim = 8 C; one query's sums in registers at a time. mask contiguous along positions (or null).
+template <int C, typename Q, typename K, typename V>
+void attend_vector(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
+  const int64_t G = p.group, L = p.length, D = 8 * C;
+  const K* k = p.k + row * p.k_row + head * p.k_head;
+  const V* v = p.v + row * p.v_row + head * p.v_head;
+  const uint8_t* mask = p.mask ? p.mask + row * p.mask_row : nullptr;
+  float* s = w.scores.data();
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t g = 0; g < G; ++g) {  // scores, 8 positions at a time
+    const Q* q = p.q + row * p.q_row + head * p.q_head + g * p.q_group;
+    for (int64_t l0 = 0; l0 < L; l0 += 8) {
+      const unsigned live = attending(mask, l0, L);
+      const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(live)), lane_bit),
+                                            lane_bit);
+      const __m256 x = _mm256_blendv_ps(minus_inf, scores8<C>(q, k + l0 * p.k_pos, p.k_pos, live, p.scale),
+                                        _mm256_castsi256_ps(on));
+      if (L - l0 >= 8) _mm256_storeu_ps(s + g * L + l0, x);
+      else _mm256_maskstore_ps(s + g * L + l0, first_lanes(L - l0), x);
+    }
+    softmax_vector(s + g * L, L);
+  }
+  V* out = p.out + ((row * p.kv_heads + head) * G) * D;
+  for (int64_t g = 0; g < G; ++g) {  // the values, weighted
+    __m256 acc[C];
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < L; ++l) {
+      if (mask && !mask[l]) continue;
+      const __m256 weight = _mm256_set1_ps(s[g * L + l]);
+      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(weight, load8(v + l * p.v_pos + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < C; ++c) store8(out + g * D + 8 * c, acc[c]);
+  }
+}
+
+// Any dim that is a multiple of 8 up to 256 (the sums in memory, not registers).
+template <typename Q, typename K, typename V>
+void attend_vector_any(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
+  const int64_t G = p.group, L = p.length, D = p.dim, C = D / 8;
+  const K* k = p.k + row * p.k_row + head * p.k_head;
+  const V* v = p.v + row * p.v_row + head * p.v_head;
+  const uint8_t* mask = p.mask ? p.mask + row * p.mask_row : nullptr;
+  float* q = w.queries.data();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 x = load8(p.q + row * p.q_row + head * p.q_head + g * p.q_group + 8 * c);
+      _mm256_storeu_ps(q + g * D + 8 * c, _mm256_mul_ps(x, _mm256_set1_ps(p.scale)));
+    }
+  float* s = w.scores.data();
+  for (int64_t l = 0; l < L; ++l) {
+    if (mask && !mask[l]) {
+      for (int64_t g = 0; g < G; ++g) s[g * L + l] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < C; ++c)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), load8(k + l * p.k_pos + 8 * c), acc);
+      s[g * L + l] = reduce_add8(acc);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_vector(s + g * L, L);
+  float* sums = w.sums.data();
+  std::fill(sums, sums + G * D, 0.0f);
+  for (int64_t l = 0; l < L; ++l) {
+    if (mask && !mask[l]) continue;
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 value = load8(v + l * p.v_pos + 8 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        float* acc = sums + g * D + 8 * c;
+        _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + l]), value, _mm256_loadu_ps(acc)));
+      }
+    }
+  }
+  V* out = p.out + ((row * p.kv_heads + head) * G) * D;
+  for (int64_t i = 0; i < G * D; i += 8) store8(out + i, _mm256_loadu_ps(sums + i));
+}
+
+template <typename Q, typename K, typename V>
+void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
+  if (p.dim == 64) attend_vector<8>(p, row, head, w);
+  else attend_vector_any(p, row, head, w);
+}
+constexpr int kLanes = 8;
 #else
 template <typename Q, typename K, typename V>
 void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) { attend_scalar(p, row, head, w); }
@@ -346,7 +559,7 @@ void attend(const Q* q, const K* k, const V* v, V* out, const int64_t* sizes, co
     thread_local Scratch w;
     w.reserve(p.group, p.length, p.dim);
     const int64_t row = item / p.kv_heads, head = item % p.kv_heads;
-    if (p.simd && kLanes == 16 && p.dim % 16 == 0 && p.dim <= 256 && p.mask_pos <= 1) attend_simd(p, row, head, w);
+    if (p.simd && kLanes > 1 && p.dim % 16 == 0 && p.dim <= 256 && p.mask_pos <= 1) attend_simd(p, row, head, w);
     else attend_scalar(p, row, head, w);
   });
 }
@@ -376,7 +589,7 @@ int decode_attention(int kind, const int64_t* sizes, const void* q, const void* 
   return 0;
 }
 
-// The lanes of the vector loops compiled here: 16 (AVX-512) or 1 (the scalar loops only).
+// The lanes of the vector loops compiled here: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (the scalar loops only).
 int decode_attention_lanes() { return kLanes; }
 
 }  // extern "C"

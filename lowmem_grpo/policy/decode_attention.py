@@ -8,8 +8,9 @@ factor. Operands fp32 or bf16 of one dtype; under bf16 autocast also fp32 querie
 values, rounded to bf16 as autocast rounds sdpa's. It returns (B, kv_heads, group, D) in the values'
 dtype, or None where it does not apply (`problem` says why): then the caller runs sdpa. Scores, softmax
 and the weighted sum are fp32, each K/V head read once for its group, masked positions not at all; the
-result differs from sdpa's by rounding. AVX-512 CPUs only (elsewhere sdpa runs);
-LOWMEM_GRPO_DECODE_ATTENTION=0 turns it off. Speed: benchmarks/RESULTS.md; design notes: docs/rollouts.md
+result differs from sdpa's by rounding. Vector loops for AVX-512 and for AVX2 + FMA CPUs (elsewhere sdpa
+runs); LOWMEM_GRPO_DECODE_ATTENTION=0 turns it off, LOWMEM_GRPO_DECODE_ATTENTION_MARCH picks the -march (and
+so the loops). Speed: benchmarks/RESULTS.md; design notes: docs/rollouts.md
 """
 from __future__ import annotations
 
@@ -39,6 +40,20 @@ _load_error: Optional[str] = None
 SIMD = True  # False: the scalar loops only (the tests compare both)
 
 
+def build(march: str = "native") -> ctypes.CDLL:
+    """Compile (or find in torch's extension cache) and load the kernel for `-march=<march>`."""
+    flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
+    lib = build_library("lowmem_grpo_decode_attention", SOURCES, flags, HEADERS,
+                        target=None if march == "native" else march.replace("-", "_"))
+    p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.decode_attention.argtypes = [i32, p, p, p, p, p, p, f32, p, i32, i32]  # kind, sizes, q, k, v, mask,
+    # strides, scale, out, SIMD, threads
+    lib.decode_attention.restype = i32
+    lib.decode_attention_lanes.argtypes = []
+    lib.decode_attention_lanes.restype = i32
+    return lib
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The compiled kernel, built on first use; None (after one warning) where it cannot be had."""
     global _library, _load_error
@@ -48,20 +63,12 @@ def library() -> Optional[ctypes.CDLL]:
         _load_error = "LOWMEM_GRPO_DECODE_ATTENTION=0"
         return None
     try:
-        lib = build_library("lowmem_grpo_decode_attention", SOURCES, CFLAGS, HEADERS)
+        _library = build(os.environ.get("LOWMEM_GRPO_DECODE_ATTENTION_MARCH", "native"))
     except Exception as e:  # noqa: BLE001  (a failed build of any kind means: sdpa)
         _load_error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:300]
         logger.warning("the CPU decode attention (policy/decode_attention.cpp) did not build (%s); decoding "
                        "runs sdpa, slower. Fix: a C++ compiler (g++) and ninja (pip install ninja)", _load_error)
-        return None
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.decode_attention.argtypes = [i32, p, p, p, p, p, p, f32, p, i32, i32]  # kind, sizes, q, k, v, mask,
-    # strides, scale, out, SIMD, threads
-    lib.decode_attention.restype = i32
-    lib.decode_attention_lanes.argtypes = []
-    lib.decode_attention_lanes.restype = i32
-    _library = lib
-    return lib
+    return _library
 
 
 def problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Optional[str]:
@@ -86,10 +93,11 @@ def problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -
         return "no autograd (a decode step)"
     if torch.compiler.is_compiling():
         return "eager mode (a compiled step traces sdpa)"
-    if library() is None:
+    lib = library()
+    if lib is None:
         return f"the compiled kernel ({_load_error})"
-    if library().decode_attention_lanes() < 16:
-        return "AVX-512 (on other CPUs the kernel's scalar loops are slower than sdpa)"
+    if lib.decode_attention_lanes() < 8:
+        return "AVX2 or AVX-512 (without them the kernel's scalar loops are slower than sdpa)"
     return None
 
 

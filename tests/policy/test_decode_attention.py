@@ -1,9 +1,13 @@
 """The CPU decode attention (policy/decode_attention.py) against attention computed in float64.
 
-The kernel's vector loops (AVX-512 where the CPU has it) and its scalar loops both run (`simd`), over the
-shapes the decode steps give it: the query heads grouped under each K/V head, the K/V as views of a longer
-cache, a bool mask with left padding, lengths around the vector width.
+The kernel's vector loops (AVX-512 where the CPU has it, and a build for -march=x86-64-v3: the AVX2 loops)
+and its scalar loops all run (`simd`), over the shapes the decode steps give it: the query heads grouped
+under each K/V head, the K/V as views of a longer cache, a bool mask with left padding, lengths around the
+vector width.
 """
+
+import functools
+import platform
 
 import pytest
 import torch
@@ -16,14 +20,36 @@ from ..optim.ulp import bf16_ulp
 
 def needs_kernel():
     lib = decode_attention.library()
-    if lib is None or lib.decode_attention_lanes() < 16:
-        pytest.skip("the decode attention kernel runs on AVX-512 CPUs (it did not build, or this CPU has none)")
+    if lib is None or lib.decode_attention_lanes() < 8:
+        pytest.skip("the decode attention kernel runs on AVX2 and AVX-512 CPUs (it did not build, or this CPU "
+                    "has neither)")
 
 
-@pytest.fixture(params=["simd", "scalar"])
+@functools.lru_cache(maxsize=None)
+def avx2_build():
+    """The kernel built for -march=x86-64-v3 (AVX2 + FMA: its 8-lane loops), None where this CPU cannot run it."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return None
+    if not {"avx2", "fma", "bmi2"} <= set(line.partition(":")[2].split()):
+        return None
+    return decode_attention.build("x86-64-v3")
+
+
+@pytest.fixture(params=["simd", "avx2", "scalar"])
 def simd(request, monkeypatch):
     needs_kernel()
-    monkeypatch.setattr(decode_attention, "SIMD", request.param == "simd")
+    if request.param == "avx2":
+        lib = avx2_build()
+        if lib is None:
+            pytest.skip("this CPU cannot run -march=x86-64-v3 code")
+        assert lib.decode_attention_lanes() == 8
+        monkeypatch.setattr(decode_attention, "_library", lib)
+    monkeypatch.setattr(decode_attention, "SIMD", request.param != "scalar")
     return request.param
 
 
