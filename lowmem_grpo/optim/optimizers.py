@@ -48,10 +48,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     backward hooks, summed there over the micro-batches, the global norm, one update per optimizer step;
     the 8-bit optimizers and `adamw` step in host_adamw.py's fused CPU kernels; a tied embedding's head then
     needs `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
-    inside backward on the device (optimizer_in_backward.py)."""
+    inside backward on the device (optimizer_in_backward.py). A model trained on the CPU steps its 8-bit
+    states in the same fused kernel (bitsandbytes' own CPU step is ~10x slower; same states, weights within
+    an ulp or two: docs/memory-modes.md)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-    cls = _optimizer_class(cfg.optimizer, stochastic_rounding)
+    on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
+    cls = _optimizer_class(cfg.optimizer, stochastic_rounding, host_kernel=on_cpu)
     if cfg.offload_optimizer:  # (in_backward or not: offload always sends gradients down from the hooks)
         from .offload import OffloadedOptimizer
         sizes = [p.numel() for g in groups for p in g["params"]]  # the states' host RAM, for the start-up check
@@ -73,7 +76,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     return cls(groups, **kw)
 
 
-def _optimizer_class(name: str, stochastic_rounding: bool):
+def _optimizer_class(name: str, stochastic_rounding: bool, host_kernel: bool = False):
+    """The optimizer class for optim.optimizer=`name`; `host_kernel`: the 8-bit ones step CPU tensors in
+    host_adamw.py's fused kernel (bitsandbytes' CPU step where it cannot run)."""
     if name == "adamw":
         return torch.optim.AdamW
     # On CPUs with AVX512-BF16, importing bitsandbytes probes for a 4-bit GEMM kernel package and warns
@@ -85,6 +90,9 @@ def _optimizer_class(name: str, stochastic_rounding: bool):
         raise ImportError(f"optim.optimizer={name} needs bitsandbytes ({e}); pip install bitsandbytes, "
                           "or set optim.optimizer=adamw (4x the optimizer-state memory)") from None
     paged = name == "paged_adamw_8bit"
+    if host_kernel:
+        from .host_adamw import host_adamw8bit_class
+        return host_adamw8bit_class(paged, stochastic_rounding)
     if stochastic_rounding:
         from .sr_adamw import sr_adamw8bit_class
         return sr_adamw8bit_class(paged)

@@ -434,8 +434,9 @@ def bf16_autocast_wanted(setting: Optional[bool], device: torch.device) -> bool:
         return native if setting is None else bool(setting)
     if setting is not None:
         return bool(setting)
-    if os.environ.get("LOWMEM_GRPO_CPU_BF16") in ("0", "1") or not cpu_has_native_bf16():
-        return cpu_has_native_bf16()
+    native = cpu_has_native_bf16()  # (LOWMEM_GRPO_CPU_BF16=1/0 decides it)
+    if not native or os.environ.get("LOWMEM_GRPO_CPU_BF16") in ("0", "1"):
+        return native
     speedup = cpu_bf16_gemm_speedup(torch.get_num_threads())
     wanted = speedup >= CPU_BF16_MIN_SPEEDUP
     logger.info("model.bf16 auto: bf16 autocast %s (this CPU's bf16 GEMM ran at %.2fx fp32's; on from %.2fx)",

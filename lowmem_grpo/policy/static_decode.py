@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .decode_graphs import StepGraphs, default_recorder
-from .decode_slots import Entry, Prefill, Slots, cache_argument, grouped_attention
+from .decode_slots import Entry, Prefill, Slots, cache_argument, grouped_attention, grouped_decode_applies
 from .packing import sliding_window
 from .streaming import HostLookup
 
@@ -199,7 +199,7 @@ class StaticKV:
         self._views: dict[tuple[int, int], tuple[list[Tensor], list[Tensor]]] = {}
         impl = getattr(model.config, "_attn_implementation", None) or "eager"
         self.kwargs = dict(additive_mask=impl == "eager", cache_arg=cache_argument(model), keep_logits=keep_logits)
-        self.grouped = impl == "sdpa"  # eager attention (the additive mask) is left as the model runs it
+        self.grouped = grouped_decode_applies(model)  # sdpa; eager (the additive mask) runs as the model has it
         self.step = compiled_step(COMPILE_BACKEND) if compiled else decode_step
 
     def release(self) -> None:
