@@ -50,7 +50,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
     needs `split_tied_head(model, heads)`, which the trainer calls); `in_backward` alone steps each parameter
     inside backward on the device (optimizer_in_backward.py). A model trained on the CPU steps its 8-bit
     states in the same fused kernel (bitsandbytes' own CPU step is ~10x slower; same states, weights within
-    an ulp or two: docs/memory-modes.md)."""
+    an ulp or two: docs/memory-modes.md), and `adamw` in torch's fused CPU AdamW (its for-each-tensor
+    default makes temporaries of every tensor's size; the same update within rounding)."""
     groups = _param_groups(model, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
@@ -70,6 +71,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, stochastic_rounding: boo
         host_cls = host_adamw8bit_class(cfg.optimizer == "paged_adamw_8bit", stochastic_rounding)
         return OffloadedOptimizer(groups, lambda g: host_cls(g, **kw), cfg.max_grad_norm, defaults=kw,
                                             state_bytes=states, norm_order=clipped)
+    if cls is torch.optim.AdamW and on_cpu:  # torch's fused CPU step: one pass, no temporaries per tensor
+        kw["fused"] = True
     if in_backward:
         from .optimizer_in_backward import OptimizerInBackward
         return OptimizerInBackward(groups, lambda g: cls(g, **kw), cfg.max_grad_norm, defaults=kw)

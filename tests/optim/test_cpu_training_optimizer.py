@@ -1,6 +1,7 @@
 """A model trained on the CPU (not offloaded) steps its 8-bit optimizer in host_adamw.py's fused kernel:
 `build_optimizer` picks the host class there, the kernel runs, and several steps equal bitsandbytes' own
-CPU step (states bitwise, weights bitwise with a correctly rounded sqrt); elsewhere bitsandbytes' classes."""
+CPU step (states bitwise, weights bitwise with a correctly rounded sqrt); elsewhere bitsandbytes' classes.
+`adamw` steps there in torch's fused CPU AdamW, landing where torch's default step does."""
 
 import pytest
 import torch
@@ -61,3 +62,23 @@ def test_models_off_the_cpu_keep_bitsandbytes_classes():
     opt = build_optimizer(model, OptimConfig(optimizer="adamw_8bit"))
     assert type(opt) is bnb.optim.AdamW8bit
     assert type(build_optimizer(_model(), OptimConfig(optimizer="adamw"))) is torch.optim.AdamW
+
+
+def test_cpu_training_steps_adamw_fused_where_the_plain_step_lands():
+    cfg = OptimConfig(optimizer="adamw", learning_rate=1e-3, weight_decay=0.01)
+    ours_model, plain_model = _model(), _model()
+    ours = build_optimizer(ours_model, cfg)
+    assert all(group["fused"] for group in ours.param_groups)
+    plain = torch.optim.AdamW([{"params": [m.weight for m in plain_model[::2]], "weight_decay": 0.01},
+                               {"params": [m.bias for m in plain_model[::2]], "weight_decay": 0.0}],
+                              lr=1e-3, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for a, b in zip(ours_model.parameters(), plain_model.parameters()):
+            a.grad = 0.01 * torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        ours.step()
+        plain.step()
+        for a, b in zip(ours_model.parameters(), plain_model.parameters()):  # moved ~4e-3 each, rounding apart
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7, msg=f"step {step}, {tuple(a.shape)}")
+    assert not any(group["fused"] for group in build_optimizer(_model("meta"), cfg).param_groups)
