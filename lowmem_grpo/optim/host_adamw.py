@@ -78,8 +78,9 @@ def library() -> ctypes.CDLL | None:
         return _library
     if os.environ.get("LOWMEM_GRPO_HOST_KERNEL", "1") == "0":
         _load_error = "LOWMEM_GRPO_HOST_KERNEL=0"
-        logger.warning("host optimizer kernel off (LOWMEM_GRPO_HOST_KERNEL=0): the offloaded optimizer takes "
-                       "bitsandbytes' CPU path, several times slower; unset it to use the kernel")
+        logger.warning("host optimizer kernel off (LOWMEM_GRPO_HOST_KERNEL=0): the host optimizer step (the "
+                       "offloaded optimizer's, or a CPU model's) takes bitsandbytes' or torch's CPU path, several "
+                       "times slower; unset it to use the kernel")
         return None
     march = os.environ.get("LOWMEM_GRPO_HOST_KERNEL_MARCH", "native")
     try:
@@ -88,9 +89,10 @@ def library() -> ctypes.CDLL | None:
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
         detail = next((line for line in lines if "error:" in line.lower()), lines[-1] if lines else "")
         _load_error = f"{type(e).__name__}: {detail}"[:300]  # the compiler's first error, else the last line
-        logger.warning("the fused host optimizer kernel (optim/host_adamw.cpp) did not build (%s); the "
-                       "offloaded optimizer takes bitsandbytes' CPU path, several times slower. Fix: install a "
-                       "C++ compiler (g++) and ninja (pip install ninja), then restart",
+        logger.warning("the fused host optimizer kernel (optim/host_adamw.cpp) did not build (%s); the host "
+                       "optimizer step (the offloaded optimizer's, or a CPU model's) takes bitsandbytes' or torch's "
+                       "CPU path, several times slower. Fix: install a C++ compiler (g++) and ninja (pip install "
+                       "ninja), then restart",
                        _load_error)
     return _library
 

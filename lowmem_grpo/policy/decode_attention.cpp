@@ -11,7 +11,14 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-#if defined(__AVX512F__) && defined(__AVX512BW__) || defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LANES 8
+#else
+#define LANES 1
+#endif
+#if LANES > 1
 #include <immintrin.h>
 #endif
 
@@ -109,7 +116,7 @@ void attend_scalar(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch
   for (int64_t i = 0; i < G * D; ++i) narrow(w.sums[i], out + i);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if LANES == 16  // AVX-512 with BW: 16 lanes
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const uint16_t* x) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -128,57 +135,197 @@ inline __m512 load16(const Fp32ReadAsBf16* x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(to_bf16x16(_mm512_loadu_ps(&x->x)), 16));
 }
 
-// exp of 16 floats to ~2 ulp: 2^n x e^r with |r| <= ln2 / 2 (r in two steps) and a degree-6 polynomial for
-// e^r; inputs under -87.3 (and -inf) give 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 poly = _mm512_set1_ps(1.0f / 720);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 120));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 24));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f / 6));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(0.5f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  return _mm512_maskz_scalef_ps(live, poly, n);
-}
-
-inline void softmax_vector(float* s, int64_t length) {
-  const int64_t end = length - length % 16;
-  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t l = 0; l < end; l += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + l));
-  float high = _mm512_reduce_max_ps(top);
-  for (int64_t l = end; l < length; ++l) high = std::max(high, s[l]);
-  if (high == -std::numeric_limits<float>::infinity()) {
-    std::fill(s, s + length, 0.0f);
-    return;
-  }
-  const __m512 m = _mm512_set1_ps(high);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t l = 0; l < end; l += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), m));
-    _mm512_storeu_ps(s + l, e);
-    total = _mm512_add_ps(total, e);
-  }
-  if (end < length) {
-    const __mmask16 tail = static_cast<__mmask16>((1U << (length - end)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(m, tail, s + end), m));
-    _mm512_mask_storeu_ps(s + end, tail, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
-  }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-  for (int64_t l = 0; l < end; l += 16) _mm512_storeu_ps(s + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), inv));
-  for (int64_t l = end; l < length; ++l) s[l] *= _mm512_cvtss_f32(inv);
-}
-
 inline void store16(float* out, __m512 x) { _mm512_storeu_ps(out, x); }
 inline void store16(uint16_t* out, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(to_bf16x16(x)));
 }
 
+// What the loops written once for both widths (exp_lanes, softmax_vector, attend_vector_any) ask of a width.
+struct Lanes {
+  using F = __m512;
+  static constexpr int kWidth = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  template <typename T> static F load(const T* x) { return load16(x); }
+  template <typename T> static void store(T* x, F v) { store16(x, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static float reduce_add(F x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(F x) { return _mm512_reduce_max_ps(x); }
+  static F times_pow2_where(F poly, F n, F x, float floor) {  // poly x 2^n where x >= floor, else 0
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(floor), _CMP_GE_OQ), poly, n);
+  }
+  static __mmask16 first(int64_t n) { return static_cast<__mmask16>((1U << n) - 1); }  // n < 16
+  static F load_first(const float* x, int64_t n, float fill) { return _mm512_mask_loadu_ps(set1(fill), first(n), x); }
+  static void store_first(float* x, int64_t n, F v) { _mm512_mask_storeu_ps(x, first(n), v); }
+};
+#elif LANES == 8
+// The same loops 8 lanes at a time, for CPUs with AVX2 and FMA but no AVX-512 (AMD before Zen 4, most
+// desktop Intel CPUs): the keys' products widened to fp32 (no bf16 dot product), sums in a different order.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const uint16_t* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i to_bf16x8(__m256 x) {  // to_bf16 of 8 lanes, in the low half of each 32-bit lane
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));  // magnitudes: signed order is fine
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+inline __m256 load8(const Fp32ReadAsBf16* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16x8(_mm256_loadu_ps(&x->x)), 16));
+}
+
+// Lanes [0, n) set, n <= 8: the mask of _mm256_maskload_ps / _mm256_maskstore_ps.
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline void store8(float* out, __m256 x) { _mm256_storeu_ps(out, x); }
+inline void store8(uint16_t* out, __m256 x) {
+  const __m256i w = to_bf16x8(x);  // 8 x u32 (< 2^16) -> 8 x u16
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+}
+
+struct Lanes {
+  using F = __m256;
+  static constexpr int kWidth = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  template <typename T> static F load(const T* x) { return load8(x); }
+  template <typename T> static void store(T* x, F v) { store8(x, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static float reduce_add(F x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 0x1)));
+  }
+  static float reduce_max(F x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 0x1)));
+  }
+  // poly x 2^n where x >= floor, else 0: 2^n built from its exponent bits (n >= -126 wherever x >= -87.3)
+  static F times_pow2_where(F poly, F n, F x, float floor) {
+    const F live = _mm256_cmp_ps(x, _mm256_set1_ps(floor), _CMP_GE_OQ);
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(live, _mm256_mul_ps(poly, _mm256_castsi256_ps(power)));
+  }
+  static F load_first(const float* x, int64_t n, float fill) {
+    const __m256i lanes = first_lanes(n);
+    return _mm256_blendv_ps(set1(fill), _mm256_maskload_ps(x, lanes), _mm256_castsi256_ps(lanes));
+  }
+  static void store_first(float* x, int64_t n, F v) { _mm256_maskstore_ps(x, first_lanes(n), v); }
+};
+#endif
+
+#if LANES > 1
+// exp of a vector of x <= 0 (scores less their maximum) to ~2 ulp: 2^n x e^r with |r| <= ln2 / 2 (r in two
+// steps) and a degree-6 polynomial for e^r; inputs under -87.3 (and -inf, NaN) give 0.
+inline Lanes::F exp_lanes(Lanes::F x) {
+  using L = Lanes;
+  const L::F n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  L::F r = L::fnmadd(n, L::set1(0.693145751953125f), x);
+  r = L::fnmadd(n, L::set1(1.428606765330187045e-06f), r);
+  L::F poly = L::fmadd(L::set1(1.0f / 720), r, L::set1(1.0f / 120));
+  poly = L::fmadd(poly, r, L::set1(1.0f / 24));
+  poly = L::fmadd(poly, r, L::set1(1.0f / 6));
+  poly = L::fmadd(poly, r, L::set1(0.5f));
+  poly = L::fmadd(poly, r, L::set1(1.0f));
+  poly = L::fmadd(poly, r, L::set1(1.0f));
+  return L::times_pow2_where(poly, n, x, -87.3f);
+}
+
+inline void softmax_vector(float* s, int64_t length) {
+  using L = Lanes;
+  const int64_t end = length - length % L::kWidth;
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  L::F top = L::set1(minus_inf);
+  for (int64_t l = 0; l < end; l += L::kWidth) top = L::max(top, L::load(s + l));
+  float high = L::reduce_max(top);
+  for (int64_t l = end; l < length; ++l) high = std::max(high, s[l]);
+  if (high == minus_inf) {
+    std::fill(s, s + length, 0.0f);
+    return;
+  }
+  const L::F m = L::set1(high);
+  L::F total = L::zero();
+  for (int64_t l = 0; l < end; l += L::kWidth) {
+    const L::F e = exp_lanes(L::sub(L::load(s + l), m));
+    L::store(s + l, e);
+    total = L::add(total, e);
+  }
+  if (end < length) {  // the tail's missing lanes read as -inf: exp gives them 0
+    const L::F e = exp_lanes(L::sub(L::load_first(s + end, length - end, minus_inf), m));
+    L::store_first(s + end, length - end, e);
+    total = L::add(total, e);
+  }
+  const float inv = 1.0f / L::reduce_add(total);
+  for (int64_t l = 0; l < end; l += L::kWidth) L::store(s + l, L::mul(L::load(s + l), L::set1(inv)));
+  for (int64_t l = end; l < length; ++l) s[l] *= inv;
+}
+
+// Any dim that is a multiple of the lanes up to 256 (the sums in memory, not registers).
+template <typename Q, typename K, typename V>
+void attend_vector_any(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
+  using L = Lanes;
+  const int64_t G = p.group, Len = p.length, D = p.dim, W = L::kWidth, C = D / W;
+  const K* k = p.k + row * p.k_row + head * p.k_head;
+  const V* v = p.v + row * p.v_row + head * p.v_head;
+  const uint8_t* mask = p.mask ? p.mask + row * p.mask_row : nullptr;
+  float* q = w.queries.data();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) {
+      const L::F x = L::load(p.q + row * p.q_row + head * p.q_head + g * p.q_group + W * c);
+      L::store(q + g * D + W * c, L::mul(x, L::set1(p.scale)));
+    }
+  float* s = w.scores.data();
+  for (int64_t l = 0; l < Len; ++l) {
+    if (mask && !mask[l]) {
+      for (int64_t g = 0; g < G; ++g) s[g * Len + l] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      L::F acc = L::zero();
+      for (int64_t c = 0; c < C; ++c) acc = L::fmadd(L::load(q + g * D + W * c), L::load(k + l * p.k_pos + W * c), acc);
+      s[g * Len + l] = L::reduce_add(acc);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) softmax_vector(s + g * Len, Len);
+  float* sums = w.sums.data();
+  std::fill(sums, sums + G * D, 0.0f);
+  for (int64_t l = 0; l < Len; ++l) {
+    if (mask && !mask[l]) continue;
+    for (int64_t c = 0; c < C; ++c) {
+      const L::F value = L::load(v + l * p.v_pos + W * c);
+      for (int64_t g = 0; g < G; ++g) {
+        float* acc = sums + g * D + W * c;
+        L::store(acc, L::fmadd(L::set1(s[g * Len + l]), value, L::load(acc)));
+      }
+    }
+  }
+  V* out = p.out + ((row * p.kv_heads + head) * G) * D;
+  for (int64_t i = 0; i < G * D; i += W) L::store(out + i, L::load(sums + i));
+}
+#endif
+
+#if LANES == 16
 // r[i] = the sum of the 16 lanes of a[i], for 16 vectors (a tree of in-lane then cross-lane shuffles).
 inline __m512 sum_lanes16(const __m512 a[16]) {
   __m512 pair[8], quad[4];
@@ -280,150 +427,13 @@ void attend_vector(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch
   }
 }
 
-// Any dim that is a multiple of 16 up to 256 (the sums in memory, not registers).
-template <typename Q, typename K, typename V>
-void attend_vector_any(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
-  const int64_t G = p.group, L = p.length, D = p.dim, C = D / 16;
-  const K* k = p.k + row * p.k_row + head * p.k_head;
-  const V* v = p.v + row * p.v_row + head * p.v_head;
-  const uint8_t* mask = p.mask ? p.mask + row * p.mask_row : nullptr;
-  float* q = w.queries.data();
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512 x = load16(p.q + row * p.q_row + head * p.q_head + g * p.q_group + 16 * c);
-      _mm512_storeu_ps(q + g * D + 16 * c, _mm512_mul_ps(x, _mm512_set1_ps(p.scale)));
-    }
-  float* s = w.scores.data();
-  for (int64_t l = 0; l < L; ++l) {
-    if (mask && !mask[l]) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + l] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; ++c)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), load16(k + l * p.k_pos + 16 * c), acc);
-      s[g * L + l] = _mm512_reduce_add_ps(acc);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) softmax_vector(s + g * L, L);
-  float* sums = w.sums.data();
-  std::fill(sums, sums + G * D, 0.0f);
-  for (int64_t l = 0; l < L; ++l) {
-    if (mask && !mask[l]) continue;
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512 value = load16(v + l * p.v_pos + 16 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        float* acc = sums + g * D + 16 * c;
-        _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_set1_ps(s[g * L + l]), value, _mm512_loadu_ps(acc)));
-      }
-    }
-  }
-  V* out = p.out + ((row * p.kv_heads + head) * G) * D;
-  for (int64_t i = 0; i < G * D; i += 16) store16(out + i, _mm512_loadu_ps(sums + i));
-}
-
 template <typename Q, typename K, typename V>
 void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
   if (p.dim == 64) attend_vector<4, 4>(p, row, head, w);
   else if (p.dim == 128) attend_vector<8, 2>(p, row, head, w);
   else attend_vector_any(p, row, head, w);
 }
-constexpr int kLanes = 16;
-#elif defined(__AVX2__) && defined(__FMA__)
-// The same loops 8 lanes at a time, for CPUs with AVX2 and FMA but no AVX-512 (AMD before Zen 4, most
-// desktop Intel CPUs): the keys' products widened to fp32 (no bf16 dot product), sums in a different order.
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const uint16_t* x) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256i to_bf16x8(__m256 x) {  // to_bf16 of 8 lanes, in the low half of each 32-bit lane
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));  // magnitudes: signed order is fine
-  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));
-  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
-}
-inline __m256 load8(const Fp32ReadAsBf16* x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(to_bf16x8(_mm256_loadu_ps(&x->x)), 16));
-}
-
-// exp16's arithmetic for x <= 0 (scores with their maximum subtracted): 2^n built from its exponent bits,
-// n >= -126 wherever x >= -87.3; below that (and -inf, NaN) 0.
-inline __m256 exp8(__m256 x) {
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 poly = _mm256_set1_ps(1.0f / 720);
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 120));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 24));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f / 6));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(0.5f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-  poly = _mm256_fmadd_ps(poly, r, _mm256_set1_ps(1.0f));
-  const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(live, _mm256_mul_ps(poly, _mm256_castsi256_ps(power)));
-}
-
-inline float reduce_max8(__m256 x) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 0x1)));
-}
-inline float reduce_add8(__m256 x) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 0x1)));
-}
-
-// Lanes [0, n) set, n <= 8: the mask of _mm256_maskload_ps / _mm256_maskstore_ps.
-inline __m256i first_lanes(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-inline void softmax_vector(float* s, int64_t length) {
-  const int64_t end = length - length % 8;
-  const float minus_inf = -std::numeric_limits<float>::infinity();
-  __m256 top = _mm256_set1_ps(minus_inf);
-  for (int64_t l = 0; l < end; l += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + l));
-  float high = reduce_max8(top);
-  for (int64_t l = end; l < length; ++l) high = std::max(high, s[l]);
-  if (high == minus_inf) {
-    std::fill(s, s + length, 0.0f);
-    return;
-  }
-  const __m256 m = _mm256_set1_ps(high);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t l = 0; l < end; l += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), m));
-    _mm256_storeu_ps(s + l, e);
-    total = _mm256_add_ps(total, e);
-  }
-  if (end < length) {  // the tail's missing lanes read as -inf: exp gives them 0
-    const __m256i tail = first_lanes(length - end);
-    const __m256 x = _mm256_blendv_ps(_mm256_set1_ps(minus_inf), _mm256_maskload_ps(s + end, tail),
-                                      _mm256_castsi256_ps(tail));
-    const __m256 e = exp8(_mm256_sub_ps(x, m));
-    _mm256_maskstore_ps(s + end, tail, e);
-    total = _mm256_add_ps(total, e);
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / reduce_add8(total));
-  for (int64_t l = 0; l < end; l += 8) _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
-  for (int64_t l = end; l < length; ++l) s[l] *= _mm256_cvtss_f32(inv);
-}
-
-inline void store8(float* out, __m256 x) { _mm256_storeu_ps(out, x); }
-inline void store8(uint16_t* out, __m256 x) {
-  const __m256i w = to_bf16x8(x);  // 8 x u32 (< 2^16) -> 8 x u16
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
-}
-
+#elif LANES == 8
 // r[i] = the sum of the 8 lanes of a[i], for 8 vectors.
 inline __m256 sum_lanes8(const __m256 a[8]) {
   const __m256 q0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  // per 128-bit half
@@ -494,60 +504,16 @@ void attend_vector(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch
   }
 }
 
-// Any dim that is a multiple of 8 up to 256 (the sums in memory, not registers).
-template <typename Q, typename K, typename V>
-void attend_vector_any(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
-  const int64_t G = p.group, L = p.length, D = p.dim, C = D / 8;
-  const K* k = p.k + row * p.k_row + head * p.k_head;
-  const V* v = p.v + row * p.v_row + head * p.v_head;
-  const uint8_t* mask = p.mask ? p.mask + row * p.mask_row : nullptr;
-  float* q = w.queries.data();
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < C; ++c) {
-      const __m256 x = load8(p.q + row * p.q_row + head * p.q_head + g * p.q_group + 8 * c);
-      _mm256_storeu_ps(q + g * D + 8 * c, _mm256_mul_ps(x, _mm256_set1_ps(p.scale)));
-    }
-  float* s = w.scores.data();
-  for (int64_t l = 0; l < L; ++l) {
-    if (mask && !mask[l]) {
-      for (int64_t g = 0; g < G; ++g) s[g * L + l] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t c = 0; c < C; ++c)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), load8(k + l * p.k_pos + 8 * c), acc);
-      s[g * L + l] = reduce_add8(acc);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) softmax_vector(s + g * L, L);
-  float* sums = w.sums.data();
-  std::fill(sums, sums + G * D, 0.0f);
-  for (int64_t l = 0; l < L; ++l) {
-    if (mask && !mask[l]) continue;
-    for (int64_t c = 0; c < C; ++c) {
-      const __m256 value = load8(v + l * p.v_pos + 8 * c);
-      for (int64_t g = 0; g < G; ++g) {
-        float* acc = sums + g * D + 8 * c;
-        _mm256_storeu_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(s[g * L + l]), value, _mm256_loadu_ps(acc)));
-      }
-    }
-  }
-  V* out = p.out + ((row * p.kv_heads + head) * G) * D;
-  for (int64_t i = 0; i < G * D; i += 8) store8(out + i, _mm256_loadu_ps(sums + i));
-}
-
 template <typename Q, typename K, typename V>
 void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) {
   if (p.dim == 64) attend_vector<8>(p, row, head, w);
   else attend_vector_any(p, row, head, w);
 }
-constexpr int kLanes = 8;
 #else
 template <typename Q, typename K, typename V>
 void attend_simd(const Problem<Q, K, V>& p, int64_t row, int64_t head, Scratch& w) { attend_scalar(p, row, head, w); }
-constexpr int kLanes = 1;
 #endif
+constexpr int kLanes = LANES;
 
 template <typename Q, typename K, typename V>
 void attend(const Q* q, const K* k, const V* v, V* out, const int64_t* sizes, const int64_t* strides,
