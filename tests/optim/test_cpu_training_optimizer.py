@@ -19,6 +19,18 @@ def _model(device="cpu") -> nn.Module:
     return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 80)).to(device)
 
 
+
+def _groups(model: nn.Module) -> list[dict]:
+    """The groups _param_groups makes for _model: decay on the matrices only."""
+    return [{"params": [m.weight for m in model[::2]], "weight_decay": 0.01},
+            {"params": [m.bias for m in model[::2]], "weight_decay": 0.0}]
+
+
+def _same_gradients(ours: nn.Module, theirs: nn.Module, generator: torch.Generator) -> None:
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        a.grad = 0.01 * torch.randn(a.shape, generator=generator)
+        b.grad = a.grad.clone()
+
 @pytest.fixture
 def correctly_rounded_sqrt(monkeypatch):
     """torch's CPU sqrt (MKL's) may be an ulp off, the kernel's is correctly rounded (docs/memory-modes.md,
@@ -37,16 +49,12 @@ def test_cpu_training_steps_in_the_kernel_as_bitsandbytes_steps(kernel, torch_fu
     calls = []
     real = host_adamw.adamw8bit_step
     monkeypatch.setattr(host_adamw, "adamw8bit_step", lambda *a, **k: calls.append(1) or real(*a, **k))
-    # bitsandbytes' own class on the same groups (decay on the matrices only, as _param_groups makes them)
+    # bitsandbytes' own class on the same groups
     base = bnb.optim.PagedAdamW8bit if optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
-    theirs = base([{"params": [m.weight for m in theirs_model[::2]], "weight_decay": 0.01},
-                   {"params": [m.bias for m in theirs_model[::2]], "weight_decay": 0.0}],
-                  lr=1e-3, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    theirs = base(_groups(theirs_model), lr=1e-3, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
-        for a, b in zip(ours_model.parameters(), theirs_model.parameters()):
-            a.grad = 0.01 * torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        _same_gradients(ours_model, theirs_model, g)
         ours.step()
         theirs.step()
         assert len(calls) == 2 * (step + 1)  # the two matrices, each step (the biases: fp32 states, bnb's path)
@@ -69,14 +77,11 @@ def test_cpu_training_steps_adamw_fused_where_the_plain_step_lands():
     ours_model, plain_model = _model(), _model()
     ours = build_optimizer(ours_model, cfg)
     assert all(group["fused"] for group in ours.param_groups)
-    plain = torch.optim.AdamW([{"params": [m.weight for m in plain_model[::2]], "weight_decay": 0.01},
-                               {"params": [m.bias for m in plain_model[::2]], "weight_decay": 0.0}],
-                              lr=1e-3, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    plain = torch.optim.AdamW(_groups(plain_model), lr=1e-3, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                              eps=cfg.adam_epsilon)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
-        for a, b in zip(ours_model.parameters(), plain_model.parameters()):
-            a.grad = 0.01 * torch.randn(a.shape, generator=g)
-            b.grad = a.grad.clone()
+        _same_gradients(ours_model, plain_model, g)
         ours.step()
         plain.step()
         for a, b in zip(ours_model.parameters(), plain_model.parameters()):  # moved ~4e-3 each, rounding apart
