@@ -146,7 +146,7 @@ def run_ours(cfg: dict) -> dict:
         f"beta={s['beta']}", f"epsilon={s['epsilon']}", "loss_type=dapo", "scale_rewards=group",
         "reward_funcs=[numeric_answer]", f"seed={cfg['seed']}", f"output_dir={cfg['output_dir']}",
         "save_steps=0", "progress_bar=false", "eval_on_start=false", "eval_on_end=false", "device=cpu",
-    ]
+    ] + cfg["ours_set"]
     trainer = Trainer(load_config(None, overrides))
     trainer.train()
     rows = read_metrics(cfg["output_dir"])
@@ -245,6 +245,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per run")
     ap.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the medians")
     ap.add_argument("--json", default=None, help="write the results here (rewritten after every run)")
+    ap.add_argument("--ours-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more settings for lowmem-grpo's runs (engine options TRL has no name for), e.g. "
+                         "generation.pack_decode_weights=head; recorded in the JSON")
     ap.add_argument("--worker", nargs=2, metavar=("KIND", "CFG"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -257,10 +260,11 @@ def main(argv=None) -> int:
     from bench_utils import machine_info  # benchmarks/ is sys.path[0] when this file is run as a script
 
     model = model_folder()
-    base = {"model": model, "threads": args.threads, "shared": shared_settings(args), "setting": args.settings}
+    base = {"model": model, "threads": args.threads, "shared": shared_settings(args), "setting": args.settings,
+            "ours_set": args.ours_set}
     before = spawn("eval", {**base, "max_completion_length": args.max_completion_length})
     result = {"settings": args.settings, "steps": args.steps, "seeds": args.seeds, "machine": machine_info("cpu"),
-              "accuracy_before": before["accuracy"], "shared": base["shared"], "runs": []}
+              "accuracy_before": before["accuracy"], "shared": base["shared"], "ours_set": args.ours_set, "runs": []}
     for seed in args.seeds:
         for trainer in args.trainers:
             out_dir = tempfile.mkdtemp(prefix=f"cmp_{trainer}_{seed}_")

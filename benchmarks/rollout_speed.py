@@ -17,6 +17,7 @@ Three paths on the same inputs:
             per batch x length bucket, captured by each rollout: policy/decode_graphs.py).
   packed    refill with the Linear weights packed once per rollout into oneDNN's GEMM layout
             (generation.pack_decode_weights, policy/packed_linear.py; CPU only);
+  packed-head  the same with the output head's weight alone packed (generation.pack_decode_weights=head);
   vllm      generation.engine=vllm (policy/vllm_engine.py): vLLM in this process on a copy of the weights
             (needs vLLM: `make test-vllm`'s venv; with --eos-hazard 0, since the EOS bias below is a hook on
             this process's model, which vLLM does not run).
@@ -132,7 +133,7 @@ def run(model, prompts, distinct, cfg, path: str, *, G, eos, pad, device, seed, 
     else:
         completions = sample(model, distinct, G, cfg, eos_ids=[eos], pad_id=pad, device=device, stats=stats,
                              refill=path != "fast", decode=DECODE.get(path, "dynamic"),
-                             autocast_bf16=autocast, packed=path == "packed")
+                             autocast_bf16=autocast, packed=PACKED.get(path, False))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -145,9 +146,10 @@ def generate_row_steps(lengths, micro_batch: int) -> int:
     return sum(len(chunk) * (int(chunk.max()) - 1) for chunk in lengths.split(micro_batch))
 
 
-PATHS = ("generate", "fast", "refill", "static", "compiled", "packed", "vllm")
+PATHS = ("generate", "fast", "refill", "static", "compiled", "packed", "packed-head", "vllm")
 ENGINE: dict = {}  # the vLLM engine of the run, when --paths names it
 DECODE = {"static": "static", "compiled": "compiled"}  # sample()'s decode per path (else "dynamic")
+PACKED = {"packed": True, "packed-head": "head"}  # sample()'s packed per path (else False)
 
 
 def main() -> None:
@@ -273,7 +275,8 @@ def main() -> None:
     ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
               for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"), ("static", "refill"),
                            ("compiled", "refill"), ("compiled", "static"), ("packed", "refill"), ("packed", "static"),
-                           ("packed", "vllm"), ("vllm", "refill"), ("vllm", "generate"))
+                           ("packed-head", "refill"), ("packed", "vllm"), ("packed-head", "vllm"), ("vllm", "refill"),
+                           ("vllm", "generate"))
               if a in summary and b in summary}
     for name, value in ratios.items():
         print(f"speed-up {name} (tokens/s): {value:.2f}x")

@@ -151,12 +151,14 @@ class GenerationConfig:
                                                        "CUDA, off on the CPU (measured not to pay there: "
                                                        "benchmarks/RESULTS.md); true | false.",
                                                        check=("auto", True, False))
-    pack_decode_weights: bool = setting(False, "CPU, native engine, decode step not compiled: each rollout runs the "
-                                               "Linear layers on copies of their weights packed once into oneDNN's "
-                                               "GEMM layout (policy/packed_linear.py): one more copy of the Linear "
-                                               "weights in host RAM while generating (bf16 under autocast). bf16 "
-                                               "computes the same numbers; fp32 differs by GEMM rounding (~1e-6). "
-                                               "Ignored elsewhere (logged).")
+    pack_decode_weights: Union[bool, str] = setting(
+        False, "CPU, native engine, decode step not compiled: each rollout runs the Linear layers (true) or the "
+               "output head alone (head) on copies of their weights packed once into oneDNN's GEMM layout "
+               "(policy/packed_linear.py): one more copy of those weights in host RAM while generating (bf16 "
+               "under autocast). bf16 computes the same numbers; fp32 differs by GEMM rounding (~1e-6). head pays "
+               "in fp32 where a rollout's rows fall below 16 as completions end (benchmarks/RESULTS.md). false | "
+               "true | head; ignored elsewhere (logged).",
+        check=(False, True, "head"))
     rollout_quantization: str = setting("none", "none | int8 | nf4: the native engine samples from a compact copy "
                                                 "of the policy whose decoder Linear weights are int8 (one scale per "
                                                 "output row) or bitsandbytes' 4-bit NormalFloat (an absmax per 32; "

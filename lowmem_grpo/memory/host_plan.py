@@ -10,6 +10,8 @@ Design notes: docs/planner.md
 
 from __future__ import annotations
 
+from typing import Union
+
 from ..config import Config
 from ..host_arena import arena_bytes, round_up
 from ..optim.offload import staging_bytes
@@ -62,11 +64,13 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
     return pinned
 
 
-def packed_decode_bytes(arch: Arch, compute_bytes: int) -> int:
-    """Host bytes of generation.pack_decode_weights' copies (policy/packed_linear.py: packed_bytes): every
-    Linear weight once, in the decode's compute dtype (`compute_bytes`: 2 under bf16 weights or autocast).
-    The weight matrices are the tensors larger than one hidden vector; the input embedding is one of them
-    but no Linear unless the head shares it (tied). Biases, copied only under autocast, are not counted
-    (hidden-sized vectors: under 0.1% of the weights)."""
+def packed_decode_bytes(arch: Arch, compute_bytes: int, setting: Union[bool, str] = True) -> int:
+    """Host bytes of generation.pack_decode_weights' copies (policy/packed_linear.py: packed_bytes) under
+    `setting` (true: every Linear weight once; "head": the output head's alone), in the decode's compute dtype
+    (`compute_bytes`: 2 under bf16 weights or autocast). The weight matrices are the tensors larger than one
+    hidden vector; the input embedding is one of them but no Linear unless the head shares it (tied).
+    Biases, copied only under autocast, are not counted (hidden-sized vectors: under 0.1% of the weights)."""
+    if setting == "head":
+        return compute_bytes * arch.vocab * arch.hidden
     matrices = sum(n for n in arch.tensor_sizes if n > arch.hidden)
     return compute_bytes * (matrices - (0 if arch.tied else arch.vocab * arch.hidden))

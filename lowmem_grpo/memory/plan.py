@@ -535,8 +535,8 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
         pinned += ["reward models"] if where == "stream" and device != "cpu" else []
     if vllm_plan.uses_vllm(cfg) and device == "cpu":
         host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
-    elif cfg.generation.pack_decode_weights and device == "cpu" and not compiled_decode(cfg, device):
-        host["packed decode weights"] = packed_decode_bytes(arch, sizes.compute_bytes)
+    elif (packs := cfg.generation.pack_decode_weights) and device == "cpu" and not compiled_decode(cfg, device):
+        host["packed decode weights"] = packed_decode_bytes(arch, sizes.compute_bytes, packs)
     return host, pinned
 
 

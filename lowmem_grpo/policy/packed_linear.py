@@ -1,12 +1,14 @@
 """Linear weights packed once per rollout into oneDNN's blocked layout, for CPU decoding.
 
 A CPU decode step is GEMM-bound, and torch's F.linear re-lays out each weight for the GEMM on every call.
-`packed_linears(model, ...)` packs every nn.Linear's weight (the tied output head's included) with
-torch.ops.mkldnn._reorder_linear_weight and, inside the block, runs those layers through
-torch.ops.mkldnn._linear_pointwise on the packed copy. The weights change after every optimizer step, so
+`packed_linears(model, ...)` packs every nn.Linear's weight (the tied output head's included), or with
+`head_only` the output head's alone, with torch.ops.mkldnn._reorder_linear_weight and, inside the block,
+runs those layers through torch.ops.mkldnn._linear_pointwise on the packed copy. The head alone is the
+large GEMM whose plain fp32 call is slowest where rows are few (MKL at 8-15 rows: benchmarks/RESULTS.md),
+at a fifth of the copies' bytes for SmolLM2-135M. The weights change after every optimizer step, so
 the copies are made per rollout and freed when the block ends. Under bf16 autocast the packed copies are
 bf16 (rounded as autocast rounds them, `.to(bfloat16)`) and the layers return bf16, as autocast's linear
-does. The copies hold one more set of the Linear weights in host RAM while they live: `packed_bytes`.
+does. The copies hold one more set of the packed weights in host RAM while they live: `packed_bytes`.
 Design notes: docs/rollouts.md
 """
 
@@ -14,27 +16,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-PACK_SETTINGS = ("auto", True, False)
+PACK_SETTINGS = (False, True, "head")  # generation.pack_decode_weights: no copy, every Linear, the head only
 
 
 def _packed_dtype(weight: Tensor, autocast_bf16: bool) -> torch.dtype:
     return torch.bfloat16 if autocast_bf16 and weight.dtype == torch.float32 else weight.dtype
 
 
-def pack_problem(model: nn.Module, device: torch.device, autocast_bf16: bool = False) -> Optional[str]:
-    """Why the Linear weights of `model` cannot be packed for decoding on `device`, or None."""
+def _linears(model: nn.Module, head_only: bool) -> list[nn.Linear]:
+    """The layers packed_linears packs: every nn.Linear, or the output head alone (none where the head is
+    no nn.Linear)."""
+    if head_only:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return [head] if isinstance(head, nn.Linear) else []
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def pack_problem(model: nn.Module, device: torch.device, autocast_bf16: bool = False,
+                 head_only: bool = False) -> Optional[str]:
+    """Why the Linear weights of `model` (its output head's, with `head_only`) cannot be packed for decoding
+    on `device`, or None."""
     if device.type != "cpu":
         return f"packed weights are a CPU path (device {device.type})"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
-    dtypes = {_packed_dtype(m.weight, autocast_bf16) for m in model.modules() if isinstance(m, nn.Linear)}
+    if head_only and not _linears(model, True):
+        return "the model's output head is no nn.Linear"
+    dtypes = {_packed_dtype(m.weight, autocast_bf16) for m in _linears(model, head_only)}
     if not dtypes:
         return "the model has no Linear layers"
     if not dtypes <= {torch.float32, torch.bfloat16}:
@@ -47,27 +62,28 @@ def pack_problem(model: nn.Module, device: torch.device, autocast_bf16: bool = F
 _logged: set[str] = set()
 
 
-def use_packed(model: nn.Module, wanted: bool, device: torch.device, autocast_bf16: bool = False) -> bool:
-    """generation.pack_decode_weights as `sample`'s packed: `wanted` where `pack_problem` finds nothing, else
-    False (the reason logged once)."""
-    problem = pack_problem(model, device, autocast_bf16) if wanted else None
+def use_packed(model: nn.Module, wanted: Union[bool, str], device: torch.device,
+               autocast_bf16: bool = False) -> Union[bool, str]:
+    """generation.pack_decode_weights (one of PACK_SETTINGS) as `sample`'s packed: `wanted` where
+    `pack_problem` finds nothing, else False (the reason logged once)."""
+    problem = pack_problem(model, device, autocast_bf16, head_only=wanted == "head") if wanted else None
     if problem and problem not in _logged:
         _logged.add(problem)
         log.warning("generation.pack_decode_weights: decoding with the weights as they are: %s", problem)
-    return wanted and problem is None
+    return wanted if problem is None else False
 
 
-def packed_bytes(model: nn.Module, autocast_bf16: bool = False) -> int:
-    """Host bytes of the packed copies `packed_linears` makes of `model`'s Linear weights (a weight shared
-    by several layers counted once), the bias copies under autocast included."""
+def packed_bytes(model: nn.Module, autocast_bf16: bool = False, head_only: bool = False) -> int:
+    """Host bytes of the packed copies `packed_linears` makes of `model`'s Linear weights (the output head's
+    alone with `head_only`; a weight shared by several layers counted once), the bias copies under
+    autocast included."""
     seen: dict[int, int] = {}
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            for p in (m.weight, m.bias):
-                if p is not None and id(p) not in seen:
-                    dtype = _packed_dtype(p, autocast_bf16)
-                    copied = p is m.weight or dtype != p.dtype
-                    seen[id(p)] = p.numel() * dtype.itemsize if copied else 0
+    for m in _linears(model, head_only):
+        for p in (m.weight, m.bias):
+            if p is not None and id(p) not in seen:
+                dtype = _packed_dtype(p, autocast_bf16)
+                copied = p is m.weight or dtype != p.dtype
+                seen[id(p)] = p.numel() * dtype.itemsize if copied else 0
     return sum(seen.values())
 
 
@@ -78,21 +94,20 @@ def _packed_forward(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, batch_hint: int, autocast_bf16: bool = False) -> Iterator[int]:
-    """Inside the block every nn.Linear of `model` runs on a packed copy of its weight; yields the copies'
-    bytes. `batch_hint`: the rows a decode step runs (oneDNN picks the blocking for it; any row count
-    works). Only for inference (no autograd through the packed op): callers run it under no_grad. Raises
-    ValueError where `pack_problem` names a reason."""
+def packed_linears(model: nn.Module, batch_hint: int, autocast_bf16: bool = False,
+                   head_only: bool = False) -> Iterator[int]:
+    """Inside the block every nn.Linear of `model` (its output head alone, with `head_only`) runs on a
+    packed copy of its weight; yields the copies' bytes. `batch_hint`: the rows a decode step runs (oneDNN
+    picks the blocking for it; any row count works). Only for inference (no autograd through the packed
+    op): callers run it under no_grad. Raises ValueError where `pack_problem` names a reason."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    problem = pack_problem(model, device, autocast_bf16)
+    problem = pack_problem(model, device, autocast_bf16, head_only)
     if problem:
         raise ValueError(f"packed decode weights: {problem}; set generation.pack_decode_weights=false")
     made: dict[int, Tensor] = {}  # one packed copy of a weight that two layers share (tied head)
     swapped = []
     with torch.no_grad():
-        for m in model.modules():
-            if not isinstance(m, nn.Linear):
-                continue
+        for m in _linears(model, head_only):
             dtype = _packed_dtype(m.weight, autocast_bf16)
             if id(m.weight) not in made:
                 made[id(m.weight)] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype), batch_hint)
@@ -100,7 +115,7 @@ def packed_linears(model: nn.Module, batch_hint: int, autocast_bf16: bool = Fals
             swapped.append((m, m.__dict__.get("forward")))
             m.forward = _packed_forward(made[id(m.weight)], bias, dtype)
     try:
-        yield packed_bytes(model, autocast_bf16)
+        yield packed_bytes(model, autocast_bf16, head_only)
     finally:
         for m, before in swapped:
             if before is None:

@@ -45,7 +45,7 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
         kw = dict(eos_ids=eos_ids, pad_id=pad_id, device=device, greedy=greedy, micro_batch=micro_batch,
                   autocast_bf16=autocast_bf16, max_new_tokens=max_new)
         decode = decode_mode(model, cfg, device)
-        packed = use_packed(model, cfg.pack_decode_weights and decode != "compiled", device, autocast_bf16)
+        packed = use_packed(model, cfg.pack_decode_weights if decode != "compiled" else False, device, autocast_bf16)
         try:
             completion_ids = sample(model, distinct, counts, cfg, decode=decode, packed=packed, **kw)  # (N, C)
         except Exception as e:  # noqa: BLE001 - compile_decode: a step that fails to compile, capture, run

@@ -430,7 +430,7 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
            eos_ids: list[int], pad_id: int, device: torch.device, greedy: bool = False,
            micro_batch: Optional[int] = None, autocast_bf16: bool = False, max_new_tokens: Optional[int] = None,
            stats: Optional[SamplingStats] = None, refill: bool = True, read_every: Optional[int] = None,
-           decode: str = "dynamic", packed: bool = False) -> Tensor:
+           decode: str = "dynamic", packed: Union[bool, str] = False) -> Tensor:
     """Completions of each prompt: (sum of samples, C) long on the CPU, right-padded with pad_id.
 
     Rows are prompt 0's samples, then prompt 1's, ... `num_samples` is one count for all prompts or one
@@ -443,8 +443,9 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     "static" (policy/static_decode.py: a cache preallocated for micro_batch rows x (max(max_prompt_length,
     longest prompt) + max_new_tokens) columns, the step at batch-size buckets) or "compiled" (that step
     under torch.compile; CUDA graphs on a GPU); the same tokens (greedy) and distribution. `packed` (CPU,
-    not with "compiled"): the Linear layers run on copies of their weights packed once for this call
-    (policy/packed_linear.py; bf16 computes the same numbers, fp32 differs by GEMM rounding). Raises
+    not with "compiled"): True, the Linear layers run on copies of their weights packed once for this call;
+    "head", the output head alone (policy/packed_linear.py; bf16 computes the same numbers, fp32 differs by
+    GEMM rounding). Raises
     ValueError where `fast_sampling_problem` finds a reason this would not match generate().
     """
     counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)
@@ -461,8 +462,8 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     if problem:
         raise ValueError(f"fast sampling cannot reproduce generate() here: {problem}")
     if packed and decode == "compiled":
-        raise ValueError("packed=True packs the eager step's Linear weights; the compiled step (decode='compiled') "
-                         "does not run them: use decode='dynamic' or 'static' with it")
+        raise ValueError(f"packed={packed!r} packs the eager step's Linear weights; the compiled step "
+                         "(decode='compiled') does not run them: use decode='dynamic' or 'static' with it")
     if decode != "dynamic" and static_decode_problem(model):
         raise ValueError(f"decode={decode!r}: {static_decode_problem(model)}; use decode='dynamic'")
     queue = _Queue(prompts, counts)
@@ -483,7 +484,8 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
         # autocast's cache would hold a second set, so the eager prefills cast theirs per call.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16,
                             cache_enabled=decode != "compiled"), \
-                (packed_linears(model, rollout.micro_batch, autocast_bf16) if packed else contextlib.nullcontext()):
+                (packed_linears(model, rollout.micro_batch, autocast_bf16, head_only=packed == "head") if packed
+                 else contextlib.nullcontext()):
             completions = rollout.run().cpu()
         if decode == "compiled":
             global _compiled_rollouts

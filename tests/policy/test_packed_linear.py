@@ -30,37 +30,38 @@ def _setup(arch: str, dtype: torch.dtype, micro_batch: int = 4):
 
 
 @needs_bf16
-@pytest.mark.parametrize("arch, dtype, autocast_bf16, decode", [
-    ("llama", torch.bfloat16, False, "dynamic"), ("qwen2", torch.float32, True, "dynamic"),
-    ("llama", torch.float32, True, "static")])
-def test_packed_bf16_samples_the_same_stream(arch, dtype, autocast_bf16, decode):
-    """Sampled (temperature 1, seeded), with refills: packed bf16 weights give the same tokens."""
+@pytest.mark.parametrize("arch, dtype, autocast_bf16, decode, packed", [
+    ("llama", torch.bfloat16, False, "dynamic", True), ("qwen2", torch.float32, True, "dynamic", True),
+    ("llama", torch.float32, True, "static", True), ("qwen2", torch.float32, True, "dynamic", "head")])
+def test_packed_bf16_samples_the_same_stream(arch, dtype, autocast_bf16, decode, packed):
+    """Sampled (temperature 1, seeded), with refills: packed bf16 weights (all, or the head's) give the same
+    tokens."""
     model, distinct, cfg = _setup(arch, dtype)
     kw = dict(eos_ids=[5], pad_id=PAD, device=CPU, autocast_bf16=autocast_bf16, decode=decode)
     out = {}
-    for packed in (False, True):
+    for setting in (False, packed):
         torch.manual_seed(3)
-        out[packed] = sample(model, distinct, 3, cfg, packed=packed, **kw)
-    assert torch.equal(out[False], out[True]), f"\n{out[False]}\n{out[True]}"
+        out[setting] = sample(model, distinct, 3, cfg, packed=setting, **kw)
+    assert torch.equal(out[False], out[packed]), f"\n{out[False]}\n{out[packed]}"
     assert (out[False] != PAD).sum(1).unique().numel() > 1  # rows of different lengths: refills happened
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_fp32_greedy_matches_generate(arch):
+@pytest.mark.parametrize("arch, packed", [("llama", True), ("qwen2", True), ("llama", "head")])
+def test_packed_fp32_greedy_matches_generate(arch, packed):
     """fp32: greedy tokens equal transformers' generate(); the packed forward's logits within 1e-4."""
     model, distinct, cfg = _setup(arch, torch.float32)
     eos = frequent_token(model, distinct, cfg)
     prompts = [p for p in distinct for _ in range(3)]
     slow = generate(model, prompts, dataclasses.replace(cfg, fast_rollout=False), eos_ids=[eos], pad_id=PAD,
                     device=CPU, greedy=True).completion_ids
-    fast = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, packed=True)
+    fast = sample(model, distinct, 3, cfg, eos_ids=[eos], pad_id=PAD, device=CPU, greedy=True, packed=packed)
     assert torch.equal(fast, slow), f"\n{fast}\n{slow}"
     ids = torch.tensor([distinct[3]])
     with torch.no_grad():
         plain = model(ids).logits
-        with packed_linears(model, 4):
-            packed = model(ids).logits
-    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-4)
+        with packed_linears(model, 4, head_only=packed == "head"):
+            logits = model(ids).logits
+    torch.testing.assert_close(logits, plain, rtol=0, atol=1e-4)
 
 
 def test_packed_linears_restores_the_model():
@@ -76,6 +77,27 @@ def test_packed_linears_restores_the_model():
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert torch.equal(after, plain)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_head_only_packs_the_output_head_alone():
+    """head_only: the output head runs on a packed copy (its bytes: vocab x hidden in the compute dtype), the
+    other Linear layers on their own weights; afterwards the head's own forward again."""
+    model, distinct, _ = _setup("llama", torch.float32)
+    head = model.get_output_embeddings()
+    ids = torch.tensor([distinct[1]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with packed_linears(model, 4, head_only=True) as nbytes:
+            assert [m for m in model.modules() if "forward" in m.__dict__] == [head]
+            assert nbytes == 4 * head.weight.numel() == packed_bytes(model, head_only=True)
+            packed = model(ids).logits
+            kept = head.weight.clone()
+            head.weight.zero_()  # the packed copy, not the parameter, is what the head multiplies by
+            assert torch.equal(model(ids).logits, packed)
+            head.weight.copy_(kept)
+        assert packed_bytes(model, autocast_bf16=True, head_only=True) == 2 * head.weight.numel()
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-4)
 
 
 def test_packed_bytes_counts_a_tied_head_once():
@@ -109,7 +131,12 @@ def test_packed_refusals(caplog):
     with caplog.at_level(logging.WARNING):
         assert not use_packed(half, True, CPU)
     assert any("pack_decode_weights" in r.getMessage() for r in caplog.records)
-    assert use_packed(model, True, CPU) and not use_packed(model, False, CPU)
+    assert use_packed(model, True, CPU) is True and use_packed(model, False, CPU) is False
+    assert use_packed(model, "head", CPU) == "head"
+    model.lm_head = torch.nn.Identity()  # a head that is no nn.Linear: nothing to pack
+    assert "no nn.Linear" in pack_problem(model, CPU, head_only=True)
+    with caplog.at_level(logging.WARNING):
+        assert use_packed(model, "head", CPU) is False
 
 
 def test_generate_packs_when_set(monkeypatch):
@@ -119,16 +146,17 @@ def test_generate_packs_when_set(monkeypatch):
     real = rollout.sample
     monkeypatch.setattr(rollout, "sample", lambda *a, **kw: seen.append(kw["packed"]) or real(*a, **kw))
     model, distinct, cfg = _setup("llama", torch.float32)
-    for on in (False, True):
+    for on in (False, True, "head"):
         generate(model, distinct, dataclasses.replace(cfg, pack_decode_weights=on), eos_ids=[5], pad_id=PAD,
                  device=CPU)
-    assert seen == [False, True]
+    assert seen == [False, True, "head"]
     assert GenerationConfig().pack_decode_weights is False
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("bf16", [False, True])
-def test_the_planner_counts_the_packed_copy(arch, bf16):
+@pytest.mark.parametrize("setting", [True, "head"])
+def test_the_planner_counts_the_packed_copy(arch, bf16, setting):
     """memory/plan.py's host category "packed decode weights" is packed_bytes of the model, to 0.5% (the
     planner leaves out the bias copies autocast makes); absent with the setting off."""
     from lowmem_grpo.config import Config
@@ -136,9 +164,9 @@ def test_the_planner_counts_the_packed_copy(arch, bf16):
     model = tiny_model(arch)
     cfg = Config()
     cfg.model.bf16 = bf16
-    cfg.generation.pack_decode_weights = True
+    cfg.generation.pack_decode_weights = setting
     result = plan(cfg, Arch.from_config(model.config), autocast=bf16, device="cpu")
-    expected = packed_bytes(model, autocast_bf16=bf16)
+    expected = packed_bytes(model, autocast_bf16=bf16, head_only=setting == "head")
     assert result.host_categories["packed decode weights"] == pytest.approx(expected, rel=5e-3)
     cfg.generation.pack_decode_weights = False
     assert "packed decode weights" not in plan(cfg, Arch.from_config(model.config), autocast=bf16,

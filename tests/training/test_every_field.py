@@ -75,7 +75,7 @@ def _cases():
             for value in _outside(rule, tp):
                 yield key, value, f"range {rule}"
         elif isinstance(rule, tuple):
-            yield key, "no_such_" + rule[0], "choice"
+            yield key, "no_such_" + str(rule[0]).lower(), "choice"
         if key in CODED_RULES:
             yield key, CODED_RULES[key], "coded"
 
