@@ -91,6 +91,7 @@ def test_head_only_packs_the_output_head_alone():
             assert [m for m in model.modules() if "forward" in m.__dict__] == [head]
             assert nbytes == 4 * head.weight.numel() == packed_bytes(model, head_only=True)
             packed = model(ids).logits
+            assert head.weight is not model.get_input_embeddings().weight  # untied: zeroing leaves the input alone
             kept = head.weight.clone()
             head.weight.zero_()  # the packed copy, not the parameter, is what the head multiplies by
             assert torch.equal(model(ids).logits, packed)
