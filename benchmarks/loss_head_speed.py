@@ -16,7 +16,13 @@ Implementations run one after another in one process on the same device; the rat
 Target (PASS/FAIL line): on CPU at N = 4096, ours within 1.5x of the naive time. CPU timings are
 disturbed by anything else running on the machine: run it on a quiet one.
 
+`--hidden`, `--vocab` and `--dtype` set another head (SmolLM2-135M's: 576, 49152); `--cpu-workspace-mib`
+runs ours once per CPU logits-workspace bound (lowmem_grpo/kernels/_backend.py, CPU_WORKSPACE_BYTES), each
+row named by its bound.
+
     python benchmarks/loss_head_speed.py --tokens 4096 --repeats 3 --json runs/loss_head_speed.json
+    python benchmarks/loss_head_speed.py --impl ours --hidden 576 --vocab 49152 --dtype fp32 --tokens 512 1024 2048 \
+        --cpu-workspace-mib 256 8
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ import argparse
 import gc
 import statistics
 import time
+from typing import Optional
 
 import torch
 
+from lowmem_grpo.kernels import _backend
 from bench_utils import (HIDDEN, IMPLS, VOCAB, batch_shape, clear_grads, default_device, forward_backward,
                          machine_info, make_inputs, naive_loss, write_json)
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TARGET_SLOWDOWN = 1.5  # ours / naive time at N = 4096 on CPU
 GEMMS = {"ours": 4, "naive": 3, "naive-compile": 3}
 
@@ -40,9 +49,12 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_impl(impl: str, n_tokens: int, device: str, repeats: int) -> dict:
+def time_impl(impl: str, n_tokens: int, device: str, repeats: int, dtype: torch.dtype,
+              workspace_mib: Optional[int] = None) -> dict:
     fn = torch.compile(naive_loss) if impl == "naive-compile" else IMPLS[impl]
-    inputs = make_inputs(n_tokens, device, vocab=VOCAB)
+    if workspace_mib is not None:
+        _backend.CPU_WORKSPACE_BYTES = workspace_mib * 2**20
+    inputs = make_inputs(n_tokens, device, hidden_size=HIDDEN, vocab=VOCAB, dtype=dtype)
     times = []
     for i in range(repeats + 1):  # the first step is the warm-up
         clear_grads(inputs)
@@ -58,27 +70,30 @@ def time_impl(impl: str, n_tokens: int, device: str, repeats: int) -> dict:
         torch.cuda.empty_cache()
     seconds = statistics.median(times)
     tflops = GEMMS[impl] * 2 * n_tokens * HIDDEN * VOCAB / seconds / 1e12
-    print(f"  {impl:13s} N={n_tokens:5d}: median {seconds * 1e3:9.1f} ms of {repeats}  "
+    label = impl if workspace_mib is None else f"{impl}@{workspace_mib}MiB"
+    print(f"  {label:13s} N={n_tokens:5d}: median {seconds * 1e3:9.1f} ms of {repeats}  "
           f"({tflops:.3f} TFLOP/s in the GEMMs)", flush=True)
-    return {"impl": impl, "n_tokens": n_tokens, "seconds": seconds, "times": times, "gemm_tflops": tflops}
+    return {"impl": label, "n_tokens": n_tokens, "seconds": seconds, "times": times, "gemm_tflops": tflops,
+            "cpu_workspace_mib": workspace_mib}
 
 
 def report(records: list[dict], device: str) -> list[str]:
     t = {(r["impl"], r["n_tokens"]): r for r in records}
-    impls = [i for i in ("naive", "naive-compile", "ours") if any(k[0] == i for k in t)]
+    impls = list(dict.fromkeys(r["impl"] for r in records))
     print()
     print("| N | B x T | " + " | ".join(f"{i} (ms)" for i in impls) + " | ours / naive | ours TFLOP/s |")
     print("|---:|---:|" + "---:|" * (len(impls) + 2))
     for n in sorted({k[1] for k in t}):
         B, T = batch_shape(n)
         cells = [f"{t[i, n]['seconds'] * 1e3:.1f}" if (i, n) in t else "-" for i in impls]
-        both = ("ours", n) in t and ("naive", n) in t
-        ratio = f"{t['ours', n]['seconds'] / t['naive', n]['seconds']:.2f}x" if both else "-"
-        tflops = f"{t['ours', n]['gemm_tflops']:.3f}" if ("ours", n) in t else "-"
+        ours = next((i for i in reversed(impls) if i.startswith("ours") and (i, n) in t), None)  # the last one run
+        ratio = f"{t[ours, n]['seconds'] / t['naive', n]['seconds']:.2f}x" if ours and ("naive", n) in t else "-"
+        tflops = f"{t[ours, n]['gemm_tflops']:.3f}" if ours else "-"
         print(f"| {n} | {B} x {T} | " + " | ".join(cells) + f" | {ratio} | {tflops} |")
     print()
-    if device == "cpu" and ("ours", 4096) in t and ("naive", 4096) in t:
-        ratio = t["ours", 4096]["seconds"] / t["naive", 4096]["seconds"]
+    ours = next((i for i in reversed(impls) if i.startswith("ours") and (i, 4096) in t), None)
+    if device == "cpu" and ours and ("naive", 4096) in t:
+        ratio = t[ours, 4096]["seconds"] / t["naive", 4096]["seconds"]
         status = "PASS" if ratio <= TARGET_SLOWDOWN else "FAIL"
         checks = [f"{status}: at N=4096 on CPU ours takes {ratio:.2f}x the naive time (target <= {TARGET_SLOWDOWN}x)"]
     else:
@@ -89,7 +104,7 @@ def report(records: list[dict], device: str) -> list[str]:
 
 
 def main() -> None:
-    global VOCAB  # --vocab: read by the measuring function and the report
+    global VOCAB, HIDDEN  # --vocab, --hidden: read by the measuring function and the report
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=None,
                         help="N values (default: 4096 on CPU, 2048 4096 8192 on CUDA)")
@@ -97,20 +112,28 @@ def main() -> None:
     parser.add_argument("--impl", choices=["ours", "naive", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per implementation (median)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
-    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (smaller only for rehearsals)")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size")
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="hidden size")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="hidden states' and weight's dtype")
+    parser.add_argument("--cpu-workspace-mib", type=int, nargs="+", default=None,
+                        help="CPU only: run ours once per logits-workspace bound (MiB)")
     args = parser.parse_args()
-    VOCAB = args.vocab
+    VOCAB, HIDDEN = args.vocab, args.hidden
+    if args.cpu_workspace_mib and (args.device != "cpu" or args.impl == "naive"):
+        parser.error("--cpu-workspace-mib times ours on the CPU: use it with --device cpu and --impl ours or both")
     tokens = args.tokens or ([4096] if args.device == "cpu" else [2048, 4096, 8192])
     impls = ["naive", "ours"] if args.impl == "both" else [args.impl]
     if args.device == "cuda" and "naive" in impls:
         impls.insert(1, "naive-compile")
 
     info = machine_info(args.device)
-    print(f"loss head speed: H={HIDDEN} V={VOCAB} bf16, {info}")
-    records = [time_impl(impl, n, args.device, args.repeats) for n in tokens for impl in impls]
+    print(f"loss head speed: H={HIDDEN} V={VOCAB} {args.dtype}, {info}")
+    dtype = DTYPES[args.dtype]
+    runs = [(impl, mib) for impl in impls for mib in ((args.cpu_workspace_mib or [None]) if impl == "ours" else [None])]
+    records = [time_impl(impl, n, args.device, args.repeats, dtype, mib) for n in tokens for impl, mib in runs]
     checks = report(records, args.device)
     if args.json:
-        write_json(args.json, {"benchmark": "loss_head_speed", "hidden": HIDDEN, "vocab": VOCAB, "dtype": "bfloat16",
+        write_json(args.json, {"benchmark": "loss_head_speed", "hidden": HIDDEN, "vocab": VOCAB, "dtype": str(dtype),
                                "repeats": args.repeats, "machine": info, "results": records, "checks": checks})
 
 

@@ -26,6 +26,11 @@ BACKENDS = ("auto", "triton", "torch")
 # keeps the loss head's memory flat in the vocabulary size. 256 MiB on an 8 GiB card is the price
 # of GEMMs large enough to run near peak.
 DEFAULT_WORKSPACE_BYTES = 256 * 2**20
+# On the CPU a workspace over glibc's mmap threshold (32 MiB at most) is mapped afresh at every call and
+# each of its pages faults in again, and a slice this size is reread from cache: the head ran 12-30%
+# faster with it than with 256 MiB, its GEMMs still near the cores' peak (benchmarks/RESULTS.md,
+# "The loss head's workspace on the CPU").
+CPU_WORKSPACE_BYTES = 8 * 2**20
 
 _backend = os.environ.get("LOWMEM_GRPO_BACKEND", "auto")
 
@@ -37,6 +42,11 @@ def _check_name(name: str) -> str:
 
 
 _check_name(_backend)
+
+
+def workspace_bytes(device_type: str) -> int:
+    """The logits workspace bound for tensors on a device of this type ("cpu", "cuda", ...)."""
+    return CPU_WORKSPACE_BYTES if device_type == "cpu" else DEFAULT_WORKSPACE_BYTES
 
 
 def get_backend() -> str:

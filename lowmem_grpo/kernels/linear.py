@@ -22,14 +22,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._backend import DEFAULT_WORKSPACE_BYTES
+from ._backend import workspace_bytes
 from ._checks import check_float, check_ids, check_temperature
 from .logprobs import finalize_stats, logits_grad_, logits_stats, new_stats
 
 
-def default_chunk_size(n_rows: int, vocab: int) -> int:
-    """Vocabulary slice width so that one [n_rows, chunk] fp32 slice stays within the workspace bound."""
-    chunk = DEFAULT_WORKSPACE_BYTES // (4 * max(n_rows, 1))
+def default_chunk_size(n_rows: int, vocab: int, device_type: str) -> int:
+    """Vocabulary slice width so that one [n_rows, chunk] fp32 slice stays within the workspace bound of
+    `device_type` ("cpu", "cuda", ...; _backend.workspace_bytes)."""
+    chunk = workspace_bytes(device_type) // (4 * max(n_rows, 1))
     return max(1, min(vocab, max(256, chunk // 256 * 256)))
 
 
@@ -193,14 +194,15 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
         bias: optional (V,) lm_head bias.
         temperature: softmax temperature (> 0).
         return_entropy: also return the entropy of each token's distribution.
-        chunk_size: vocabulary slice width; default keeps an fp32 [N, chunk] slice within 256 MiB.
+        chunk_size: vocabulary slice width; default keeps an fp32 [N, chunk] slice within the workspace
+            bound: 256 MiB on a GPU, 8 MiB on the CPU (_backend.workspace_bytes).
         softcap: c soft-caps the logits, cap(z) = c tanh(z / c), before the temperature (Gemma 2's
             final_logit_softcapping); None: no cap. The bias is added to the GEMM's output in fp32.
 
     Returns:
         logp shaped like ids, fp32 (or (logp, entropy)). Differentiable w.r.t. hidden, weight and bias
         (entropy too). Peak extra memory: one [N, chunk] slice, an fp32 [N, H] accumulator and dW;
-        on CPU also the fp32 row-chunk temporaries of the torch path (together <= 256 MiB).
+        on CPU also the fp32 row-chunk temporaries of the torch path (together within the same bound).
     """
     hidden = check_linear_args(hidden, weight, bias)
     if hidden.dim() not in (2, 3):
@@ -210,7 +212,7 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
     lead, vocab = hidden.shape[:-1], weight.shape[0]
     flat_ids = check_ids(ids, lead, vocab, hidden.device)
     rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-    chunk = default_chunk_size(rows.shape[0], vocab) if chunk_size is None else int(chunk_size)
+    chunk = default_chunk_size(rows.shape[0], vocab, rows.device.type) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     logp, _, entropy = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk, cap)

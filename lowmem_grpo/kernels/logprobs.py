@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._backend import DEFAULT_WORKSPACE_BYTES, use_triton
+from ._backend import use_triton, workspace_bytes
 from ._checks import check_float, check_ids, check_temperature
 
 # The fused head's slices are raw GEMM outputs z: the row kernels read x = cap(z + bias) / T, with the bias
@@ -33,9 +33,9 @@ from ._checks import check_float, check_ids, check_temperature
 Stats = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
-def _rows_per_chunk(n_cols: int) -> int:
+def _rows_per_chunk(n_cols: int, device_type: str) -> int:
     # the torch path holds at most two fp32 [rows, n_cols] buffers per chunk (and a third transiently)
-    return max(1, DEFAULT_WORKSPACE_BYTES // (3 * 4 * n_cols))
+    return max(1, workspace_bytes(device_type) // (3 * 4 * n_cols))
 
 
 def _finite_or_zero(m: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
     # Statistics in the form (m = lse, s = 1, t = -H, x_y): the kernel's (m, s, t) with m = lse, so
     # the same merge rule holds, and torch's fused logsumexp / softmax do each chunk in few passes.
     n_rows, n_cols = logits.shape
-    step = _rows_per_chunk(n_cols)
+    step = _rows_per_chunk(n_cols, logits.device.type)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
         x = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
@@ -92,7 +92,7 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
 
 def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp, bias, softcap):
     n_rows, n_cols = logits.shape
-    step = _rows_per_chunk(n_cols)
+    step = _rows_per_chunk(n_cols, logits.device.type)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
         # one bounded fp32 copy of the chunk, named once: freed by the `del` below before the next is made

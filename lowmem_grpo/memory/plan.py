@@ -38,7 +38,7 @@ GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, p
 
 def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:
     """The fused head's memory for n completion tokens (lowmem_grpo/kernels/linear.py), beyond its inputs."""
-    chunk = default_chunk_size(n, arch.vocab)
+    chunk = default_chunk_size(n, arch.vocab, device)
     total = n * chunk * compute_bytes + n * arch.hidden * compute_bytes  # workspace + hidden in compute dtype
     if compute_bytes != weight_bytes:
         total += chunk * arch.hidden * compute_bytes  # one weight slice cast per GEMM
@@ -47,7 +47,7 @@ def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, b
     if device == "cpu":  # the torch fallback: fp32 copies of row chunks of the slice (lowmem_grpo/kernels/logprobs.py):
         # three in the forward (the entropy's two and logsumexp's transient); one in the backward, which
         # writes the gradient into the chunk's own copy (the loss puts no gradient on the entropy)
-        rows = min(n, _rows_per_chunk(chunk))
+        rows = min(n, _rows_per_chunk(chunk, device))
         total += (1 if backward else 3) * 4 * rows * chunk
     return total
 
@@ -432,7 +432,7 @@ def logprob_phases(sizes: StepSizes) -> dict[str, dict]:
             shape, k = sizes.logprob, reference_stream_groups(cfg)[0]
             waiting = waiting_at_each_layer(sizes)
             every_row = shape._replace(completion_tokens=k * shape.completion_tokens)
-            chunk = default_chunk_size(every_row.completion_tokens, arch.vocab)
+            chunk = default_chunk_size(every_row.completion_tokens, arch.vocab, sizes.device)
             reference["reference buffers"] = (2 * arch.layer_params() * sizes.weight_bytes
                                               + chunk * arch.hidden * sizes.compute_bytes + activations + waiting
                                               + sizes.head_bytes(every_row, backward=False))

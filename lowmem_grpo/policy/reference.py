@@ -95,7 +95,7 @@ class Reference:
         weight, bias = self.head.weight, self.head.bias
         bias32 = None if bias is None else bias.to(hidden.device, torch.float32)  # added in fp32, as the head does
         vocab = weight.shape[0]
-        chunk = default_chunk_size(hidden.shape[0], vocab)
+        chunk = default_chunk_size(hidden.shape[0], vocab, hidden.device.type)
         stats = new_stats(hidden.shape[0], hidden.device)
         for i, v0 in enumerate(range(0, vocab, chunk)):
             v1 = min(v0 + chunk, vocab)

@@ -35,7 +35,7 @@ def _row_widths(n_rows: int, vocab: int, chunk_size):
     linear_grpo_loss) with its chunk rule."""
     from lowmem_grpo.kernels.linear import _slices, default_chunk_size
 
-    chunk = default_chunk_size(n_rows, vocab) if chunk_size is None else chunk_size
+    chunk = default_chunk_size(n_rows, vocab, "cuda") if chunk_size is None else chunk_size
     return {vocab} | {v1 - v0 for v0, v1 in _slices(vocab, chunk)}
 
 

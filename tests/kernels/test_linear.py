@@ -161,9 +161,27 @@ def test_never_allocates_logits_or_fp32_weight_sized_buffers():
     assert sum(n == V * H for n, _, _ in bwd.seen) == 1  # dW, in the weight dtype, and nothing else
 
 
-def test_default_chunk_is_bounded():
-    assert default_chunk_size(8192, 151936) * 8192 * 4 <= 256 * 2**20
-    assert default_chunk_size(4, 1000) == 1000
+def test_default_chunk_is_bounded_by_the_devices_workspace():
+    assert 128 * 2**20 < default_chunk_size(8192, 151936, "cuda") * 8192 * 4 <= 256 * 2**20
+    assert 4 * 2**20 < default_chunk_size(792, 49152, "cpu") * 792 * 4 <= 8 * 2**20
+    assert default_chunk_size(4, 1000, "cuda") == default_chunk_size(4, 1000, "cpu") == 1000
+    assert default_chunk_size(65536, 49152, "cpu") == 256  # never narrower than 256 columns
+
+
+def test_cpu_head_slices_the_vocabulary_and_matches_one_slice():
+    """On the CPU the default slices a SmolLM-sized vocabulary; the result is the one-slice result's."""
+    torch.manual_seed(0)
+    n, h, v = 96, 32, 49152
+    hidden, weight = torch.randn(n, h, requires_grad=True), (0.1 * torch.randn(v, h)).requires_grad_()
+    ids = torch.randint(0, v, (n,))
+    assert default_chunk_size(n, v, "cpu") < v
+    outs = []
+    for chunk in (None, v):
+        logp, ent = linear_token_logprobs(hidden, weight, ids, return_entropy=True, chunk_size=chunk)
+        grads = torch.autograd.grad((logp + 0.1 * ent).sum(), (hidden, weight))
+        outs.append((logp, ent, *grads))
+    for sliced, whole in zip(*outs):
+        torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input_errors():

@@ -101,7 +101,7 @@ def test_fused_head_workspace_is_the_loss_head_and_in_backward_gradients_are_gra
             loss.backward()
             opt.end_step()
     summary = prof.result.devices["host"].summary()
-    workspace = n * min(default_chunk_size(n, v), v) * 4
+    workspace = n * min(default_chunk_size(n, v, "cpu"), v) * 4
     assert summary["category_max"]["loss head"] >= workspace  # allocated inside the custom op
     # the head's gradient (v x h fp32) exists, then is freed in the hook: counted as a gradient
     assert summary["category_max"]["gradients"] >= v * h * 4

@@ -23,7 +23,7 @@ def test_cpu_tracking_sees_the_fused_heads_internal_workspace():
     hidden = torch.randn(n, h)
     weight = torch.randn(v, h)
     ids = torch.randint(0, v, (n,))
-    workspace = n * min(default_chunk_size(n, v), v) * 4  # the op's own [n, chunk] fp32 slice
+    workspace = n * min(default_chunk_size(n, v, "cpu"), v) * 4  # the op's own [n, chunk] fp32 slice
     with memory.track("cpu") as t:
         linear_token_logprobs(hidden, weight, ids)
     assert t.peak_bytes >= workspace, (t.peak_bytes, workspace)  # invisible to dispatch-level trackers
