@@ -27,9 +27,9 @@ BACKENDS = ("auto", "triton", "torch")
 # of GEMMs large enough to run near peak.
 DEFAULT_WORKSPACE_BYTES = 256 * 2**20
 # On the CPU a workspace over glibc's mmap threshold (32 MiB at most) is mapped afresh at every call and
-# each of its pages faults in again, and a slice this size is reread from cache: the head ran 12-30%
-# faster with it than with 256 MiB, its GEMMs still near the cores' peak (benchmarks/RESULTS.md,
-# "The loss head's workspace on the CPU").
+# each of its pages faults in again, and a slice this size is reread from cache: SmolLM2-135M's head
+# ran 1.13-1.39x faster with it than with 256 MiB, its GEMMs still near the cores' peak
+# (benchmarks/RESULTS.md, "The loss head's workspace on the CPU").
 CPU_WORKSPACE_BYTES = 8 * 2**20
 
 _backend = os.environ.get("LOWMEM_GRPO_BACKEND", "auto")
