@@ -133,8 +133,9 @@ def main() -> None:
     records = [time_impl(impl, n, args.device, args.repeats, dtype, mib) for n in tokens for impl, mib in runs]
     checks = report(records, args.device)
     if args.json:
-        write_json(args.json, {"benchmark": "loss_head_speed", "hidden": HIDDEN, "vocab": VOCAB, "dtype": str(dtype),
-                               "repeats": args.repeats, "machine": info, "results": records, "checks": checks})
+        write_json(args.json, {"benchmark": "loss_head_speed", "hidden": HIDDEN, "vocab": VOCAB,
+                               "dtype": str(dtype).removeprefix("torch."), "repeats": args.repeats, "machine": info,
+                               "results": records, "checks": checks})
 
 
 if __name__ == "__main__":
