@@ -44,6 +44,16 @@ def returned_cache(output):
     return cache if cache is not None else output.past_key_values
 
 
+def last_logits(output) -> Tensor:
+    """The forward's logits at each row's last position as fp32 (B, V), in a tensor of their own: the forward's
+    own (B, 1, V) fp32 logits as they are (no other tensor holds them), else an fp32 copy of the last column
+    (so that the whole (B, L, V) tensor can be freed)."""
+    logits = output.logits
+    if logits.shape[1] == 1 and logits.dtype == torch.float32:
+        return logits[:, 0]
+    return logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
 def cache_layers_problem(cache) -> Optional[str]:
     """None where every layer of `cache` (after a forward) holds plain (B, H, L, D) keys and values
     this module may edit; sliding-window or recurrent layers keep other state."""
@@ -274,7 +284,7 @@ class Slots:
             out = model(input_ids=self.inp[:, None], attention_mask=mask, position_ids=self.pos[:, None],
                         use_cache=True, return_dict=True, **{cache_arg: self.cache}, **kwargs)
         self.cache = returned_cache(out)
-        return out.logits[:, -1].to(copy=True, dtype=torch.float32)  # (S, V), as generate() copies them
+        return last_logits(out)
 
     def append_input(self) -> None:
         """The decode input joins the history and the mask: (S, L) -> (S, L + 1), as the cache will."""

@@ -29,7 +29,8 @@ from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, Repe
 from ..config import GenerationConfig
 from .batch import left_pad
 from .decode_graphs import GraphCaptureError
-from .decode_slots import Entry, Prefill, Slots, cache_argument, cache_layers_problem, new_cache, returned_cache
+from .decode_slots import (Entry, Prefill, Slots, cache_argument, cache_layers_problem, last_logits, new_cache,
+                           returned_cache)
 from .model import position_ids_for
 from .packed_linear import packed_linears
 from .static_decode import DECODE_MODES, StaticKV, StaticSlots, bucket_for, static_decode_problem
@@ -252,11 +253,11 @@ def group_runs(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
 
 
 def _forward(model: nn.Module, keep_logits: bool, **kwargs) -> tuple[Tensor, object]:
-    """Last-position logits in fp32 (as generate() copies them) and the cache: (B, V), Cache."""
+    """Last-position logits in fp32 (decode_slots.last_logits) and the cache: (B, V), Cache."""
     if keep_logits:
         kwargs["logits_to_keep"] = 1
     out = model(**kwargs, use_cache=True, return_dict=True)
-    return out.logits[:, -1].to(copy=True, dtype=torch.float32), returned_cache(out)
+    return last_logits(out), returned_cache(out)
 
 
 @dataclass

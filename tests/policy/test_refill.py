@@ -81,3 +81,20 @@ def test_reading_stop_flags_every_k_steps_gives_the_same_tokens():
     assert sparse.decode_row_steps > every.decode_row_steps  # the dead steps between reads
     with pytest.raises(ValueError, match="read_every"):
         sample(model, distinct, G, cfg, read_every=0, **kw)
+
+
+def test_last_logits_are_the_forwards_own_when_they_are_its_fp32_last_column():
+    """A decode step's (B, 1, V) fp32 logits are returned as they are (no copy of B x V per step); a longer
+    forward's last column is copied (so the whole (B, L, V) tensor can go), and bf16 logits come back fp32."""
+    from types import SimpleNamespace
+
+    from lowmem_grpo.policy.decode_slots import last_logits
+    one = torch.randn(4, 1, 32)
+    out = last_logits(SimpleNamespace(logits=one))
+    assert out.shape == (4, 32) and out.data_ptr() == one.data_ptr()
+    many = torch.randn(4, 5, 32)
+    out = last_logits(SimpleNamespace(logits=many))
+    assert torch.equal(out, many[:, -1]) and out.untyped_storage().nbytes() == 4 * 32 * 4
+    low = torch.randn(4, 1, 32, dtype=torch.bfloat16)
+    out = last_logits(SimpleNamespace(logits=low))
+    assert out.dtype == torch.float32 and torch.equal(out, low[:, 0].float())
