@@ -73,9 +73,13 @@ def library() -> Optional[ctypes.CDLL]:
 
 def problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Optional[str]:
     """Why cpu_decode_attention does not take these operands (None: it does)."""
+    return _problem(query, key, value, mask, _kind(query, key, value))
+
+
+def _problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], kind: Optional[int]) -> Optional[str]:
     if query.device.type != "cpu":
         return f"a CPU kernel ({query.device.type} tensors)"
-    if _kind(query, key, value) is None:
+    if kind is None:
         return (f"fp32 or bf16 operands of one dtype, or under bf16 autocast fp32 queries and keys with bf16 "
                 f"values (got {query.dtype}, {key.dtype}, {value.dtype})")
     if query.dim() != 4 or key.dim() != 4 or value.shape != key.shape or query.shape[:2] != key.shape[:2] \
@@ -118,9 +122,9 @@ def _kind(query: Tensor, key: Tensor, value: Tensor) -> Optional[int]:
 def cpu_decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
                          scale: float) -> Optional[Tensor]:
     """softmax(query key^T x scale, masked) value per (row, K/V head), or None where it does not apply."""
-    if problem(query, key, value, mask) is not None:
-        return None
     kind = _kind(query, key, value)
+    if _problem(query, key, value, mask, kind) is not None:
+        return None
     if kind == _AUTOCAST_KEYS:
         query = query.to(torch.bfloat16)  # as autocast casts sdpa's operands (the keys: in the kernel)
     B, heads, group, D = query.shape

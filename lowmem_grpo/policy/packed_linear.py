@@ -23,8 +23,6 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-PACK_SETTINGS = (False, True, "head")  # generation.pack_decode_weights: no copy, every Linear, the head only
-
 
 def _packed_dtype(weight: Tensor, autocast_bf16: bool) -> torch.dtype:
     return torch.bfloat16 if autocast_bf16 and weight.dtype == torch.float32 else weight.dtype
@@ -64,7 +62,7 @@ _logged: set[str] = set()
 
 def use_packed(model: nn.Module, wanted: Union[bool, str], device: torch.device,
                autocast_bf16: bool = False) -> Union[bool, str]:
-    """generation.pack_decode_weights (one of PACK_SETTINGS) as `sample`'s packed: `wanted` where
+    """generation.pack_decode_weights (false, true: every Linear, or "head") as `sample`'s packed: `wanted` where
     `pack_problem` finds nothing, else False (the reason logged once)."""
     problem = pack_problem(model, device, autocast_bf16, head_only=wanted == "head") if wanted else None
     if problem and problem not in _logged:

@@ -69,7 +69,8 @@ def test_real_vocab_sizes(device, vocab):
         r = spec.linear_token_logprobs(h, w, ids, dtype=dt)
         res[dt] = (r, *torch.autograd.grad(r, (h, w), g))
     for i, (name, a) in enumerate((("logp", logp), ("d_hidden", dh), ("d_weight", dw))):
-        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR,
+                                         name=name)
 
 
 def test_tied_embedding_gets_both_gradients(device):
@@ -216,7 +217,8 @@ def test_qwen_sized_head_with_default_chunking():
         res[dt] = (r_logp, r_ent, *torch.autograd.grad((r_logp, r_ent), (h, w), (g, g)))
         del h, w, r_logp, r_ent
     for i, (name, a) in enumerate((("logp", logp), ("entropy", entropy), ("d_hidden", dh), ("d_weight", dw))):
-        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR, name=name)
+        assert_as_close_as_low_precision(a, res[torch.float32][i], res[torch.bfloat16][i], factor=LINEAR_FACTOR,
+                                         name=name)
 
 
 @pytest.mark.parametrize("banned", [(0, 256), (256, 512), (0, 700)],
