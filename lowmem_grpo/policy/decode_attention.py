@@ -77,6 +77,7 @@ def problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -
 
 
 def _problem(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], kind: Optional[int]) -> Optional[str]:
+    """problem() for operands whose kernel kind (_kind) is already known."""
     if query.device.type != "cpu":
         return f"a CPU kernel ({query.device.type} tensors)"
     if kind is None:

@@ -1,13 +1,16 @@
-"""Continuous refill and the host's stop-flag reads in policy/sampling.py.
+"""Continuous refill, the host's stop-flag reads (policy/sampling.py) and the decode step's logits (decode_slots).
 
 Same tiny random models as test_sampling.py; greedy results are compared token for token with
 transformers' generate() on the prompts repeated as the trainer repeats them.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from lowmem_grpo.config import GenerationConfig
+from lowmem_grpo.policy.decode_slots import last_logits
 from lowmem_grpo.policy.rollout import generate
 from lowmem_grpo.policy.sampling import SamplingStats, sample
 
@@ -86,9 +89,6 @@ def test_reading_stop_flags_every_k_steps_gives_the_same_tokens():
 def test_last_logits_are_the_forwards_own_when_they_are_its_fp32_last_column():
     """A decode step's (B, 1, V) fp32 logits are returned as they are (no copy of B x V per step); a longer
     forward's last column is copied (so the whole (B, L, V) tensor can go), and bf16 logits come back fp32."""
-    from types import SimpleNamespace
-
-    from lowmem_grpo.policy.decode_slots import last_logits
     one = torch.randn(4, 1, 32)
     out = last_logits(SimpleNamespace(logits=one))
     assert out.shape == (4, 32) and out.data_ptr() == one.data_ptr()
