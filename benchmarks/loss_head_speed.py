@@ -77,6 +77,11 @@ def time_impl(impl: str, n_tokens: int, device: str, repeats: int, dtype: torch.
             "cpu_workspace_mib": workspace_mib}
 
 
+def last_ours(impls: list[str], t: dict, n: int) -> Optional[str]:
+    """The last-run row of ours (one per --cpu-workspace-mib bound) measured at n tokens, or None."""
+    return next((i for i in reversed(impls) if i.startswith("ours") and (i, n) in t), None)
+
+
 def report(records: list[dict], device: str) -> list[str]:
     t = {(r["impl"], r["n_tokens"]): r for r in records}
     impls = list(dict.fromkeys(r["impl"] for r in records))
@@ -86,12 +91,12 @@ def report(records: list[dict], device: str) -> list[str]:
     for n in sorted({k[1] for k in t}):
         B, T = batch_shape(n)
         cells = [f"{t[i, n]['seconds'] * 1e3:.1f}" if (i, n) in t else "-" for i in impls]
-        ours = next((i for i in reversed(impls) if i.startswith("ours") and (i, n) in t), None)  # the last one run
+        ours = last_ours(impls, t, n)
         ratio = f"{t[ours, n]['seconds'] / t['naive', n]['seconds']:.2f}x" if ours and ("naive", n) in t else "-"
         tflops = f"{t[ours, n]['gemm_tflops']:.3f}" if ours else "-"
         print(f"| {n} | {B} x {T} | " + " | ".join(cells) + f" | {ratio} | {tflops} |")
     print()
-    ours = next((i for i in reversed(impls) if i.startswith("ours") and (i, 4096) in t), None)
+    ours = last_ours(impls, t, 4096)
     if device == "cpu" and ours and ("naive", 4096) in t:
         ratio = t[ours, 4096]["seconds"] / t["naive", 4096]["seconds"]
         status = "PASS" if ratio <= TARGET_SLOWDOWN else "FAIL"
