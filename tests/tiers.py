@@ -25,6 +25,7 @@ EXTENDED = (
     "tests/kernels/test_import_name.py",
     "tests/kernels/test_compare_heads.py",
     # single tests (or cases) of a second or more
+    "tests/training/test_compiled_layers.py::test_compiled_layers_train_like_the_eager_ones",
     "tests/kernels/test_aot.py::test_every_kernel_compiles_at_the_extreme_block_sizes",
     "tests/kernels/test_linear_loss.py::test_variants_at_real_vocabulary_sizes_in_bf16[cpu-triton-sapo-262144]",
     "tests/memory/test_largest.py::test_the_3b_recipe_at_7_5_gib_the_largest_is_qwen2_5_3b",

@@ -29,6 +29,9 @@ class GRPOConfigFields:
     offload_activations: bool = False
     offload_weights: bool = False
     bf16: Optional[bool] = None
+    torch_compile: bool = False
+    torch_compile_backend: Optional[str] = None
+    torch_compile_mode: Optional[str] = None
     attn_implementation: str = 'sdpa'
     trust_remote_code: bool = False
     disable_dropout: bool = True
@@ -160,6 +163,9 @@ class GRPOConfigFields:
             offload_activations: bool = False,
             offload_weights: bool = False,
             bf16: Optional[bool] = None,
+            torch_compile: bool = False,
+            torch_compile_backend: Optional[str] = None,
+            torch_compile_mode: Optional[str] = None,
             attn_implementation: str = 'sdpa',
             trust_remote_code: bool = False,
             disable_dropout: bool = True,

@@ -88,6 +88,20 @@ class ModelConfig:
                                          "GEMM runs >= 1.25x fp32's (measured once at start); off otherwise (emulated "
                                          "bf16, and oneDNN's bf16 on Intel CPUs without AMX, is slower than fp32). "
                                          "Weights stay fp32 (master weights).")
+    torch_compile: bool = setting(False, "Compile the policy's decoder layers with torch.compile for the training "
+                                         "forward and backward (each layer on its own, dynamic shapes: one graph "
+                                         "for all of them); the rollout (compile_decode), evaluation and no-grad "
+                                         "scoring passes stay eager. The same function rounded differently "
+                                         "(~1e-5 relative in fp32 gradients). A compile failure falls back to "
+                                         "the eager layers, logged. TRL's torch_compile, applied per layer "
+                                         "rather than to the whole model; one process, not with the layer-major "
+                                         "backward or offload_activations (training/compiled_layers.py).")
+    torch_compile_backend: Optional[str] = setting(None, "torch.compile's backend (None = inductor); setting it "
+                                                         "turns torch_compile on, as in TRL.")
+    torch_compile_mode: Optional[str] = setting(None, "torch.compile's mode (None = its default); setting it turns "
+                                                      "torch_compile on, as in TRL.",
+                                                check=("default", "reduce-overhead", "max-autotune",
+                                                       "max-autotune-no-cudagraphs"))
     attn_implementation: str = setting("sdpa", "transformers attention implementation (sdpa | eager | "
                                                "flash_attention_2).")
     trust_remote_code: bool = setting(False, "Passed to transformers when loading.")

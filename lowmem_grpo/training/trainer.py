@@ -12,6 +12,7 @@ Design notes: docs/training.md, docs/distributed.md
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -37,6 +38,7 @@ from . import checkpoint as ckpt
 from . import distributed
 from . import output_dir
 from .callbacks import as_callback, notify
+from .compiled_layers import compiled_layers
 from .context import RolloutContext
 from .evaluate import evaluate, evaluated_steps, evaluation_after, evaluation_before, evaluation_during
 from .generation import GenerationBatch, make_generation_batch, make_trainer_state
@@ -124,6 +126,8 @@ class Trainer:
                                         cfg.optim.max_grad_norm, head=self.head, layer_major=self.layer_major,
                                         autocast=self.autocast, offload_inputs=m.offload_activations, group=group,
                                         hold_head=hold_head, streamer=streamer)
+        # model.torch_compile: the layers compiled for the training passes (None when off)
+        self.compiled = compiled_layers(m, self.head.decoder, self.world.size, self.layer_major)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -322,22 +326,23 @@ class Trainer:
         works = [plan_micro_batch(mb, t, world.distributed) for mb in rows]  # which rows learn, their loss scale
         losses = [None if w.rows is None else functools.partial(
             self.micro_batch_loss, w.rows.to(self.device), num_items, scale=w.scale, tokens=w.tokens) for w in works]
-        with phase("forward"):
-            mode.begin([loss_fn for loss_fn in losses if loss_fn is not None])
         tally = StepTally()  # the sums stay on the device: one host read per step
-        for i, (work, loss_fn) in enumerate(zip(works, losses)):
-            if loss_fn is None:
-                if work.skipped:  # every completion skipped: no backward, a zero gradient
-                    mode.skipped_micro_batch()
-                continue
-            with mode.micro_batch(last=i == len(rows) - 1):
-                with phase("forward"):
-                    loss, metrics = mode.forward(loss_fn)
-                    tally.add(loss, metrics, work.tokens if work.learns else None)
-                with phase("backward"):
-                    mode.backward(loss, tally.loss_is_finite)  # loss.backward(), the optimizer in it or not
-            if work.learns:
-                tally.count(computed_tokens(work.rows, self.pack, self.head.decoder), work.tokens)
+        with self.compiled.active() if self.compiled else contextlib.nullcontext():
+            with phase("forward"):
+                mode.begin([loss_fn for loss_fn in losses if loss_fn is not None])
+            for i, (work, loss_fn) in enumerate(zip(works, losses)):
+                if loss_fn is None:
+                    if work.skipped:  # every completion skipped: no backward, a zero gradient
+                        mode.skipped_micro_batch()
+                    continue
+                with mode.micro_batch(last=i == len(rows) - 1):
+                    with phase("forward"):
+                        loss, metrics = mode.forward(loss_fn)
+                        tally.add(loss, metrics, work.tokens if work.learns else None)
+                    with phase("backward"):
+                        mode.backward(loss, tally.loss_is_finite)  # loss.backward(), the optimizer in it or not
+                if work.learns:
+                    tally.count(computed_tokens(work.rows, self.pack, self.head.decoder), work.tokens)
         totals = self._summed_over_ranks(tally.totals())
         grad_norm, finite = mode.finish(totals.loss, num_items, totals.backwards)  # clip, optimizer.step()
         lr = self._after_update(finite)

@@ -1,0 +1,79 @@
+"""model.torch_compile (training/compiled_layers.py): the compiled decoder layers train like the eager ones
+(parameters after several steps, within fp32 rounding), only inside the training passes, and a compile
+failure falls back to the eager layers without losing the step; the settings TRL's way."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from lowmem_grpo.config import ConfigError
+from lowmem_grpo.training.compiled_layers import torch_compile_wanted
+from lowmem_grpo.training.trainer import Trainer
+
+
+def _steps(trainer: Trainer, batch, steps: int) -> dict:
+    """`steps` optimizer steps on the same micro-batches of `batch`; the parameters after them."""
+    for _ in range(steps):
+        batch.steps_done = 0
+        trainer.generation = batch
+        metrics = trainer.optimizer_step()
+        assert not metrics["skipped"] and metrics["grad_norm"] > 0
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+
+
+@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=true"], ["optimizer_in_backward=true"]])
+def test_compiled_layers_train_like_the_eager_ones(toy_config, overrides):
+    torch._dynamo.reset()  # a graph of its own for this model, whatever ran before
+    eager = Trainer(toy_config("gradient_checkpointing=false", *overrides))
+    assert eager.compiled is None
+    batch = eager.new_generation_batch()
+    compiled = Trainer(toy_config("gradient_checkpointing=false", "torch_compile=true", *overrides))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    want = _steps(eager, copy.deepcopy(batch), 3)
+    got = _steps(compiled, copy.deepcopy(batch), 3)
+    assert compiled.compiled.failed is None and compiled.compiled.calls > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # this model's layers were compiled
+    for k, v in got.items():  # 3 steps of lr 1e-3 move a weight by up to ~3e-3
+        torch.testing.assert_close(v, want[k], rtol=1e-4, atol=1e-5, msg=k)
+    # outside the training passes the layers are the eager ones again (the rollout, evaluation)
+    assert all("forward" not in layer.__dict__ for layer in compiled.policy.model.layers)
+
+
+def test_a_compile_failure_falls_back_to_the_eager_layers(toy_config, caplog):
+    def refusing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch._dynamo.reset()
+    from torch._dynamo.backends.registry import register_backend
+    register_backend(refusing_backend, name="lowmem_test_refusing")
+    eager = Trainer(toy_config("gradient_checkpointing=false"))
+    batch = eager.new_generation_batch()
+    compiled = Trainer(toy_config("gradient_checkpointing=false", "torch_compile_backend=lowmem_test_refusing"))
+    with caplog.at_level(logging.WARNING, logger="lowmem_grpo.training.compiled_layers"):
+        got = _steps(compiled, copy.deepcopy(batch), 2)
+    want = _steps(eager, copy.deepcopy(batch), 2)
+    assert "no compiler here" in compiled.compiled.failed and compiled.compiled.calls == 0
+    assert sum("run eagerly from here on" in r.getMessage() for r in caplog.records) == 1
+    assert all(torch.equal(v, want[k]) for k, v in got.items())  # the eager layers: the same bits
+
+
+def test_torch_compile_settings_as_in_trl(toy_config):
+    assert not torch_compile_wanted(toy_config().model)
+    assert torch_compile_wanted(toy_config("torch_compile_mode=max-autotune-no-cudagraphs").model)
+    assert torch_compile_wanted(toy_config("torch_compile_backend=eager").model)
+    with pytest.raises(ConfigError, match="torch_compile_mode must be one of"):
+        toy_config("torch_compile_mode=fastest")
+    with pytest.raises(ConfigError, match="'no-such' is not a torch.compile backend: one of .*inductor"):
+        Trainer(toy_config("torch_compile_backend=no-such"))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["gradient_checkpointing=true", "offload_activations=true"], "offload_activations"),
+    (["offload_optimizer=true", "gradient_checkpointing=true", "layer_major_backward=true"],
+     "layer_major_backward=false"),
+])
+def test_runs_it_is_not_built_for_are_refused_naming_the_setting(toy_config, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        Trainer(toy_config("torch_compile=true", *overrides))
