@@ -89,8 +89,8 @@ class UpdateThread:
         A forward traced by torch.compile does not wait (the hook returns at once when compiling, so it adds
         no graph break): the compiled decode step (policy/static_decode.py) runs only after its rollout's
         prefill, an eager forward of the same modules, has waited for all of them, and neither the compiled
-        code nor a CUDA graph replay of it calls the hooks. It is the only forward this package compiles; code
-        that compiles another forward of the model calls `synchronize()` before it."""
+        code nor a CUDA graph replay of it calls the hooks. Code that compiles another forward of the model
+        calls `synchronize()` before it, as the trainer does before its compiled layers (model.torch_compile)."""
         if id(model) in self._waiting_models:
             return
 

@@ -327,6 +327,8 @@ class Trainer:
         losses = [None if w.rows is None else functools.partial(
             self.micro_batch_loss, w.rows.to(self.device), num_items, scale=w.scale, tokens=w.tokens) for w in works]
         tally = StepTally()  # the sums stay on the device: one host read per step
+        if self.compiled:  # compiled layers skip the offload mode's per-module waits: every update lands first
+            mode.synchronize()
         with self.compiled.active() if self.compiled else contextlib.nullcontext():
             with phase("forward"):
                 mode.begin([loss_fn for loss_fn in losses if loss_fn is not None])
