@@ -20,23 +20,30 @@ first, in this order:
   kernel-tests  every op test's CUDA cases (KERNEL_TEST_FILES: the kernels' `device` fixture's cuda-torch
                 and cuda-triton, ~400 cases: the loss variants, the real-vocabulary heads), the same way
                 (first-kernels-junit.xml)
-  trainer-1.5b  two steps of the 1.5B recipe on random weights at full lengths (prompt 256, completion 512)
-                under an 8 GiB cap, compiled decode (the recipe's default): peaks, pinned host memory
-                against the plan, time split into generation, training and host update (trainer_step.py)
-  decode        tokens/s of the 1.5B recipe's rollout (the 0.5B's was measured in the second GPU run), the
-                static step eager vs compiled with CUDA graphs, weights read per second against the card's
-                bandwidth, graphed tokens against eager's (decode_speed.py)
-  head-memory   the fused loss head against plain torch at N = 8192: peak
+  trainer-1.5b  three steps of the 1.5B recipe as shipped (compiled decode, layer-major backward) on random
+                weights at full lengths (prompt 256, completion 512) under an 8 GiB cap, the third under the
+                profiler: peaks, pinned host memory against the plan, time split into generation, training
+                and host update, and where the profiled step's time went (trainer_step.py --profile,
+                step_profile.py: per phase GPU busy and idle, device time by kind, copies' bytes and GB/s,
+                syncs, the ten kernels with the most time)
+  learn-char-e  char_e, a from-scratch model, trained on the GPU by `lowmem-grpo train`: its reward rising and
+                the held-out evaluation before and after
 second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
-  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES), the fused head's time against
-  plain torch, trainer steps of the 1.5B 4096-token recipe, the 3B recipe, the 0.5B GSM8K recipe and the 7B
-  8 GB recipe (its layers in host RAM, NF4 rollouts, eager decode: one step) at their full lengths under an
-  8 GiB cap (each of those needs about 2.5 minutes: a call of its own; the 7B one's time is a guess).
-Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter;
-kernel-tests: what it took on an H200 from a cold Triton cache, plus a half; decode, the 1.5B shape alone:
-an estimate (RESULTS.md, "GPU session rehearsal").
+  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); the 1.5B recipe with the
+  per-micro-batch path the layer-major backward replaced, profiled the same way (eager decode); one step of
+  the Llama-3.1-8B 24 GB recipe under a 24 GiB cap; one step each of the Qwen3-1.7B, Llama-3.2-1B and
+  Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; the Qwen2.5-7B 24 GB recipe; the 7B 8 GB recipe (its
+  layers in host RAM, NF4 rollouts); the 1.5B rollout's decode eager against graphed; the fused head's
+  peak and time against plain torch; the 1.5B 4096-token and 0.5B GSM8K recipes. The steps after the first
+  1.5B profile decode eagerly (their point is memory or the training phase; compiling the decode step costs
+  a minute or more a process). `second --budget S` (with the device call's timeout_s S + MARGIN_S) gives a
+  session with device time to spare more of them.
+Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter
+(trainer-1.5b: a third step, profiled, and the trace read back, added); kernel-tests: what it took on an H200
+from a cold Triton cache, plus a half; decode, the 1.5B shape alone, the new recipes' steps and the 8B and 7B
+ones: estimates (RESULTS.md, "GPU session rehearsal").
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -142,20 +149,36 @@ def _test_step(key: str, name: str, selection: list[str], timeout_s: float, juni
 
 
 def _trainer_step(key: str, arch: str, recipe: str, completion_len: int, steps: int, timeout_s: float,
-                  tiny: bool, overrides: Sequence[str] = ()) -> Step:
-    """trainer_step.py: `steps` steps of `recipe` at its full lengths (prompt 256) under an 8 GiB cap, with
-    `overrides` (key=value)."""
+                  tiny: bool, overrides: Sequence[str] = (), cap_gib: int = 8, profile: bool = False) -> Step:
+    """trainer_step.py: `steps` steps of `recipe` at its full lengths (prompt 256) under a `cap_gib` GiB cap,
+    with `overrides` (key=value); `profile`: the last step under the profiler (step_profile.py)."""
     lengths = ["--prompt-len", "16", "--completion-len", "8", "--tiny"] if tiny else \
-        ["--prompt-len", "256", "--completion-len", str(completion_len), "--memory-cap-gib", "8"]
-    return Step(key, f"{steps} trainer step(s), {recipe}, random weights, 8 GiB cap",
+        ["--prompt-len", "256", "--completion-len", str(completion_len), "--memory-cap-gib", str(cap_gib)]
+    return Step(key, f"{steps} trainer step(s), {recipe}, random weights, {cap_gib} GiB cap"
+                + (", the last one profiled" if profile else ""),
                 [PY, "benchmarks/trainer_step.py", "--arch", arch, "--recipe", f"recipes/{recipe}.yaml",
-                 "--steps", str(steps), *lengths, *overrides], timeout_s)
+                 "--steps", str(steps), *lengths, *(["--profile"] if profile else []), *overrides], timeout_s)
+
+
+def _learning_step(tiny: bool) -> Step:
+    """char_e (a from-scratch model, 30 steps) trained with `lowmem-grpo train` on the GPU: its reward per
+    step and the held-out evaluation before and after, as the CLI prints them."""
+    device = "cpu" if tiny else "cuda"
+    return Step("learn-char-e", f"char_e learns on {device}: lowmem-grpo train, held-out evaluation",
+                [PY, "-m", "lowmem_grpo", "train", "recipes/char_e.yaml", f"train.device={device}",
+                 "generation.compile_decode=false",
+                 f"output.output_dir={tempfile.gettempdir()}/gpu_session_char_e"], 60, json_out=False)
+
+
+# The path the layer-major backward replaced: each micro-batch's gradients cross PCIe (eager decode: the
+# training phase is the comparison; the compiled decode's minute of compiling stays out of it).
+PER_MICROBATCH = ["train.layer_major_backward=false", "train.head_gradient_once_per_step=false",
+                  "generation.compile_decode=false"]
+EAGER_DECODE = ["generation.compile_decode=false"]  # for steps whose point is memory or the training phase
 
 
 def first_call(tiny: bool, out: Path) -> list[Step]:
     """Device call 1 (9 minutes): its steps' timeouts sum to at most its budget, so every step starts."""
-    cuda = [] if tiny else ["--device", "cuda"]
-    head = ["--tokens", "64", "--vocab", "4096"] if tiny else ["--tokens", "8192"]
     return [
         Step("env", "versions, GPU, imports, host AdamW kernel",
              [PY, "benchmarks/gpu_session.py", "--check-env"], 30),
@@ -163,30 +186,43 @@ def first_call(tiny: bool, out: Path) -> list[Step]:
                    out / "first-junit.xml"),
         _test_step("kernel-tests", "every op test on CUDA tensors, torch and Triton", KERNEL_TEST_FILES, 60,
                    out / "first-kernels-junit.xml"),
-        _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny),
-        _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 130),
-        Step("head-memory", "fused loss head vs plain torch: peak",
-             [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
+        # the recipe as shipped (compiled decode, layer-major backward): two steps, the third profiled
+        _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 3, 200, tiny, profile=True),
+        _learning_step(tiny),
     ]
 
 
 def second_call(tiny: bool, out: Path) -> list[Step]:
     """Device call 2's own steps, in order of importance, after what the first did not finish; each starts
-    only if its whole timeout fits in what is left (together they need more than the call has)."""
+    only if its whole timeout fits in what is left (together they need more than the call has: a later GPU
+    session's `second --budget` runs more of them)."""
     cuda = [] if tiny else ["--device", "cuda"]
     head = ["--tokens", "64", "--vocab", "4096"] if tiny else ["--tokens", "8192"]
     return [
         _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 80,
                    out / "second-other-junit.xml"),
+        _trainer_step("trainer-1.5b-per-microbatch", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 90, tiny,
+                      PER_MICROBATCH, profile=True),
+        _trainer_step("trainer-8b-24gb", "Llama-3.1-8B", "llama-3.1-8b_gsm8k_24gb", 1024, 1, 150, tiny,
+                      EAGER_DECODE, cap_gib=24),
+        _trainer_step("trainer-qwen3-1.7b", "Qwen3-1.7B", "qwen3-1.7b_gsm8k_8gb", 1024, 1, 75, tiny, EAGER_DECODE),
+        _trainer_step("trainer-llama-3.2-1b", "Llama-3.2-1B", "llama-3.2-1b_gsm8k_8gb", 512, 1, 75, tiny,
+                      EAGER_DECODE),
+        _trainer_step("trainer-gemma-3-1b", "Gemma-3-1B", "gemma-3-1b_gsm8k_8gb", 512, 1, 75, tiny, EAGER_DECODE),
+        _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 2, 120, tiny, EAGER_DECODE,
+                      profile=True),
+        _trainer_step("trainer-7b-24gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_24gb", 1024, 1, 150, tiny, EAGER_DECODE,
+                      cap_gib=24),
+        # 7.6B with its layers in host RAM (model.offload_weights) and an NF4 rollout copy: one step, eager
+        # decode (the NF4 layers in a compiled step have not met a GPU either; one thing at a time)
+        _trainer_step("trainer-7b-8gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_8gb", 1024, 1, 150, tiny, EAGER_DECODE),
+        _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 130),
+        Step("head-memory", "fused loss head vs plain torch: peak",
+             [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
         Step("head-speed", "fused loss head vs plain torch: time",
              [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
         _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
-        _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 1, 150, tiny),
         _trainer_step("trainer-0.5b-gsm8k", "Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 1024, 2, 120, tiny),
-        # 7.6B with its layers in host RAM (model.offload_weights) and an NF4 rollout copy: one step, eager
-        # decode (the NF4 layers in a compiled step have not met a GPU either; one thing at a time)
-        _trainer_step("trainer-7b-8gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_8gb", 1024, 1, 150, tiny,
-                      ["compile_decode=false"]),
     ]
 
 

@@ -26,6 +26,9 @@ while the next forward starts; "host_update_wait_s": how long they still ran aft
 waited for after the step's time, so each step starts with the last one's updates done). Beside the
 peaks: the page-locked host memory the run holds after setup and after each step (`pinned_host_bytes`)
 against the planner's pinned host categories, and the planner's device peak for the same settings.
+With --profile the last step runs under the torch profiler and the result holds where its time went
+(step_profile.py: per phase GPU busy and idle time, device time by kind with the copies' bytes, the host's
+waits on the device, the ten kernels with the most time); that step's times include the profiler's overhead.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import use_train_allocator  # noqa: E402
+from step_profile import format_summary, profile_call  # noqa: E402
 
 from lowmem_grpo.config import load_config  # noqa: E402
 from lowmem_grpo.memory.plan import Arch, plan  # noqa: E402
@@ -234,6 +238,9 @@ def main(argv=None) -> int:
                     help="the architecture at toy width and depth (rehearsals)")
     ap.add_argument("--layers", type=int, default=None,
                     help="only this many decoder layers (CPU runs of big models)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the last step under the torch profiler and record where its time went "
+                         "(step_profile.py: per phase GPU busy and idle, device time by kind, syncs, top kernels)")
     ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     args = ap.parse_args(argv)
 
@@ -270,20 +277,24 @@ def main(argv=None) -> int:
     if args.json:  # after setup: a run stopped in its first step still leaves this
         Path(args.json).write_text(json.dumps(result, indent=2))
     host_update = HostUpdateClock(trainer.optimizer)
-    for _ in range(args.steps):
+    for i in range(args.steps):
+        profiled = args.profile and i == args.steps - 1
         reset_peak_memory(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         generated = trainer.generation is None
-        gb, metrics, generation_s = trainer.run_step()
+        if profiled:
+            (gb, metrics, generation_s), summary = profile_call(trainer.run_step, device)
+        else:
+            gb, metrics, generation_s = trainer.run_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        step_s = time.perf_counter() - t0
+        step_s = summary["call_s"] if profiled else time.perf_counter() - t0
         row = {"step": trainer.step, "step_s": step_s, "generated": generated, "generation_s": generation_s,
                "training_s": step_s - generation_s, "loss": metrics["loss"],
                "grad_norm": metrics["grad_norm"],
-               "peak_bytes": peak_memory_bytes(device)}
+               "peak_bytes": peak_memory_bytes(device), "profiled": profiled}
         if host_update.active:  # the updates still running when the step returned: waited for here, untimed
             t1 = time.perf_counter()
             trainer.optimizer.synchronize()
@@ -297,6 +308,9 @@ def main(argv=None) -> int:
         result["steps"].append(row)
         result["peak_bytes"] = max(result["peak_bytes"], row["peak_bytes"])
         print(json.dumps(row), flush=True)
+        if profiled:  # the step's times above include the profiler's overhead
+            result["profile"] = summary
+            print(format_summary(summary), flush=True)
         if args.json:  # after every step: a run stopped at its time limit still leaves what it measured
             Path(args.json).write_text(json.dumps(result, indent=2))
     times = [round(s["step_s"], 1) for s in result["steps"]]
