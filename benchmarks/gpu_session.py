@@ -1,7 +1,7 @@
 """The GPU session: the measurements a lent GPU is for, in two device calls made one right after the other.
 
     bash benchmarks/gpu_session.sh first       # device call 1, timeout_s 540 (9 minutes)
-    bash benchmarks/gpu_session.sh second      # device call 2, timeout_s 180 (3 minutes), on the warm machine
+    bash benchmarks/gpu_session.sh second      # device call 2, timeout_s 360 (6 minutes), on the warm machine
     bash benchmarks/gpu_session.sh rehearse    # both calls (and `memory`) at toy sizes on a CPU (CI)
 
 (gpu_session.sh installs the wheels carried in .whl/ and puts this bare tree first on sys.path, then runs
@@ -32,18 +32,18 @@ second: the first call's steps that did not finish on this machine (not started,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); the 1.5B recipe with the
-  per-micro-batch path the layer-major backward replaced, profiled the same way (eager decode); one step of
-  the Llama-3.1-8B 24 GB recipe under a 24 GiB cap; one step each of the Qwen3-1.7B, Llama-3.2-1B and
-  Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; the Qwen2.5-7B 24 GB recipe; the 7B 8 GB recipe (its
-  layers in host RAM, NF4 rollouts); the 1.5B rollout's decode eager against graphed; the fused head's
-  peak and time against plain torch; the 1.5B 4096-token and 0.5B GSM8K recipes. The steps after the first
-  1.5B profile decode eagerly (their point is memory or the training phase; compiling the decode step costs
-  a minute or more a process). `second --budget S` (with the device call's timeout_s S + MARGIN_S) gives a
-  session with device time to spare more of them.
+  per-micro-batch path the layer-major backward replaced, profiled the same way; one step each of the
+  Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; one step each of the
+  Llama-3.1-8B and Qwen2.5-7B 24 GB recipes under a 24 GiB cap; the 7B 8 GB recipe (its layers in host RAM,
+  NF4 rollouts, eager decode); the 1.5B rollout's decode eager against graphed; the fused head's time
+  against plain torch; the 1.5B 4096-token and 0.5B GSM8K recipes; the fused head's peak. The trainer steps
+  compile the decode step as the recipes do: on an H200 a first 1.5B step's eager rollout took 40 s, where
+  compiling the decode step and decoding took 36 s (and later rollouts 2 s).
 Step timeouts: what each took on an H100 (benchmarks/RESULTS.md, "Second GPU run"), plus about a quarter
 (trainer-1.5b: a third step, profiled, and the trace read back, added); kernel-tests: what it took on an H200
-from a cold Triton cache, plus a half; decode, the 1.5B shape alone, the new recipes' steps and the 8B and 7B
-ones: estimates (RESULTS.md, "GPU session rehearsal").
+from a cold Triton cache, plus a half; other-cuda-tests and the steps after it: the third GPU run's H200
+(RESULTS.md, "Third GPU run"), or an estimate where that run did not finish them (the new recipes', 3B's,
+the 8B and 7B ones').
 memory (a call of its own, for a later session): the planner against the profiler on the 8 GB recipes,
   one step each (plan_accuracy.py --gpu-recipes).
 
@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 # What each call did, on this machine (read by `second`); GPU_SESSION_STATE moves it (tests).
 STATE = Path(os.environ.get("GPU_SESSION_STATE") or ROOT / "gpu-results" / "state")
-CALL_SECONDS = {"first": 540, "second": 180, "memory": 540}  # the device call's timeout_s
+CALL_SECONDS = {"first": 540, "second": 360, "memory": 540}  # the device call's timeout_s
 # Of each call, outside its budget: Python's start, the last lines, slack before the device tool's kill. (The
 # wheels' install, ~10 s on a fresh machine, none on a warm one, comes out of the budget: budget_left.)
 MARGIN_S = 25
@@ -167,14 +167,12 @@ def _learning_step(tiny: bool) -> Step:
     return Step("learn-char-e", f"char_e learns on {device}: lowmem-grpo train, held-out evaluation",
                 [PY, "-m", "lowmem_grpo", "train", "recipes/char_e.yaml", f"train.device={device}",
                  "generation.compile_decode=false",
-                 f"output.output_dir={tempfile.gettempdir()}/gpu_session_char_e"], 60, json_out=False)
+                 f"output.output_dir={tempfile.gettempdir()}/gpu_session_char_e", "overwrite_output_dir=true"],
+                60, json_out=False)
 
 
-# The path the layer-major backward replaced: each micro-batch's gradients cross PCIe (eager decode: the
-# training phase is the comparison; the compiled decode's minute of compiling stays out of it).
-PER_MICROBATCH = ["train.layer_major_backward=false", "train.head_gradient_once_per_step=false",
-                  "generation.compile_decode=false"]
-EAGER_DECODE = ["generation.compile_decode=false"]  # for steps whose point is memory or the training phase
+# The path the layer-major backward replaced: each micro-batch's gradients cross PCIe.
+PER_MICROBATCH = ["train.layer_major_backward=false", "train.head_gradient_once_per_step=false"]
 
 
 def first_call(tiny: bool, out: Path) -> list[Step]:
@@ -186,7 +184,7 @@ def first_call(tiny: bool, out: Path) -> list[Step]:
                    out / "first-junit.xml"),
         _test_step("kernel-tests", "every op test on CUDA tensors, torch and Triton", KERNEL_TEST_FILES, 60,
                    out / "first-kernels-junit.xml"),
-        # the recipe as shipped (compiled decode, layer-major backward): two steps, the third profiled
+        # the recipe as shipped (compiled decode, layer-major backward): three steps, the third profiled
         _trainer_step("trainer-1.5b", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 3, 200, tiny, profile=True),
         _learning_step(tiny),
     ]
@@ -199,30 +197,27 @@ def second_call(tiny: bool, out: Path) -> list[Step]:
     cuda = [] if tiny else ["--device", "cuda"]
     head = ["--tokens", "64", "--vocab", "4096"] if tiny else ["--tokens", "8192"]
     return [
-        _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 80,
+        _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 110,
                    out / "second-other-junit.xml"),
-        _trainer_step("trainer-1.5b-per-microbatch", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 90, tiny,
+        _trainer_step("trainer-1.5b-per-microbatch", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny,
                       PER_MICROBATCH, profile=True),
-        _trainer_step("trainer-8b-24gb", "Llama-3.1-8B", "llama-3.1-8b_gsm8k_24gb", 1024, 1, 150, tiny,
-                      EAGER_DECODE, cap_gib=24),
-        _trainer_step("trainer-qwen3-1.7b", "Qwen3-1.7B", "qwen3-1.7b_gsm8k_8gb", 1024, 1, 75, tiny, EAGER_DECODE),
-        _trainer_step("trainer-llama-3.2-1b", "Llama-3.2-1B", "llama-3.2-1b_gsm8k_8gb", 512, 1, 75, tiny,
-                      EAGER_DECODE),
-        _trainer_step("trainer-gemma-3-1b", "Gemma-3-1B", "gemma-3-1b_gsm8k_8gb", 512, 1, 75, tiny, EAGER_DECODE),
-        _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 2, 120, tiny, EAGER_DECODE,
-                      profile=True),
-        _trainer_step("trainer-7b-24gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_24gb", 1024, 1, 150, tiny, EAGER_DECODE,
-                      cap_gib=24),
+        _trainer_step("trainer-qwen3-1.7b", "Qwen3-1.7B", "qwen3-1.7b_gsm8k_8gb", 1024, 1, 120, tiny),
+        _trainer_step("trainer-llama-3.2-1b", "Llama-3.2-1B", "llama-3.2-1b_gsm8k_8gb", 512, 1, 100, tiny),
+        _trainer_step("trainer-gemma-3-1b", "Gemma-3-1B", "gemma-3-1b_gsm8k_8gb", 512, 1, 100, tiny),
+        _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 2, 170, tiny, profile=True),
+        _trainer_step("trainer-8b-24gb", "Llama-3.1-8B", "llama-3.1-8b_gsm8k_24gb", 1024, 1, 240, tiny, cap_gib=24),
+        _trainer_step("trainer-7b-24gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_24gb", 1024, 1, 240, tiny, cap_gib=24),
         # 7.6B with its layers in host RAM (model.offload_weights) and an NF4 rollout copy: one step, eager
         # decode (the NF4 layers in a compiled step have not met a GPU either; one thing at a time)
-        _trainer_step("trainer-7b-8gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_8gb", 1024, 1, 150, tiny, EAGER_DECODE),
+        _trainer_step("trainer-7b-8gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_8gb", 1024, 1, 240, tiny,
+                      ["generation.compile_decode=false"]),
         _decode_step(["Qwen2.5-1.5B:recipes/qwen2.5-1.5b_gsm8k_8gb.yaml"], tiny, 130),
-        Step("head-memory", "fused loss head vs plain torch: peak",
-             [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
         Step("head-speed", "fused loss head vs plain torch: time",
              [PY, "benchmarks/loss_head_speed.py", *head, "--repeats", "1" if tiny else "3", *cuda], 30),
         _trainer_step("trainer-1.5b-4096", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k-4096_8gb", 4096, 1, 150, tiny),
         _trainer_step("trainer-0.5b-gsm8k", "Qwen2.5-0.5B", "qwen2.5-0.5b_gsm8k_8gb", 1024, 2, 120, tiny),
+        Step("head-memory", "fused loss head vs plain torch: peak",
+             [PY, "benchmarks/loss_head_memory.py", *head, *cuda], 25),
     ]
 
 

@@ -3,7 +3,7 @@
 # device-tool commands. Results go to $OUT (default gpu-results/): CALL.log, CALL.jsonl, CALL-junit.xml.
 #
 #   bash benchmarks/gpu_session.sh first        # device call 1 (timeout_s 540); `--help` lists its steps
-#   bash benchmarks/gpu_session.sh second       # device call 2 (timeout_s 180), right after the first
+#   bash benchmarks/gpu_session.sh second       # device call 2 (timeout_s 360), right after the first
 #   bash benchmarks/gpu_session.sh rehearse     # both calls at toy sizes on a CPU (CI runs this)
 #
 # Wheels carried in .whl/ (the GPU machine reaches no registry) are installed first; a wheel that

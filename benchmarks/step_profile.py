@@ -65,10 +65,10 @@ def kind_of(event: dict, head_kernels: frozenset[str]) -> str:
         return "memset"
     if name in head_kernels:
         return "fused loss head"
+    if ATTENTION.search(name):  # first: cuDNN's attention kernels name the wgmma instructions they use
+        return "attention"
     if GEMM.search(name):
         return "GEMM"
-    if ATTENTION.search(name):
-        return "attention"
     if name.startswith("triton_"):
         return "Inductor-generated"
     return "other kernels"

@@ -136,15 +136,19 @@ def allocator_fraction(card_bytes: int, context_bytes: int, total_bytes: int) ->
 
 
 def _nvml_used_bytes(device: torch.device):
-    """The device's used memory as nvidia-smi reports it, read without creating a CUDA context; None
-    without NVML (pynvml), or when this process's context exists already (an import made it)."""
-    if torch.cuda.is_initialized():
-        return None
-    index = device.index if device.index is not None else 0  # no index: torch would init CUDA to find one
+    """The device's used memory as NVML (nvidia-smi) reports it, for every process; None without NVML
+    (pynvml). Reading it creates no CUDA context."""
+    if device.index is not None:
+        index = device.index
+    else:  # no index: the current device, once CUDA runs (before, torch would start CUDA to find it)
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     try:
         return int(torch.cuda.device_memory_used(torch.device("cuda", index)))
     except Exception:  # noqa: BLE001 - no pynvml, no NVML library: fall back (see cap_cuda_memory)
         return None
+
+
+MIN_CONTEXT_BYTES = 32 * 2**20  # a CUDA context holds at least this much; a smaller reading is not one
 
 
 def _init_cuda(device: torch.device) -> None:
@@ -162,19 +166,29 @@ def cap_cuda_memory(gib: float, device: torch.device) -> dict:
     """Cap this process as on a card of `gib` GiB: the allocator gets the card minus the CUDA context.
     Call before anything touches CUDA (the context is measured as it is created). `device` without an
     index (`cuda`) is the current device."""
-    before = _nvml_used_bytes(device)
+    # One meter on both sides: NVML's used memory and cudaMemGetInfo's total - free need not agree (on an
+    # H200, NVML before and mem_get_info after CUDA init gave a context of 0.5 MiB, where 0.9 GiB lay outside
+    # the allocator after a step; on an H100, 0.13 GiB against 0.84).
+    before = None if torch.cuda.is_initialized() else _nvml_used_bytes(device)  # (an import started CUDA)
     _init_cuda(device)
-    after = outside_allocator_bytes(device)
-    context = after - before if before is not None else after
+    after = _nvml_used_bytes(device) if before is not None else None
+    outside_after_init = outside_allocator_bytes(device)
+    context = after - before - torch.cuda.memory_reserved(device) if after is not None else None
+    if context is not None and context >= MIN_CONTEXT_BYTES:
+        measured_by = "NVML before and after CUDA init, less what the allocator reserved"
+    else:
+        measured_by = ("all device memory outside this allocator after CUDA init (" + (
+            "no NVML reading before init" if context is None else
+            f"NVML saw the context grow by only {context / 2**20:.1f} MiB") + ": other processes' memory counts too)")
+        context = outside_after_init
     if device.index is None:  # set_per_process_memory_fraction refuses a device without an index
         device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     fraction = allocator_fraction(int(gib * GiB), context, total)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     info = {"card_bytes": int(gib * GiB), "context_bytes": context, "allocator_cap_bytes": int(fraction * total),
-            "device_total_bytes": total, "context_measured_by": "NVML before, mem_get_info after CUDA init"
-            if before is not None else "all device memory outside this allocator after CUDA init (no NVML reading "
-                                       "before init: other processes' memory counts too)"}
+            "device_total_bytes": total, "context_measured_by": measured_by,
+            "outside_allocator_after_init_bytes": outside_after_init}
     print(f"modelling a {gib:g} GiB card: CUDA context {context / GiB:.2f} GiB ({info['context_measured_by']}), "
           f"allocator capped at {fraction * total / GiB:.2f} GiB of this {total / GiB:.1f} GiB device")
     return info

@@ -5,7 +5,6 @@ not finish; the test step selects every area it is meant to on a GPU machine; th
 at toy sizes passes."""
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,21 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
 from tests.cuda_names import cuda_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = ["env", "cuda-tests", "kernel-tests", "trainer-1.5b", "learn-char-e"]
-SECOND = ["other-cuda-tests", "trainer-1.5b-per-microbatch", "trainer-8b-24gb", "trainer-qwen3-1.7b",
-          "trainer-llama-3.2-1b", "trainer-gemma-3-1b", "trainer-3b", "trainer-7b-24gb", "trainer-7b-8gb",
-          "decode", "head-memory", "head-speed", "trainer-1.5b-4096", "trainer-0.5b-gsm8k"]  # by importance
+SECOND = ["other-cuda-tests", "trainer-1.5b-per-microbatch", "trainer-qwen3-1.7b", "trainer-llama-3.2-1b",
+          "trainer-gemma-3-1b", "trainer-3b", "trainer-8b-24gb", "trainer-7b-24gb", "trainer-7b-8gb", "decode",
+          "head-speed", "trainer-1.5b-4096", "trainer-0.5b-gsm8k", "head-memory"]  # in order of importance
 
 
 def _gpu_session():
-    spec = importlib.util.spec_from_file_location("gpu_session", ROOT / "benchmarks" / "gpu_session.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_session"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_session")
 
 
 def _records(path: Path) -> list[dict]:
@@ -42,9 +38,11 @@ def _steps(records: list[dict]) -> dict:
 
 
 # ----- time -------------------------------------------------------------------------------------------
-def test_the_calls_fit_nine_and_three_minutes_with_a_margin_for_start_up(tmp_path):
+def test_the_calls_fit_nine_and_six_minutes_with_a_margin_for_start_up(tmp_path):
+    # 15 device minutes: on an H200 the machine started in about 30 s and the first call's steps took 318 s
+    # (benchmarks/RESULTS.md, "Third GPU run"), which leaves the second call its 6 minutes and a margin
     gs = _gpu_session()
-    assert gs.CALL_SECONDS["first"] <= 9 * 60 and gs.CALL_SECONDS["second"] <= 3 * 60
+    assert gs.CALL_SECONDS["first"] <= 9 * 60 and gs.CALL_SECONDS["second"] <= 6 * 60
     assert gs.MARGIN_S >= 20  # Python's start and the last lines (the wheels' install is in the budget)
     first = gs.first_call(False, tmp_path)
     assert [s.key for s in first] == FIRST
@@ -320,9 +318,7 @@ def test_the_test_steps_run_every_file_of_cuda_tests():
 
 def test_the_decode_step_compares_graphed_tokens_with_eagers_row_by_row():
     import torch
-    spec = importlib.util.spec_from_file_location("decode_speed", ROOT / "benchmarks" / "decode_speed.py")
-    ds = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ds)
+    ds = load_benchmark("decode_speed")
     eager = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8]])
     graphed = torch.tensor([[1, 2, 3, 4], [1, 9, 3, 4], [0, 6, 7, 8]])  # equal; differs from 1; from 0
     assert ds.first_differences(graphed, eager) == [4, 1, 0]
@@ -352,10 +348,7 @@ def test_a_triton_specialization_is_keyed_as_tritons_jit_keys_its_compiled_kerne
     dtype also builds a new launcher."""
     import torch
     import triton.language as tl
-    spec = importlib.util.spec_from_file_location("triton_specializations",
-                                                  ROOT / "benchmarks" / "triton_specializations.py")
-    ts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ts)
+    ts = load_benchmark("triton_specializations")
 
     def kernel(x_ptr, n, scale, BLOCK: tl.constexpr):
         pass

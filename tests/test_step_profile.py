@@ -1,23 +1,16 @@
 """benchmarks/step_profile.py: the summary of a profiled step that the GPU session records."""
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.benchmark_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("step_profile", ROOT / "benchmarks" / "step_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["step_profile"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_profile")
 
 
 def _host(name, ts, dur, cat="user_annotation", **args):
@@ -40,7 +33,8 @@ def _trace(sp):
         _host(sp.PHASE_PREFIX + "optimizer", 700, 100),
         # launched in forward, run late (in backward's window): the launch names the phase
         launch(1, 110), _device("sm90_xmma_gemm_bf16bf16_bf16f32", 380, 60, 1),
-        launch(2, 150), _device("flash_fwd_kernel", 150, 40, 2),
+        # cuDNN's attention as an H200 named it: wgmma, yet not a GEMM
+        launch(2, 150), _device("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 150, 40, 2),
         # two streams in backward, overlapping: busy is their union, 120 us
         launch(3, 410), _device("grpo_token_kernel", 420, 100, 3),
         launch(4, 420), _device("triton_poi_fused_add_0", 440, 100, 4),

@@ -51,6 +51,7 @@ EXTENDED = (
     "tests/test_docs.py::test_recipe_header_planner_figures_are_the_planners[qwen2.5-7b_gsm8k_8gb.yaml]",
     "tests/test_docs.py::test_the_path_check_sees_what_it_should",
     "tests/test_trainer_step.py::test_a_tiny_offloaded_run_records_allocator_time_split_pinned_memory_and_plan",
+    "tests/test_trainer_step.py::test_the_plan_pins_the_staging_ring_only_where_a_later_gradient_needs_it",
     "tests/training/test_eval_steps.py::test_each_end_evaluation_is_kept_when_a_resumed_run_ends_again",
     "tests/training/test_eval_steps.py::test_resume_neither_repeats_nor_loses_an_evaluation",
     "tests/training/test_faults.py::test_one_ctrl_c_stops_a_hung_reward_function_and_saves_the_last_step",

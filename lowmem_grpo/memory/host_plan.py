@@ -19,7 +19,8 @@ from ..optim.optimizers import optimizer_state_bytes
 from .arch import Arch
 
 
-def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda") -> dict:
+def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, device: str = "cuda",
+                    gradients_once: bool = False) -> dict:
     """Host RAM the run keeps on purpose, per category (module docstring).
 
     The offloaded optimizer's weight copy (unless fp32 masters) and gradient buffer are one block of
@@ -41,7 +42,9 @@ def host_categories(cfg: Config, arch: Arch, offloaded_activations: int = 0, dev
         host["gradient buffer"] = block - (host["weights copy"] if copies else 0)  # + norm slots, page tail
         if arch.tied:  # the tied head's contribution, its own block
             host["gradient buffer"] += arena_bytes([wb * arch.vocab * arch.hidden])
-        if cfg.train.gradient_accumulation_steps > 1:  # later micro-batches' gradients arrive there
+        # later micro-batches' gradients arrive through the staging ring; none do where every gradient is
+        # summed on the device and sent once (`gradients_once`: the layer-major backward with the head's too)
+        if cfg.train.gradient_accumulation_steps > 1 and not gradients_once:
             host["gradient buffer"] += staging_bytes()
     if offloaded_activations:
         host["activations (offloaded)"] = offloaded_activations

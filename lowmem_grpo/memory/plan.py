@@ -528,7 +528,7 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
     inputs_kept = cfg.train.gradient_accumulation_steps if sizes.layer_major else 1
     offloaded = (inputs_kept * sizes.kept_layer_inputs() * sizes.layer_input_bytes
                  + sizes.costs.norm_offloaded * sizes.train.positions if sizes.offloads_activations else 0)
-    host = host_categories(cfg, arch, offloaded, device)
+    host = host_categories(cfg, arch, offloaded, device, gradients_once=sizes.layer_major and sizes.head_once)
     pinned = [c for c in pinned_host_categories(cfg, device) if c in host]
     if reward_plan.host_bytes(rewards, where, device):
         host["reward models"] = reward_plan.host_bytes(rewards, where, device)

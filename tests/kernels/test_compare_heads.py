@@ -4,20 +4,15 @@ TRL and Liger come from the `bench` extra; without them (CI) their rows must say
 with them their rows must have run."""
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmark_scripts import load_benchmark
+
 
 
 def _compare_heads():
-    spec = importlib.util.spec_from_file_location("compare_heads", ROOT / "benchmarks" / "compare_heads.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["compare_heads"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compare_heads")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The step-time estimate (memory/step_time.py), its table of cards (memory/cards.py) and `plan --card`."""
 
 import dataclasses
-import importlib.util
 import json
 import pathlib
 
@@ -14,6 +13,7 @@ from lowmem_grpo.memory.plan import Arch
 from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.memory.step_time import (EFFICIENCY, decode_step, estimate, head_flops, layers_flops,
                                           transfers)
+from tests.benchmark_scripts import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE_1_5B = str(ROOT / "recipes" / "qwen2.5-1.5b_gsm8k_8gb.yaml")
@@ -24,10 +24,7 @@ STATED_ERROR, STATED_HELD_OUT_ERROR = 0.11, 0.08
 
 
 def _fit_script():
-    spec = importlib.util.spec_from_file_location("step_time_fit", ROOT / "benchmarks" / "step_time_fit.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_time_fit")
 
 
 @pytest.fixture(scope="module")
