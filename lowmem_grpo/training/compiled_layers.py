@@ -21,6 +21,7 @@ import logging
 from typing import Iterator, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..config import ConfigError
@@ -28,6 +29,8 @@ from ..config.schema import ModelConfig
 from ..policy.layer_major import decoder_layers
 
 log = logging.getLogger(__name__)
+# torch.utils.checkpoint ends a non-reentrant recomputation early by raising this through the layer's forward
+STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
 class CompiledLayers:
@@ -53,6 +56,8 @@ class CompiledLayers:
             if self.failed is None:
                 try:
                     out = compiled(*args, **kwargs)
+                except STOP_RECOMPUTATION:  # checkpoint's early stop: how a recomputation ends, not a failure
+                    raise
                 except Exception as exc:  # noqa: BLE001 - any failure falls back; eager re-raises a real error
                     self.failed = _reason(exc)
                     log.warning("model.torch_compile: compiling the decoder layers (backend %s) failed, so they run "

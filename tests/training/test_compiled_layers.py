@@ -2,6 +2,7 @@
 (parameters after several steps, within fp32 rounding), only inside the training passes, and a compile
 failure falls back to the eager layers without losing the step; the settings TRL's way."""
 
+import contextlib
 import copy
 import logging
 import threading
@@ -85,6 +86,36 @@ def test_a_compile_failure_falls_back_to_the_eager_layers(toy_config, caplog):
     assert "no compiler here" in compiled.compiled.failed and compiled.compiled.calls == 0
     assert sum("run eagerly from here on" in r.getMessage() for r in caplog.records) == 1
     assert all(torch.equal(v, want[k]) for k, v in got.items())  # the eager layers: the same bits
+
+
+def test_a_checkpointed_layer_recomputation_may_stop_early_through_the_compiled_forward():
+    """torch's non-reentrant checkpoint ends a recomputation early by raising through the layer's forward once
+    it has what backward needs: the compiled layer lets that pass (not a compile failure, not an eager retry,
+    which broke the checkpoint's state under transformers 5.17) and the gradients are the eager ones."""
+    from lowmem_grpo.training.compiled_layers import CompiledLayers
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
+                                 for _ in range(2))
+    x = torch.randn(3, 5, 16)
+
+    def grads(compiled=None):
+        for p in layers.parameters():
+            p.grad = None
+        with compiled.active() if compiled else contextlib.nullcontext(), \
+                torch.utils.checkpoint.set_checkpoint_early_stop(True):
+            h = x
+            for layer in layers:
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            (h.square().sum() + h.sum()).backward()
+        return [p.grad.clone() for p in layers.parameters()]
+
+    want = grads()
+    compiled = CompiledLayers(layers)
+    got = grads(compiled)
+    assert compiled.failed is None and compiled.calls == 2  # the forwards; each recomputation stopped early
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_torch_compile_settings_as_in_trl(toy_config):
