@@ -33,8 +33,8 @@ second: the first call's steps that did not finish on this machine (not started,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
   this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); the 1.5B recipe with the
   per-micro-batch path the layer-major backward replaced, profiled the same way; one step each of the
-  Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; the 1.5B recipe's
-  per-micro-batch path with its layers compiled (model.torch_compile), profiled; one step each of the
+  Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; the 1.5B recipe with its
+  layers compiled (model.torch_compile), profiled; one step each of the
   Llama-3.1-8B and Qwen2.5-7B 24 GB recipes under a 24 GiB cap; the 7B 8 GB recipe (its layers in host RAM,
   NF4 rollouts, eager decode); the 1.5B rollout's decode eager against graphed; the fused head's time
   against plain torch; the 1.5B 4096-token and 0.5B GSM8K recipes; the fused head's peak. The trainer steps
@@ -207,10 +207,9 @@ def second_call(tiny: bool, out: Path) -> list[Step]:
         _trainer_step("trainer-llama-3.2-1b", "Llama-3.2-1B", "llama-3.2-1b_gsm8k_8gb", 512, 1, 100, tiny),
         _trainer_step("trainer-gemma-3-1b", "Gemma-3-1B", "gemma-3-1b_gsm8k_8gb", 512, 1, 100, tiny),
         _trainer_step("trainer-3b", "Qwen2.5-3B", "qwen2.5-3b_gsm8k_8gb", 384, 2, 170, tiny, profile=True),
-        # model.torch_compile (refused with the layer-major backward): does compiling the layers shorten the
-        # host-bound training phase on a GPU?
+        # model.torch_compile: does compiling the layers shorten the host-bound training phase on a GPU?
         _trainer_step("trainer-1.5b-compiled-layers", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 150, tiny,
-                      [*PER_MICROBATCH, "model.torch_compile=true"], profile=True),
+                      ["model.torch_compile=true"], profile=True),
         _trainer_step("trainer-8b-24gb", "Llama-3.1-8B", "llama-3.1-8b_gsm8k_24gb", 1024, 1, 240, tiny, cap_gib=24),
         _trainer_step("trainer-7b-24gb", "Qwen2.5-7B", "qwen2.5-7b_gsm8k_24gb", 1024, 1, 240, tiny, cap_gib=24),
         # 7.6B with its layers in host RAM (model.offload_weights) and an NF4 rollout copy: one step, eager

@@ -104,20 +104,18 @@ def torch_compile_wanted(m: ModelConfig) -> bool:
     return bool(m.torch_compile) or m.torch_compile_backend is not None or m.torch_compile_mode is not None
 
 
-def compiled_layers(m: ModelConfig, decoder: nn.Module, world_size: int, layer_major: bool
-                    ) -> Optional[CompiledLayers]:
+def compiled_layers(m: ModelConfig, decoder: nn.Module, world_size: int) -> Optional[CompiledLayers]:
     """The decoder's layers compiled as model.torch_compile* say, or None where it is off. ConfigError, naming
-    the setting to change, where the run is not one it is built and tested for: one process, a step mode
-    that calls the model's own forward (not the layer-major passes, which call the layers themselves), and
-    no model.offload_activations (its saved-tensor hooks)."""
+    the setting to change, where the run is not one it is built and tested for: one process, the layers'
+    weights resident (not model.offload_weights, whose streamer swaps them per layer) and no
+    model.offload_activations (its saved-tensor hooks)."""
     if not torch_compile_wanted(m):
         return None
     if world_size > 1:
         raise ConfigError("model.torch_compile runs in one process: under torchrun set model.torch_compile=false")
-    if layer_major:
-        raise ConfigError("model.torch_compile does not compile the layer-major backward's passes: set "
-                          "train.layer_major_backward=false (with model.offload_weights=false), or "
-                          "model.torch_compile=false")
+    if m.offload_weights:
+        raise ConfigError("model.torch_compile does not run with model.offload_weights (its layers' weights are "
+                          "streamed in per layer): set one of them to false")
     if m.offload_activations:
         raise ConfigError("model.torch_compile does not run with model.offload_activations (its saved-tensor "
                           "hooks): set one of them to false")

@@ -127,7 +127,7 @@ class Trainer:
                                         autocast=self.autocast, offload_inputs=m.offload_activations, group=group,
                                         hold_head=hold_head, streamer=streamer)
         # model.torch_compile: the layers compiled for the training passes (None when off)
-        self.compiled = compiled_layers(m, self.head.decoder, self.world.size, self.layer_major)
+        self.compiled = compiled_layers(m, self.head.decoder, self.world.size)
         self.generation: Optional[GenerationBatch] = None
         self.nonfinite_in_a_row = 0
         self.last_saved_step = 0  # step 0 is the model as loaded: nothing to save yet
@@ -345,8 +345,9 @@ class Trainer:
                         mode.backward(loss, tally.loss_is_finite)  # loss.backward(), the optimizer in it or not
                 if work.learns:
                     tally.count(computed_tokens(work.rows, self.pack, self.head.decoder), work.tokens)
-        totals = self._summed_over_ranks(tally.totals())
-        grad_norm, finite = mode.finish(totals.loss, num_items, totals.backwards)  # clip, optimizer.step()
+            totals = self._summed_over_ranks(tally.totals())
+            # clip, optimizer.step(); the layer-major mode's backward of the layers runs here
+            grad_norm, finite = mode.finish(totals.loss, num_items, totals.backwards)
         lr = self._after_update(finite)
         gb.steps_done += 1
         out = trl_names(step_means(totals.sums, num_items=num_items, computed=totals.computed,

@@ -44,6 +44,8 @@ def _train_alike(toy_config, settings: tuple, monkeypatch, rtol: float, atol: fl
     want = _steps(eager, copy.deepcopy(batch), 3)
     got = _steps(compiled, copy.deepcopy(batch), 3)
     assert compiled.compiled.failed is None and compiled.compiled.calls > 0
+    if "layer_major_backward=true" in settings:  # both passes compiled: the no-grad one and the recomputation,
+        assert compiled.compiled.calls == 3 * 2 * 2 * 2  # per step, micro-batch and layer
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # this model's layers were compiled
     for k, v in got.items():  # 3 steps of lr 1e-3 move a weight by up to ~3e-3
         torch.testing.assert_close(v, want[k], rtol=rtol, atol=atol, msg=k)
@@ -52,18 +54,21 @@ def _train_alike(toy_config, settings: tuple, monkeypatch, rtol: float, atol: fl
 
 
 OFFLOADED = ["offload_optimizer=true", "gradient_accumulation_steps=2", "steps_per_generation=2"]  # host update
+# each layer recomputed and back-propagated for every micro-batch in turn (LayerMajorStep.finish)
+LAYER_MAJOR = [*OFFLOADED, "gradient_checkpointing=true", "layer_major_backward=true"]
 # Adam's eps at 1e-4: at 1e-8 an entry whose gradient is rounding noise moves by up to lr either way
 SETTINGS = ("gradient_checkpointing=false", "adam_epsilon=1e-4")
 
 
-@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=true"], ["optimizer_in_backward=true"], OFFLOADED])
+@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=true"], ["optimizer_in_backward=true"], OFFLOADED,
+                                       LAYER_MAJOR, [*LAYER_MAJOR, "head_gradient_once_per_step=true"]])
 def test_compiled_layers_train_like_the_eager_ones(toy_config, overrides, monkeypatch):
     _train_alike(toy_config, (*SETTINGS, *overrides), monkeypatch, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run by benchmarks/gpu_session.sh)")
-@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=true"], OFFLOADED])
+@pytest.mark.parametrize("overrides", [[], ["gradient_checkpointing=true"], OFFLOADED, LAYER_MAJOR])
 def test_cuda_compiled_layers_train_like_the_eager_ones(toy_config, overrides, monkeypatch):
     # Inductor's fused kernels reduce in another order than eager's on the GPU: 1e-5 of a ~3e-3 move
     _train_alike(toy_config, (*SETTINGS, "device=cuda", *overrides), monkeypatch, rtol=1e-4, atol=1e-5)
@@ -130,8 +135,7 @@ def test_torch_compile_settings_as_in_trl(toy_config):
 
 @pytest.mark.parametrize("overrides, match", [
     (["gradient_checkpointing=true", "offload_activations=true"], "offload_activations"),
-    (["offload_optimizer=true", "gradient_checkpointing=true", "layer_major_backward=true"],
-     "layer_major_backward=false"),
+    ([*LAYER_MAJOR, "offload_weights=true"], "offload_weights"),
 ])
 def test_runs_it_is_not_built_for_are_refused_naming_the_setting(toy_config, overrides, match):
     with pytest.raises(ConfigError, match=match):
