@@ -36,9 +36,11 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from lowmem_grpo.phases import PREFIX
+
 ROOT = Path(__file__).resolve().parents[1]
-PHASE_PREFIX = "lowmem::phase:"
-CALL_MARK = "lowmem::profiled call"
+PHASE_PREFIX = PREFIX + "phase:"  # as lowmem_grpo.phases.phase names its ranges
+CALL_MARK = PREFIX + "profiled call"
 OUTSIDE = "(outside phases)"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|matmul|triton_tem_", re.I)
@@ -166,10 +168,9 @@ def summarise(events: list[dict], head_kernels: Optional[frozenset[str]] = None)
             "syncs": syncs, "top_kernels": [{"name": n, **k} for n, k in top]}
 
 
-def profile_call(fn: Callable, device: torch.device, keep_trace: Optional[Path] = None):
+def profile_call(fn: Callable, device: torch.device):
     """Run `fn()` once under the profiler; return its result and `summarise` of the trace, with `call_s`:
-    the seconds from the call's start to the device's last work (reading the trace back not included).
-    `keep_trace`: also leave the chrome trace there."""
+    the seconds from the call's start to the device's last work (reading the trace back not included)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -179,11 +180,10 @@ def profile_call(fn: Callable, device: torch.device, keep_trace: Optional[Path] 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-    path = keep_trace or Path(tempfile.mkdtemp(prefix="step_profile_")) / "trace.json"
+    path = Path(tempfile.mkdtemp(prefix="step_profile_")) / "trace.json"
     prof.export_chrome_trace(str(path))
-    events = json.loads(Path(path).read_text())["traceEvents"]
-    if keep_trace is None:
-        path.unlink()
+    events = json.loads(path.read_text())["traceEvents"]
+    path.unlink()
     return result, {"call_s": seconds, **summarise(events)}
 
 
