@@ -26,6 +26,12 @@ step must touch per parameter, and time / (bytes / bandwidth): how far the step 
 with the trainer's main thread, its data and reward work, or another job), in the same run; the `x quiet`
 column is the step's time over its quiet time in this run (memory-bound times use the quiet bandwidth).
 
+`--norm-pass`: instead, the host's pass for the global norm as optim/offload.py's `_global_norm` makes it
+(fp32_norm_tensor per tensor, median of `--repeats`) over every bf16 gradient, as before `device_norms`,
+and over those a layer-major recipe still sums on the host (its `device_norms` on CUDA take the others on
+the GPU as they leave): the input embedding's, whose gradient arrives as the rows each micro-batch's lookup
+read (with a tied head, its part too).
+
 The copies across PCIe are not timed here (they run on the GPU's copy engines, beside the host update);
 their bytes are computed: every gradient down and every weight up per step. Host RAM needed for the run:
 weight copy + gradient buffer + states (host_ram.host_bytes_per_param).
@@ -181,6 +187,20 @@ def measure(name: str, optimizer: str, path: str, repeats: int, busy: list[int])
     return rows
 
 
+def norm_pass(name: str, repeats: int) -> dict:
+    """Seconds of the host's global-norm pass over every gradient and over the host-summed ones."""
+    arch = Arch.from_config(preset(name))
+    grads = [torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3) for n in arch.tensor_sizes]
+    host_summed = grads[:1]  # the input embedding: the first tensor (lookup_rows.py's rows, summed on the host)
+
+    def seconds(tensors):
+        return statistics.median(_timed(lambda: [fp32_norm_tensor(g) for g in tensors]) for _ in range(repeats))
+    seconds(grads)  # warm-up
+    every, summed = seconds(grads), seconds(host_summed)
+    return {"model": name, "params": arch.params, "host_summed_params": sum(g.numel() for g in host_summed),
+            "every_gradient_s": every, "host_summed_s": summed}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["Qwen2.5-0.5B", "Qwen2.5-1.5B"])
@@ -190,12 +210,25 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--busy", nargs="+", type=int, default=[0],
                     help="competing busy processes (one core each) per measurement; 0 1: quiet, then one")
+    ap.add_argument("--norm-pass", action="store_true", help="time the host's global-norm pass instead")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_utils import machine_info
+    if args.norm_pass:
+        print(f"machine: {machine_info('cpu')}")
+        print("| model | host norm pass, every gradient (s) | ns / parameter | host-summed tensors' (s) | "
+              "their parameters |")
+        print("|---|---:|---:|---:|---:|")
+        rows = [norm_pass(name, args.repeats) for name in args.models]
+        for r in rows:
+            print(f"| {r['model']} | {r['every_gradient_s']:.3f} | {r['every_gradient_s'] / r['params'] * 1e9:.3f} | "
+                  f"{r['host_summed_s']:.3f} | {r['host_summed_params'] / 1e6:.0f}M of {r['params'] / 1e6:.0f}M |")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
+        return 0
     bandwidth = memory_bandwidth()
     rows = []
     print(f"machine: {machine_info('cpu')}")

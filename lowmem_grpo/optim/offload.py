@@ -4,8 +4,9 @@
 sends its finished gradient to a host buffer in the weight dtype (first micro-batch: copied; later ones:
 added through the `STAGING_SLOTS` x `STAGING_CHUNK_BYTES` staging ring, one rounding per add, as autograd
 accumulates `.grad`). `end_step` takes torch clip_grad_norm_'s global norm (skipping the step if it is not
-finite), then clips, steps the inner optimizer on the host copy of each weight in forward order and uploads
-it, on the update thread (update_thread.py). The device holds the weights and at most `lag_bytes` of
+finite; a tensor's norm is taken on the device where its gradient crosses once, else on its host copy:
+`device_norms`), then clips, steps the inner optimizer on the host copy of each weight in forward order and
+uploads it, on the update thread (update_thread.py). The device holds the weights and at most `lag_bytes` of
 gradients in flight; the host holds weight copies, gradient buffers and states (host_ram.py counts them).
 Results equal the plain path's bit for bit. A tied embedding's head contribution gets its own leaf and host
 buffer (`split_tied_head`), so the device never holds two (V, H) gradients.
@@ -110,6 +111,16 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self.head_arena: Optional[HostArena] = None  # its block of host memory
         self._head_arrived = False  # in this backward (its copy may still be on the way: _head_ready)
         self._head_ready: Optional[torch.cuda.Event] = None
+        # device_norms: a gradient that crosses once per step has its norm taken on the device as it leaves,
+        # and the norm crosses with it into its slot (_norm_arrived), so the host does not read the whole
+        # gradient again for the global norm. On by default on CUDA (the device's reduction is nearly free,
+        # the host's pass over every gradient is not); on the CPU the same function on the same values
+        # gives the same bits either way (the tests turn it on there). A tensor summed on the host in the
+        # last step (accumulation, the tied head, lookup rows) gets its norm on the host, not twice.
+        self.device_norms = self.on_cuda
+        self._norm_arrived: set[int] = set()  # indices whose norm slot holds their whole gradient's norm
+        self._host_sums: set[int] = set()  # indices a host-side add reached in this step
+        self._host_sums_before: set[int] = set()  # ... in the last step: no device norm at their first arrival
 
     # ----- the tied embedding (docs/memory-modes.md) -------------------------------------------------
     def split_tied_head(self, model: nn.Module, heads=()) -> bool:
@@ -210,14 +221,21 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             self._wait_head()
             self._head_arrived = False
         if index not in self._summed:
-            self._first_copies[index] = self._copy_to_host(grad, host_grad)
+            norm = (fp32_norm_tensor(grad) if self.device_norms and not with_head
+                    and index not in self._host_sums_before else None)
+            with_norm = () if norm is None else ((norm, self._host_norm_slots[index]),)
+            self._first_copies[index] = self._copy_to_host(grad, host_grad, also=with_norm)
             self._bound_in_flight(self._first_copies[index], grad.numel() * grad.element_size())
+            if norm is not None:
+                self._norm_arrived.add(index)
             if with_head:  # head + lookup, one rounding (autograd's sum on the device)
                 self._wait_first_copy(index)
                 host_grad.add_(self.head_host)
+                self._added_on_host(index)
         else:
             self._wait_first_copy(index)
             self._stage_and_add(grad, host_grad, self.head_host if with_head else None)
+            self._added_on_host(index)
         self._summed.add(index)
         self._this_backward.add(index)
         self._fired.append(index)
@@ -248,25 +266,33 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             if index not in self._summed:
                 host_grad.zero_()
             host_grad.index_add_(0, host_ids, host_rows)
+            self._added_on_host(index)
         self._summed.add(index)
         self._this_backward.add(index)
         self._fired.append(index)
 
-    def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor, kind: str = "gradients"
-                      ) -> Optional[torch.cuda.Event]:
+    def _copy_to_host(self, grad: torch.Tensor, host: torch.Tensor, kind: str = "gradients",
+                      also: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()) -> Optional[torch.cuda.Event]:
         """Copy a gradient into a host buffer: at once on the CPU (None), else queued on the side stream,
-        with an event that completes when it is there. Counted as a transfer (`kind`) either way."""
+        with an event that completes when it is there. Counted as a transfer (`kind`) either way. `also`:
+        (device tensor, host tensor) pairs copied with it, under the same event (its norm: 4 bytes, not
+        counted)."""
         count_transfer(kind, "d2h", grad.numel() * grad.element_size())
         if not self.on_cuda:
             host.copy_(grad)
+            for source, target in also:
+                target.copy_(source)
             return None
         self.side.wait_stream(torch.cuda.current_stream(grad.device))  # the gradient is complete there
         with torch.cuda.stream(self.side):
             host.copy_(grad, non_blocking=True)
+            for source, target in also:
+                target.copy_(source, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self.side)
         # The caching allocator must not hand this memory out before the side stream has read it.
-        grad.record_stream(self.side)
+        for tensor in (grad, *(source for source, _ in also)):
+            tensor.record_stream(self.side)
         return ready
 
     def _bound_in_flight(self, ready: Optional[torch.cuda.Event], nbytes: int) -> None:
@@ -340,6 +366,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             host_grad.add_(self.head_host)
         else:
             host_grad.copy_(self.head_host)
+        self._added_on_host(index)
         self._summed.add(index)
         self._fired.append(index)
 
@@ -354,6 +381,13 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         self._staged.clear()  # left by a backward that raised: its step is broken anyway
         self._first_copies, self._in_flight, self._in_flight_bytes = {}, deque(), 0
         self._head_arrived, self._head_ready = False, None
+        self._norm_arrived, self._host_sums_before, self._host_sums = set(), self._host_sums, set()
+
+    def _added_on_host(self, index: int) -> None:
+        """Parameter `index`'s host buffer got a sum on the host: its norm is the host's to take, this step
+        and the next (where its first arrival then takes no device norm)."""
+        self._norm_arrived.discard(index)
+        self._host_sums.add(index)
 
     def end_step(self, apply: bool = True) -> float:
         """Finish the optimizer step: the global norm of the summed gradients (returned), then, if `apply`
@@ -400,7 +434,8 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         norms = []
         for index in sorted(order, key=self._norm_rank.__getitem__):  # the plain path's order (norm_order)
             grad = self.host_grad[self.params[index]]
-            self._host_norm_slots[index] = fp32_norm_tensor(grad)
+            if index not in self._norm_arrived:  # (else its slot holds the device's: device_norms)
+                self._host_norm_slots[index] = fp32_norm_tensor(grad)
             norms.append(self._host_norm_slots[index].to(grad.dtype))
         self.nonfinite_tensors = int(sum(not math.isfinite(float(n)) for n in norms))
         return torch.linalg.vector_norm(torch.stack(norms))

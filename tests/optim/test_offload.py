@@ -460,13 +460,16 @@ class LaggingCopies:
         self.recorded = self.done = self.waits = 0
         self.in_flight = []  # (sequence number, copy to run when it lands)
         monkeypatch.setattr(OffloadedOptimizer, "_copy_to_host",
-                            lambda opt, grad, host: self.to_host(grad, host))
+                            lambda opt, grad, host, kind="gradients", also=(): self.to_host(grad, host, also))
 
-    def to_host(self, grad, host):
+    def to_host(self, grad, host, also=()):
         grad = grad.clone()  # the device copy stays alive until its copy is done (record_stream)
+        also = [(source.clone(), target) for source, target in also]  # (a gradient's norm)
 
         def land():
             host.copy_(grad)
+            for source, target in also:
+                target.copy_(source)
         self.recorded += 1
         self.in_flight.append((self.recorded, land))
         return _LaggingEvent(self, self.recorded)
