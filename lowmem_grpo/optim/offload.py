@@ -4,12 +4,11 @@
 sends its finished gradient to a host buffer in the weight dtype (first micro-batch: copied; later ones:
 added through the `STAGING_SLOTS` x `STAGING_CHUNK_BYTES` staging ring, one rounding per add, as autograd
 accumulates `.grad`). `end_step` takes torch clip_grad_norm_'s global norm (skipping the step if it is not
-finite; a tensor's norm is taken on the device where its gradient crosses once, else on its host copy:
-`device_norms`), then clips, steps the inner optimizer on the host copy of each weight in forward order and
-uploads it, on the update thread (update_thread.py). The device holds the weights and at most `lag_bytes` of
-gradients in flight; the host holds weight copies, gradient buffers and states (host_ram.py counts them).
-Results equal the plain path's bit for bit. A tied embedding's head contribution gets its own leaf and host
-buffer (`split_tied_head`), so the device never holds two (V, H) gradients.
+finite; a gradient that crosses once brings its norm: `device_norms`), then clips, steps the inner optimizer
+on the host copy of each weight in forward order and uploads it, on the update thread (update_thread.py). The
+device holds the weights and at most `lag_bytes` of gradients in flight; the host holds weight copies,
+gradient buffers and states (host_ram.py counts them). Results equal the plain path's bit for bit. A tied
+embedding's head contribution gets its own leaf and host buffer, so the device never holds two (V, H) gradients.
 
 The host RAM functions (host_ram.py) and the update thread's names (update_thread.py) are importable here too.
 
