@@ -18,6 +18,10 @@ device), exports the trace to a temporary file, reads it back and returns `summa
 - `syncs`: the host's waits on the device (runtime calls named *Synchronize* and the blocking cudaMemcpy):
   count and host milliseconds, by call.
 - `top_kernels`: the ten kernels with the most device time in all (name, launches, total, longest).
+- `host`: for each phase, where its host time went: `launches` (the device work launched in it), `op_ms`
+  (the self time of the host's ops and runtime calls in it, summed over threads: autograd's backward runs
+  on a thread of its own) and `top_ops` (the HOST_TOP ops with the most self time: name, calls, ms). A
+  phase whose wall time exceeds its op time spent the rest in Python or waiting between ops.
 - `wall_ms`, `gpu_busy_ms`: the profiled call's span and the union of all its device work.
 
 Times are as the profiler records them (its own overhead included: each launch costs more host time
@@ -43,6 +47,8 @@ PHASE_PREFIX = PREFIX + "phase:"  # as lowmem_grpo.phases.phase names its ranges
 CALL_MARK = PREFIX + "profiled call"
 OUTSIDE = "(outside phases)"
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")  # host events with a self time (not ranges)
+HOST_TOP = 6  # host ops listed per phase
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|wgmma|matmul|triton_tem_", re.I)
 ATTENTION = re.compile(r"flash|fmha|attention|attn|sdpa", re.I)
 
@@ -112,6 +118,33 @@ class Timeline:
         return out
 
 
+def host_self_times(events: list[dict], timeline: Timeline) -> dict[str, dict[str, dict]]:
+    """Per phase (of the op's start), per host op name: calls and self milliseconds, its time less that of
+    the ops nested in it on the same thread."""
+    out: dict[str, dict[str, dict]] = {}
+
+    def close(item: list) -> None:
+        end, e, children = item
+        op = out.setdefault(timeline.name_at(e["ts"]), {}).setdefault(e["name"], {"count": 0, "self_ms": 0.0})
+        op["count"] += 1
+        op["self_ms"] += max(0.0, e["dur"] - children) / 1e3
+    by_thread: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES:
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        stack: list[list] = []  # [end, event, its direct children's time]
+        for e in sorted(thread, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1][0] <= e["ts"]:
+                close(stack.pop())
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e, 0.0])
+        while stack:
+            close(stack.pop())
+    return out
+
+
 def summarise(events: list[dict], head_kernels: Optional[frozenset[str]] = None) -> dict:
     """The summary (module docstring) of a chrome-trace event list of one profiled call: the call's span is
     the CALL_MARK range if there is one, else every host event's."""
@@ -163,9 +196,17 @@ def summarise(events: list[dict], head_kernels: Optional[frozenset[str]] = None)
             s["count"] += 1
             s["host_ms"] += e["dur"] / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1]["ms"])[:10]
+    self_times = host_self_times(host, timeline)
+    host_summary = {}
+    for name in phases:
+        ops = self_times.get(name, {})
+        ranked = sorted(ops.items(), key=lambda kv: -kv[1]["self_ms"])[:HOST_TOP]
+        host_summary[name] = {"launches": len(phase_work.get(name, [])),
+                              "op_ms": sum(op["self_ms"] for op in ops.values()),
+                              "top_ops": [{"name": n, **op} for n, op in ranked]}
     return {"wall_ms": (end - start) / 1e3, "gpu_busy_ms": union_ms((e["ts"], e["ts"] + e["dur"]) for e in device),
             "phases": phases, "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]["ms"])),
-            "syncs": syncs, "top_kernels": [{"name": n, **k} for n, k in top]}
+            "syncs": syncs, "top_kernels": [{"name": n, **k} for n, k in top], "host": host_summary}
 
 
 def profile_call(fn: Callable, device: torch.device):
@@ -202,4 +243,8 @@ def format_summary(s: dict) -> str:
     lines += ["top kernels (device time):"] + [
         f"  {k['ms']:9.1f} ms {k['count']:6d}x (longest {k['longest_ms']:.2f} ms)  {k['name'][:90]}"
         for k in s["top_kernels"]]
+    lines.append("host time by phase (self time of its ops and runtime calls, all threads):")
+    for n, h in s.get("host", {}).items():
+        lines.append(f"  {n}: {h['launches']} device launches, {h['op_ms']:.1f} ms in host ops; "
+                     + "; ".join(f"{o['name'][:40]} {o['count']}x {o['self_ms']:.1f} ms" for o in h["top_ops"]))
     return "\n".join(lines)

@@ -86,6 +86,34 @@ def test_the_host_waits_and_the_kernels_with_the_most_time(sp):
     assert "grpo_token_kernel" in sp.format_summary(s)
 
 
+def test_host_time_by_phase_is_each_ops_self_time_on_its_thread(sp):
+    # forward: linear [100, 200) holds addmm [110, 190), which holds a launch [120, 130); backward: two mm on
+    # autograd's own thread, one of them inside an optimizer range; ranges (user annotations) are no ops
+    op = lambda name, ts, dur, tid=1: {**_host(name, ts, dur, cat="cpu_op"), "tid": tid}  # noqa: E731
+    events = [
+        _host(sp.CALL_MARK, 0, 1000),
+        _host(sp.PHASE_PREFIX + "forward", 100, 300),
+        _host(sp.PHASE_PREFIX + "backward", 400, 500),
+        _host(sp.PHASE_PREFIX + "optimizer", 700, 100),
+        op("aten::linear", 100, 100), op("aten::addmm", 110, 80),
+        _host("cudaLaunchKernel", 120, 10, cat="cuda_runtime", correlation=1), _device("gemm", 130, 40, 1),
+        op("aten::mm", 450, 50, tid=2), op("aten::mm", 600, 30, tid=2), op("aten::mm", 710, 20, tid=2),
+        op("aten::add_", 460, 10),  # the main thread, while autograd's runs mm: both count
+    ]
+    h = sp.summarise(events, head_kernels=frozenset())["host"]
+    assert h["forward"]["launches"] == 1 and h["forward"]["op_ms"] == pytest.approx(0.1)
+    assert {o["name"]: (o["count"], o["self_ms"]) for o in h["forward"]["top_ops"]} == {
+        "aten::addmm": (1, pytest.approx(0.07)), "aten::linear": (1, pytest.approx(0.02)),
+        "cudaLaunchKernel": (1, pytest.approx(0.01))}
+    assert [o["name"] for o in h["forward"]["top_ops"]] == ["aten::addmm", "aten::linear", "cudaLaunchKernel"]
+    assert h["backward"]["launches"] == 0 and h["backward"]["op_ms"] == pytest.approx(0.09)
+    assert h["backward"]["top_ops"][0] == {"name": "aten::mm", "count": 2, "self_ms": pytest.approx(0.08)}
+    assert h["optimizer"]["top_ops"] == [{"name": "aten::mm", "count": 1, "self_ms": pytest.approx(0.02)}]
+    assert h[sp.OUTSIDE] == {"launches": 0, "op_ms": 0.0, "top_ops": []}
+    text = sp.format_summary(sp.summarise(events, head_kernels=frozenset()))
+    assert "forward: 1 device launches, 0.1 ms in host ops; aten::addmm 1x 0.1 ms" in text
+
+
 def test_the_package_kernels_are_found_in_its_source(sp):
     names = sp.package_triton_kernels()
     assert {"grpo_token_kernel", "grpo_row_kernel", "logits_stats_kernel", "logits_grad_kernel"} <= names
@@ -105,3 +133,4 @@ def test_a_profiled_call_on_the_cpu_names_its_phases(sp):
     assert result == 7 and s["call_s"] >= 0.03
     assert s["phases"]["forward"]["wall_ms"] >= 20 and s["phases"]["backward"]["wall_ms"] >= 10
     assert s["phases"]["forward"]["gpu_busy_ms"] == 0 and s["kinds"] == {}
+    assert set(s["host"]) == set(s["phases"]) and s["host"]["forward"]["launches"] == 0
