@@ -31,7 +31,8 @@ first, in this order:
 second: the first call's steps that did not finish on this machine (not started, stopped at their timeout,
   or cut by the call's end; of a test step, only its tests that did not end), read from gpu-results/state/,
   which a warm machine keeps between calls (`--redo KEY ...` names them instead); then, as time allows, in
-  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); the 1.5B recipe with the
+  this order of importance: every other cuda test (OTHER_CUDA_TEST_FILES); the 1.5B recipe in micro-batches
+  of 8 (MICROBATCH_8), profiled; the 1.5B recipe with the
   per-micro-batch path the layer-major backward replaced, profiled the same way; one step each of the
   Qwen3-1.7B, Llama-3.2-1B and Gemma-3-1B 8 GB recipes; the 3B recipe, profiled; the 1.5B recipe with its
   layers compiled (model.torch_compile), profiled; one step each of the
@@ -175,6 +176,10 @@ def _learning_step(tiny: bool) -> Step:
 
 # The path the layer-major backward replaced: each micro-batch's gradients cross PCIe.
 PER_MICROBATCH = ["train.layer_major_backward=false", "train.head_gradient_once_per_step=false"]
+# The same 32 completions per optimizer step in 4 micro-batches of 8: half the layer calls, and so half the
+# host's launches, in the training passes (planned peak 6.23 GiB against 6.02).
+MICROBATCH_8 = ["train.per_device_train_batch_size=8", "train.gradient_accumulation_steps=4",
+                "train.steps_per_generation=4"]
 
 
 def first_call(tiny: bool, out: Path) -> list[Step]:
@@ -201,6 +206,9 @@ def second_call(tiny: bool, out: Path) -> list[Step]:
     return [
         _test_step("other-cuda-tests", "every other cuda test", OTHER_CUDA_TEST_FILES, 170,
                    out / "second-other-junit.xml"),
+        # the training phase is host-bound (the third run's profile): does halving its launches halve it?
+        _trainer_step("trainer-1.5b-microbatch-8", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny,
+                      MICROBATCH_8, profile=True),
         _trainer_step("trainer-1.5b-per-microbatch", "Qwen2.5-1.5B", "qwen2.5-1.5b_gsm8k_8gb", 512, 2, 130, tiny,
                       PER_MICROBATCH, profile=True),
         _trainer_step("trainer-qwen3-1.7b", "Qwen3-1.7B", "qwen3-1.7b_gsm8k_8gb", 1024, 1, 120, tiny),

@@ -20,10 +20,10 @@ from tests.cuda_names import cuda_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = ["env", "cuda-tests", "kernel-tests", "trainer-1.5b", "learn-char-e"]
-SECOND = ["other-cuda-tests", "trainer-1.5b-per-microbatch", "trainer-qwen3-1.7b", "trainer-llama-3.2-1b",
-          "trainer-gemma-3-1b", "trainer-3b", "trainer-1.5b-compiled-layers", "trainer-8b-24gb", "trainer-7b-24gb",
-          "trainer-7b-8gb", "decode", "head-speed", "trainer-1.5b-4096", "trainer-0.5b-gsm8k",
-          "head-memory"]  # in order of importance
+SECOND = ["other-cuda-tests", "trainer-1.5b-microbatch-8", "trainer-1.5b-per-microbatch", "trainer-qwen3-1.7b",
+          "trainer-llama-3.2-1b", "trainer-gemma-3-1b", "trainer-3b", "trainer-1.5b-compiled-layers",
+          "trainer-8b-24gb", "trainer-7b-24gb", "trainer-7b-8gb", "decode", "head-speed", "trainer-1.5b-4096",
+          "trainer-0.5b-gsm8k", "head-memory"]  # in order of importance
 
 
 def _gpu_session():
