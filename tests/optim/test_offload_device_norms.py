@@ -1,7 +1,8 @@
 """The offloaded optimizer's device norms (optim/offload.py, `device_norms`): a gradient that crosses to the
 host once per step brings its norm with it, so end_step reads no host gradient for the global norm but those
-summed on the host (accumulation, the tied head, lookup rows). The results are the host norms' bit for bit
-and the plain path's. On this CPU "device" and host are one memory, so the tests turn device norms on: the
+summed on the host (accumulation, the tied head, lookup rows). The results are the host norms' bit for bit,
+and the plain path's (within rounding where the tied weight's two parts meet on the host after each was
+summed on the device). On this CPU "device" and host are one memory, so the tests turn device norms on: the
 same function reads the same values; on a GPU the device's reduction differs by rounding
 (test_offload_cuda.py)."""
 
