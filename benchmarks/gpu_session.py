@@ -120,6 +120,7 @@ OTHER_CUDA_TEST_FILES = [
     "tests/training/test_step_metrics.py",
     "tests/test_trainer_step.py",
     "tests/training/test_compiled_layers.py",
+    "tests/rewards/test_reward_model.py",
 ]
 
 

@@ -263,3 +263,43 @@ def test_the_planner_finds_a_reward_model_beside_the_recipe(random_rm, tmp_path,
     result = json.loads(capsys.readouterr().out)
     weights = 4 * sum(p.numel() for p in load_reward_model(str(model), str(random_rm[1])).model.parameters())
     assert result["phase_categories"]["rewards"]["reward model"] == weights
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("placement", ["gpu", "stream"])
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_cuda_placements_score_as_the_model_alone_within_the_plan(random_rm, placement, dtype, tol):
+    """On a GPU, `gpu` and `stream` score each text within the dtype's rounding of the model's CPU forward of
+    it alone, in the device and host memory the planner gives them (recipes/char_e.yaml with this reward
+    model): `gpu` keeps the weights on the device (the planner's "reward model" bytes) and its scoring adds at
+    most the planned "reward buffers"; `stream` keeps the whole model in one pinned host block of exactly the
+    planned "reward models" bytes, brings each layer to the device for its calls, and the device's peak
+    while it scores stays within the planned "reward buffers"."""
+    from lowmem_grpo.memory.plan import Arch, plan
+    model, tok = random_rm
+    recipe = str(ROOT / "recipes" / "char_e.yaml")
+    cfg = load_config(recipe, [f"rewards.reward_funcs=['{model}']", f"rewards.model_placement={placement}",
+                               f"rewards.model_dtype={dtype}", "rewards.model_batch_size=2"])
+    planned = plan(cfg, Arch.from_config(dict(load_config(recipe).model.config)))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    rm = load_reward_model(str(model), str(tok), settings=ModelSettings(placement=placement, device="cuda",
+                                                                         batch_size=2, dtype=dtype))
+    resident = torch.cuda.memory_allocated() - before
+    weights = sum(p.numel() * p.element_size() for p in rm.model.parameters())
+    torch.cuda.reset_peak_memory_stats()
+    got = rm(PROMPTS, COMPLETIONS)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert got == pytest.approx(spec_scores(model, PROMPTS, COMPLETIONS, getattr(torch, dtype)), abs=tol, rel=tol)
+    buffers = planned.phase_categories["rewards"]["reward buffers"]
+    if placement == "gpu":
+        assert rm.model.base_model.embed_tokens.weight.device.type == "cuda"
+        assert planned.phase_categories["rewards"]["reward model"] == weights <= resident
+        assert peak - resident <= buffers, f"scoring added {peak - resident} bytes; planned {buffers}"
+    else:
+        assert rm.arena.pinned and rm.arena.nbytes == planned.host_categories["reward models"]
+        assert "reward models" in planned.host_pinned
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in rm.model.base_model.layers.parameters())
+        assert resident < weights and rm.streamer.copies == 2
+        assert peak <= buffers, f"the device held {peak} bytes while scoring; planned {buffers}"
