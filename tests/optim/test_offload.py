@@ -410,7 +410,7 @@ def test_tied_head_split_refuses_a_head_gradient_after_the_lookups():
     # weight, saved by the head and changed in place since, usually speaks first; the split's check is
     # behind it.)
     from lowmem_grpo.kernels import linear_token_logprobs
-    from lowmem_grpo.policy.model import build_head, hidden_states
+    from lowmem_grpo.policy.model import hidden_states
     model = _model()
     opt = OffloadedOptimizer([{"params": list(model.parameters()), "lr": 1e-2}], _make("adamw"), None)
     assert split_head(opt, model)

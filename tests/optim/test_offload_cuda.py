@@ -35,7 +35,7 @@ import torch
 
 from lowmem_grpo.optim.offload import OffloadedOptimizer
 
-from .test_offload import (Plain, _head_loss, _loss, _make, _model, _step, assert_every_weight_moved,
+from .test_offload import (Plain, _loss, _make, _model, _step, assert_every_weight_moved,
                            assert_uploaded, split_head)
 from .ulp import BF16_STATES, FP32_STATES, assert_within_one_bf16_ulp, assert_within_updates, bf16_ulp
 
