@@ -61,7 +61,9 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = self.current()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _matmul_in_fp32(func, args, kwargs or {})
+        if out is None:
+            out = func(*args, **(kwargs or {}))
         self.current()  # drop what was freed, so a reused address is a new storage
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -70,6 +72,25 @@ class _LiveBytes(TorchDispatchMode):
                     self.live[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
+
+
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                       torch.ops.aten.baddbmm.default})
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _matmul_in_fp32(func, args, kwargs):
+    """A 16-bit CPU matmul computed in fp32 and rounded back: the same shape, dtype and bytes, which is all the
+    probe reads. On a CPU without AVX-512, torch runs 16-bit matmuls in its reference loops (no oneDNN kernel),
+    which took minutes per 7-8B layer. None where `func` is not one (the op runs as it is)."""
+    if func not in _MATMULS:
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or any(t.device.type != "cpu" or t.dtype not in _HALF for t in tensors):
+        return None
+    dtype = tensors[0].dtype
+    widened = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+    return func(*widened, **kwargs).to(dtype)
 
 
 def _cache_bytes(cache) -> int:

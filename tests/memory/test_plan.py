@@ -67,6 +67,28 @@ def test_layer_probe_kv_cache_bytes_are_the_hand_count():
     assert fp32.saved >= 64 * 4  # at least the layer's output
 
 
+@pytest.mark.parametrize("dtype_name, autocast", [("bfloat16", False), ("float32", True), ("float16", False)])
+def test_layer_probe_counts_the_same_bytes_with_its_16_bit_matmuls_in_fp32(dtype_name, autocast, monkeypatch):
+    # The probe computes 16-bit CPU matmuls in fp32 and rounds back (torch's 16-bit CPU matmul runs reference
+    # loops on CPUs without AVX-512): every cost equals the probe's with the matmuls as they are.
+    import json
+    import torch
+    from lowmem_grpo.memory import layer_probe
+    config = json.dumps(TINY, sort_keys=True)
+    widened = []
+    real = layer_probe._matmul_in_fp32
+
+    def counting(func, args, kwargs):
+        out = real(func, args, kwargs)
+        widened.append(out is not None)
+        return out
+    monkeypatch.setattr(layer_probe, "_matmul_in_fp32", counting)
+    fast = layer_probe._probe.__wrapped__(config, dtype_name, autocast)
+    assert any(widened)  # the fp32 matmuls did run
+    monkeypatch.setattr(layer_probe, "_matmul_in_fp32", lambda func, args, kwargs: None)
+    assert layer_probe._probe.__wrapped__(config, dtype_name, autocast) == fast
+
+
 def test_phase_categories_add_up_and_checkpointing_trades_activations():
     arch = Arch.from_config(preset("SmolLM2-135M"))
     ckpt = plan(load_config(None, MINIMAL), arch)
