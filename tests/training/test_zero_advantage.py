@@ -55,10 +55,11 @@ def test_skipping_gives_the_same_parameters(toy_config, tmp_path, case):
     fractions = [r["frac_zero_advantage_skipped"] for r in rows_s]
     assert any(0 < f < 1 for f in fractions), fractions  # the test must exercise skipping
     assert all(r["frac_zero_advantage_skipped"] == 0 for r in rows_p)
-    # 1e-5: 1% of one Adam step at the toy's learning rate (1e-3). The two runs sum their rows in different
-    # shapes, and Adam divides a near-zero gradient's rounding by its own size (up to 3e-6 seen, seed-dependent);
-    # a row skipped that should count, or counted twice, moves a parameter by whole steps.
-    _assert_same_run(skipped, plain, rows_s, rows_p, atol=1e-5)
+    # 1e-4: 10% of one Adam step at the toy's learning rate (1e-3). The two runs sum their rows in different
+    # shapes, and Adam divides a near-zero gradient's rounding by its own size (seed- and CPU-dependent: up to
+    # 3e-6 seen on an Intel Xeon, 1.4e-5 on an AMD EPYC Zen 3); a row skipped that should count, or counted
+    # twice, moves a parameter by whole steps.
+    _assert_same_run(skipped, plain, rows_s, rows_p, atol=1e-4)
 
 
 @needs_bitsandbytes
