@@ -11,7 +11,8 @@ the host copy. Two paths (`--paths`):
           then sr_adamw.py's AdamW8bitSR (bitsandbytes' CPU 8-bit path, chunked, stochastic rounding);
           for `--optimizer adamw`: fp32_norm_tensor, grad.mul_(coef), the bf16 gradient widened to fp32,
           torch.optim.AdamW(fused=True) on the fp32 master, the master rounded into the bf16 upload buffer.
-  fused   host_adamw.py: the norm in one pass (grad_sum_squares), the clip coefficient handed to the
+  fused   host_adamw.py: the norm as offload.py's global norm takes it (grad_norm: the kernel's one pass,
+          grad_sum_squares, above one fp32_norm_tensor chunk), the clip coefficient handed to the
           kernel as grad_scale, the 8-bit AdamW with stochastic rounding in one pass per 256-block;
           for `adamw`: the same norm, then HostAdamW.step_fused: the bf16 gradient read as it is, the clip,
           torch's fused AdamW arithmetic and the master rounded into the upload buffer in one pass.
@@ -26,11 +27,12 @@ step must touch per parameter, and time / (bytes / bandwidth): how far the step 
 with the trainer's main thread, its data and reward work, or another job), in the same run; the `x quiet`
 column is the step's time over its quiet time in this run (memory-bound times use the quiet bandwidth).
 
-`--norm-pass`: instead, the host's pass for the global norm as optim/offload.py's `_global_norm` makes it
-(fp32_norm_tensor per tensor, median of `--repeats`) over every bf16 gradient, as before `device_norms`,
-and over those a layer-major recipe still sums on the host (its `device_norms` on CUDA take the others on
-the GPU as they leave): the input embedding's, whose gradient arrives as the rows each micro-batch's lookup
-read (with a tied head, its part too).
+`--norm-pass`: instead, the host's pass for the global norm (median of `--repeats`) over every bf16
+gradient, as before `device_norms`, and over those a layer-major recipe still sums on the host (its
+`device_norms` on CUDA take the others on the GPU as they leave): the input embedding's, whose gradient
+arrives as the rows each micro-batch's lookup read (with a tied head, its part too). Two ways per tensor:
+fp32_norm_tensor (what optim/offload.py's `_global_norm` took until the kernel's pass), and host_adamw's
+grad_norm (what it takes now: the kernel's pass above one chunk).
 
 The copies across PCIe are not timed here (they run on the GPU's copy engines, beside the host update);
 their bytes are computed: every gradient down and every weight up per step. Host RAM needed for the run:
@@ -103,7 +105,7 @@ class EightBitStep:
 
     def __call__(self, caps) -> None:
         for p, opt, cap in zip(self.params, self.optimizers, caps):
-            norm = self.host_adamw.host_grad_norm(p.grad) if self.fused else float(fp32_norm_tensor(p.grad))
+            norm = float(self.host_adamw.grad_norm(p.grad) if self.fused else fp32_norm_tensor(p.grad))
             coef = cap / (norm + 1e-6) if norm > cap else 1.0
             if self.fused:
                 opt.param_groups[0]["grad_scale"] = coef
@@ -128,7 +130,7 @@ class AdamWStep:
     def __call__(self, caps) -> None:
         for p, g16, opt, cap, up in zip(self.params, self.grads, self.optimizers, caps, self.upload):
             if self.fused:  # the norm in one pass, then clip, update and the rounded copy in one more
-                norm = self.host_adamw.host_grad_norm(g16)
+                norm = float(self.host_adamw.grad_norm(g16))
                 scale = cap / (norm + 1e-6) if norm > cap else 1.0
                 assert opt.step_fused(p, g16, grad_scale=scale, round_into=up)
                 continue
@@ -188,17 +190,18 @@ def measure(name: str, optimizer: str, path: str, repeats: int, busy: list[int])
 
 
 def norm_pass(name: str, repeats: int) -> dict:
-    """Seconds of the host's global-norm pass over every gradient and over the host-summed ones."""
+    """Seconds of the host's global-norm pass over every gradient and over the host-summed ones, each way."""
+    from lowmem_grpo.optim.host_adamw import grad_norm
     arch = Arch.from_config(preset(name))
     grads = [torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3) for n in arch.tensor_sizes]
     host_summed = grads[:1]  # the input embedding: the first tensor (lookup_rows.py's rows, summed on the host)
-
-    def seconds(tensors):
-        return statistics.median(_timed(lambda: [fp32_norm_tensor(g) for g in tensors]) for _ in range(repeats))
-    seconds(grads)  # warm-up
-    every, summed = seconds(grads), seconds(host_summed)
-    return {"model": name, "params": arch.params, "host_summed_params": sum(g.numel() for g in host_summed),
-            "every_gradient_s": every, "host_summed_s": summed}
+    row = {"model": name, "params": arch.params, "host_summed_params": sum(g.numel() for g in host_summed)}
+    for way, norm in (("chunks", fp32_norm_tensor), ("kernel", grad_norm)):
+        def seconds(tensors):
+            return statistics.median(_timed(lambda: [norm(g) for g in tensors]) for _ in range(repeats))
+        seconds(grads)  # warm-up
+        row[f"every_gradient_s_{way}"], row[f"host_summed_s_{way}"] = seconds(grads), seconds(host_summed)
+    return row
 
 
 def main(argv=None) -> int:
@@ -219,13 +222,16 @@ def main(argv=None) -> int:
     from bench_utils import machine_info
     if args.norm_pass:
         print(f"machine: {machine_info('cpu')}")
-        print("| model | host norm pass, every gradient (s) | ns / parameter | host-summed tensors' (s) | "
+        print("| model | norm | host norm pass, every gradient (s) | ns / parameter | host-summed tensors' (s) | "
               "their parameters |")
-        print("|---|---:|---:|---:|---:|")
+        print("|---|---|---:|---:|---:|---:|")
         rows = [norm_pass(name, args.repeats) for name in args.models]
         for r in rows:
-            print(f"| {r['model']} | {r['every_gradient_s']:.3f} | {r['every_gradient_s'] / r['params'] * 1e9:.3f} | "
-                  f"{r['host_summed_s']:.3f} | {r['host_summed_params'] / 1e6:.0f}M of {r['params'] / 1e6:.0f}M |")
+            for way, label in (("chunks", "fp32_norm_tensor"), ("kernel", "grad_norm")):
+                every = r[f"every_gradient_s_{way}"]
+                print(f"| {r['model']} | {label} | {every:.3f} | {every / r['params'] * 1e9:.3f} | "
+                      f"{r[f'host_summed_s_{way}']:.3f} | {r['host_summed_params'] / 1e6:.0f}M of "
+                      f"{r['params'] / 1e6:.0f}M |")
         if args.json:
             Path(args.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=2))
         return 0

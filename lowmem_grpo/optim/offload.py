@@ -29,7 +29,8 @@ from torch import nn
 from ..host_arena import HostArena, arena_bytes, buffer_bytes
 from ..phases import mark_gradient, scope
 from .host_ram import check_host_ram
-from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, fp32_norm_tensor, weakly
+from .host_adamw import grad_norm
+from .optimizer_in_backward import LAG_BYTES, OptimizerInBackward, weakly
 from ..transfers import count as count_transfer, count_sync
 from .update_thread import UPDATE_THREAD, UpdateThread
 
@@ -220,7 +221,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
             self._wait_head()
             self._head_arrived = False
         if index not in self._summed:
-            norm = (fp32_norm_tensor(grad) if self.device_norms and not with_head
+            norm = (grad_norm(grad) if self.device_norms and not with_head
                     and index not in self._host_sums_before else None)
             with_norm = () if norm is None else ((norm, self._host_norm_slots[index]),)
             self._first_copies[index] = self._copy_to_host(grad, host_grad, also=with_norm)
@@ -434,7 +435,7 @@ class OffloadedOptimizer(UpdateThread, OptimizerInBackward):
         for index in sorted(order, key=self._norm_rank.__getitem__):  # the plain path's order (norm_order)
             grad = self.host_grad[self.params[index]]
             if index not in self._norm_arrived:  # (else its slot holds the device's: device_norms)
-                self._host_norm_slots[index] = fp32_norm_tensor(grad)
+                self._host_norm_slots[index] = grad_norm(grad)
             norms.append(self._host_norm_slots[index].to(grad.dtype))
         self.nonfinite_tensors = int(sum(not math.isfinite(float(n)) for n in norms))
         return torch.linalg.vector_norm(torch.stack(norms))

@@ -15,6 +15,7 @@ from lowmem_grpo.native_build import source_tag
 from lowmem_grpo.optim import host_adamw
 from lowmem_grpo.optim.host_adamw import host_adamw8bit_class
 from lowmem_grpo.optim.sr_adamw import sr_adamw8bit_class
+from lowmem_grpo.optim.optimizer_in_backward import NORM_CHUNK, fp32_norm_tensor
 from tests.optim.ulp import assert_within_one_bf16_ulp, bf16_ulp
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -431,8 +432,19 @@ def test_grad_sum_squares_in_fp32_chunks_whatever_the_threads(kernel):
         torch.set_num_threads(threads)
     assert len(totals) == 2  # one value per dtype: the thread count changes nothing
     assert host_adamw.grad_sum_squares(g) == pytest.approx(exact, rel=1e-5)
-    assert host_adamw.host_grad_norm(g.to(torch.bfloat16)) == pytest.approx(
-        float(g.to(torch.bfloat16).double().norm()), rel=1e-5)
+
+
+def test_grad_norm_is_the_kernels_above_one_chunk_and_the_plain_paths_below(kernel):
+    # Above one fp32_norm_tensor chunk the kernel's pass; up to it (and for a strided tensor) the chunks,
+    # which for one chunk are torch's vector_norm: what clip_grad_norm_ takes.
+    g = torch.randn(NORM_CHUNK + 1000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    norm = host_adamw.grad_norm(g)
+    assert norm.dtype == torch.float32 and norm.dim() == 0
+    assert float(norm) == float(torch.tensor(math.sqrt(host_adamw.grad_sum_squares(g)), dtype=torch.float32))
+    assert float(norm) == pytest.approx(float(g.double().norm()), rel=1e-5)
+    for small in (g[:NORM_CHUNK], g[::2]):
+        assert torch.equal(host_adamw.grad_norm(small), fp32_norm_tensor(small))
+    assert torch.equal(host_adamw.grad_norm(g[:1000]), torch.linalg.vector_norm(g[:1000], dtype=torch.float32))
 
 
 def test_the_kernel_releases_the_gil(kernel, monkeypatch):

@@ -18,6 +18,7 @@ from .test_offload import LaggingCopies, Plain, _head_loss, _loss, _make, _model
     assert_uploaded, split_head
 
 CLIP = 0.05  # below every step's global norm here: the clip fires (asserted)
+LR = 1e-2  # test_offload's _make
 MICRO_BATCHES = 3
 
 
@@ -28,7 +29,7 @@ class NormCount:
     def __init__(self, monkeypatch):
         self.on_host = self.on_device = 0
         self.host_buffers: set[int] = set()
-        real = offload.fp32_norm_tensor
+        real = offload.grad_norm
 
         def counting(t):
             if t.data_ptr() in self.host_buffers:
@@ -36,7 +37,7 @@ class NormCount:
             else:
                 self.on_device += 1
             return real(t)
-        monkeypatch.setattr(offload, "fp32_norm_tensor", counting)
+        monkeypatch.setattr(offload, "grad_norm", counting)
 
     def watch(self, opt):
         self.host_buffers |= {g.data_ptr() for g in opt.host_grad.values()}
@@ -88,7 +89,7 @@ def test_device_norms_give_the_host_norms_steps_bit_for_bit(kind, pattern, monke
     dtype = torch.bfloat16 if kind == "bf16_sr" else torch.float32
     models = [_model(dtype) for _ in range(3)]
     plain = Plain(models[0], _make(kind), CLIP)
-    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": 1e-2}], _make(kind), CLIP) for m in models[1:]]
+    opts = [OffloadedOptimizer([{"params": list(m.parameters()), "lr": LR}], _make(kind), CLIP) for m in models[1:]]
     counts = NormCount(monkeypatch)
     for opt, model, on in zip(opts, models[1:], (False, True)):
         opt.device_norms = on
@@ -115,8 +116,9 @@ def test_device_norms_give_the_host_norms_steps_bit_for_bit(kind, pattern, monke
         assert torch.equal(y, z), k  # device norms: the host norms' steps, bit for bit
         if pattern != "held":
             assert torch.equal(x, y), k
-        elif plain_like:  # (the clip factor too differs by rounding)
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+        elif plain_like:  # (the clip factor too differs by rounding; in the 8-bit states that can put a value
+            # one code over, which moves its weight's update by a fraction of a percent of lr)
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6 if kind == "adamw" else 1e-2 * LR)
     if pattern != "held":
         assert_states_equal_plain(plain, opts[1])
     assert_uploaded(models[2], opts[1])
