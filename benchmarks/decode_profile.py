@@ -2,9 +2,10 @@
 
 `gemm_bound(model, rows, dtype)`: one decode step's bare GEMMs, every Linear layer's weight (the output
 head's included, once per step as with logits_to_keep=1) times a (rows, in_features) input through
-torch.matmul, in fp32 or bf16: the seconds of the fastest of `repeats` steps. rows / seconds is the
-tokens/s a decode loop could reach if GEMMs were all it did; a path's tokens/s over it is its "fraction
-of the GEMM bound".
+torch.matmul, in fp32 or bf16 (with `packed`, the same GEMMs on weights packed once into oneDNN's layout,
+as generation.pack_decode_weights runs them): the seconds of the fastest of `repeats` steps. rows / seconds
+is the tokens/s a decode loop could reach if GEMMs were all it did; a path's tokens/s over it is its
+"fraction of the GEMM bound".
 `profile_parts(fn, model)`: torch.profiler over fn(), its ops' self CPU time split into GEMM (mm, addmm,
 matmul, linear, the packed oneDNN/MKL linears), attention (sdpa and its kernels), the model's other ops
 (norms, rotary, activations, cache writes: ops inside a model forward), sampling and loop (ops outside the
@@ -29,16 +30,23 @@ def linear_shapes(model) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def gemm_bound(model, rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
-    """Seconds of one decode step's bare GEMMs at `rows` rows in `dtype` (the fastest of `repeats`)."""
+def gemm_bound(model, rows: int, dtype: torch.dtype, repeats: int = 3, packed: bool = False) -> float:
+    """Seconds of one decode step's bare GEMMs at `rows` rows in `dtype` (the fastest of `repeats`);
+    `packed`: through oneDNN's packed weights (torch.ops.mkldnn._linear_pointwise)."""
     shapes = linear_shapes(model)
     weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]  # (out, in), as nn.Linear holds them
     inputs = {i: torch.randn(rows, i, dtype=dtype) for _, i in shapes}
+    if packed:
+        weights = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
+        gemm = lambda inner, p: torch.ops.mkldnn._linear_pointwise(inputs[inner], p, None, "none", [], "")
+    else:
+        weights = [(w.shape[1], w) for w in weights]
+        gemm = lambda inner, w: torch.matmul(inputs[inner], w.t())
     best = float("inf")
     for _ in range(repeats + 1):  # the first call warms up
         t0 = time.perf_counter()
-        for w in weights:
-            torch.matmul(inputs[w.shape[1]], w.t())
+        for inner, w in weights:
+            gemm(inner, w)
         best = min(best, time.perf_counter() - t0)
     return best
 

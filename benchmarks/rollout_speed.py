@@ -24,11 +24,14 @@ Three paths on the same inputs:
 Only the paths named in --paths run (default generate, fast, refill).
 
 The GEMM-only bound, measured in the same run (benchmarks/decode_profile.py): one decode step's bare GEMMs
-(every Linear weight times a (micro-batch, in) input through torch.matmul), fp32 and bf16, timed before
-each repeat's paths; "gemm_bound_tokens_per_s" = micro-batch / the fastest step's seconds, and each path's
-"fraction_of_gemm_bound" divides its tokens/s by the bound in the dtype its matmuls run in (bf16 with
---dtype bf16 or --autocast). --profile: after the timed runs, one more rollout of each sampler path under
-torch.profiler, its time split into GEMM / attention / the model's other ops / sampling and loop / untraced.
+(every Linear weight times a (micro-batch, in) input through torch.matmul, and on the CPU again through
+oneDNN's packed weights: "fp32 packed"), fp32 and bf16, timed before each repeat's paths;
+"gemm_bound_tokens_per_s" = micro-batch / the fastest step's seconds. Each path's "fraction_of_gemm_bound"
+divides its tokens/s by the bound of the GEMMs it runs (packed for the packed paths) in the dtype its
+matmuls run in (bf16 with --dtype bf16 or --autocast); "fraction_of_fastest_gemm_bound", by the faster of
+the plain and packed bounds in that dtype (the bound the CPU's GEMMs give, whichever way they run).
+--profile: after the timed runs, one more rollout of each sampler path under torch.profiler, its time split
+into GEMM / attention / the model's other ops / sampling and loop / untraced.
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
 row runs --max-new tokens) --dtype bf16. The compiled path's warm-up (one whole rollout, which compiles and
@@ -150,6 +153,8 @@ PATHS = ("generate", "fast", "refill", "static", "compiled", "packed", "packed-h
 ENGINE: dict = {}  # the vLLM engine of the run, when --paths names it
 DECODE = {"static": "static", "compiled": "compiled"}  # sample()'s decode per path (else "dynamic")
 PACKED = {"packed": True, "packed-head": "head"}  # sample()'s packed per path (else False)
+BOUNDS = (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("fp32 packed", torch.float32, True),
+          ("bf16 packed", torch.bfloat16, True))  # the GEMM-only bounds: name, dtype, packed weights
 
 
 def main() -> None:
@@ -210,15 +215,16 @@ def main() -> None:
                            path, seed=0, **kw)[0]
         print(f"  warm-up  {path:8s} {warmup[path]:7.2f} s")
     runs: dict[str, list[dict]] = {path: [] for path in paths}
-    bound: dict[str, list[float]] = {"fp32": [], "bf16": []}  # seconds of one step's bare GEMMs, per repeat
+    bound: dict[str, list[float]] = {}  # seconds of one step's bare GEMMs, per repeat, by kind
     stats = {path: SamplingStats() for path in paths if path not in ("generate", "vllm")}
     for r in range(args.repeats):
         if device.type == "cpu":
-            for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-                bound[name].append(gemm_bound(model, args.micro_batch, dt))
-            print(f"  repeat {r} GEMM bound: fp32 {args.micro_batch / bound['fp32'][-1]:7.1f} tok/s, "
-                  f"bf16 {args.micro_batch / bound['bf16'][-1]:7.1f} tok/s "
-                  f"({step_gflop(model, args.micro_batch):.1f} GFLOP per step)")
+            for name, dt, packed in BOUNDS:
+                if not packed or dt == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                    bound.setdefault(name, []).append(gemm_bound(model, args.micro_batch, dt, packed=packed))
+            print(f"  repeat {r} GEMM bound: " + ", ".join(f"{k} {args.micro_batch / v[-1]:7.1f} tok/s"
+                                                           for k, v in bound.items())
+                  + f" ({step_gflop(model, args.micro_batch):.1f} GFLOP per step)")
         for path in paths:
             seconds, mask, truncated, st = run(model, prompts, distinct, cfg, path, seed=1000 + r, **kw)
             tokens = int(mask.sum())
@@ -259,12 +265,16 @@ def main() -> None:
     gemm = {name: args.micro_batch / min(ts) for name, ts in bound.items() if ts}
     if gemm:
         matmul_dtype = "bf16" if args.dtype == "bf16" or args.autocast else "fp32"
+        fastest = max(v for k, v in gemm.items() if k.split()[0] == matmul_dtype)
         for path, x in summary.items():
-            x["fraction_of_gemm_bound"] = x["tokens_per_s"] / gemm[matmul_dtype]
+            own = f"{matmul_dtype} packed" if PACKED.get(path) is True else matmul_dtype
+            x["fraction_of_gemm_bound"] = x["tokens_per_s"] / gemm.get(own, gemm[matmul_dtype])
+            x["fraction_of_fastest_gemm_bound"] = x["tokens_per_s"] / fastest
         print(f"GEMM-only bound ({step_gflop(model, args.micro_batch):.1f} GFLOP per step): "
-              + ", ".join(f"{k} {v:.1f} tok/s" for k, v in gemm.items()) + "; fraction of the "
-              f"{matmul_dtype} bound: " + ", ".join(f"{p} {x['fraction_of_gemm_bound']:.2f}"
-                                                   for p, x in summary.items()))
+              + ", ".join(f"{k} {v:.1f} tok/s" for k, v in gemm.items()) + f"; fraction of the {matmul_dtype} "
+              "bound of its own GEMMs (of the fastest): " + ", ".join(
+                  f"{p} {x['fraction_of_gemm_bound']:.2f} ({x['fraction_of_fastest_gemm_bound']:.2f})"
+                  for p, x in summary.items()))
     profiles = {}
     if args.profile:
         for path in (p for p in paths if p in stats):

@@ -3,7 +3,8 @@
 TRITON_INTERPRET must be set before the kernels are defined (triton.jit reads it at decoration
 time), so it is set here, before any test module imports lowmem_grpo.kernels.
 
-model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the CPU supports.
+model.bf16 auto is fp32 on every CPU here (LOWMEM_GRPO_CPU_BF16=0), whatever the CPU supports, and
+generation.pack_decode_weights auto decodes with the weights as they are (LOWMEM_GRPO_PACK_DECODE=0).
 
 LOWMEM_GRPO_REQUIRE_PEERS=1 (make test-compare) makes a missing TRL or Liger-Kernel an error instead of
 the skips of the tests that compare with them; LOWMEM_GRPO_REQUIRE_VLLM=1 (make test-vllm), a missing vLLM.
@@ -30,6 +31,9 @@ if not torch.cuda.is_available():
 # model.bf16 auto turns bf16 autocast on for CPUs with native bf16; the suite computes in fp32 on every
 # CPU (tolerances and bitwise checks were set for it). Subprocesses inherit this.
 os.environ["LOWMEM_GRPO_CPU_BF16"] = "0"
+# generation.pack_decode_weights auto packs where a measurement says it pays; packed fp32 GEMMs round
+# differently, so the suite decodes through F.linear on every CPU (the packed tests ask for packing).
+os.environ["LOWMEM_GRPO_PACK_DECODE"] = "0"
 
 
 PEERS = ("trl", "liger_kernel")

@@ -56,7 +56,7 @@ class GRPOConfigFields:
     generation_micro_batch_size: int = 64
     fast_rollout: bool = True
     compile_decode: Union[bool, str] = 'auto'
-    pack_decode_weights: Union[bool, str] = False
+    pack_decode_weights: Union[bool, str] = 'auto'
     rollout_quantization: str = 'none'
     engine: str = 'native'
     use_vllm: Optional[bool] = None
@@ -188,7 +188,7 @@ class GRPOConfigFields:
             generation_micro_batch_size: int = 64,
             fast_rollout: bool = True,
             compile_decode: Union[bool, str] = 'auto',
-            pack_decode_weights: Union[bool, str] = False,
+            pack_decode_weights: Union[bool, str] = 'auto',
             rollout_quantization: str = 'none',
             engine: str = 'native',
             use_vllm: Optional[bool] = None,

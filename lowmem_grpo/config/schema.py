@@ -166,13 +166,15 @@ class GenerationConfig:
                                                        "benchmarks/RESULTS.md); true | false.",
                                                        check=("auto", True, False))
     pack_decode_weights: Union[bool, str] = setting(
-        False, "CPU, native engine, decode step not compiled: each rollout runs the Linear layers (true) or the "
-               "output head alone (head) on copies of their weights packed once into oneDNN's GEMM layout "
-               "(policy/packed_linear.py): one more copy of those weights in host RAM while generating (bf16 "
-               "under autocast). bf16 computes the same numbers; fp32 differs by GEMM rounding (~1e-6). head pays "
-               "in fp32 where a rollout's rows fall below 16 as completions end (benchmarks/RESULTS.md). false | "
-               "true | head; ignored elsewhere (logged).",
-        check=(False, True, "head"))
+        "auto", "CPU, native engine, decode step not compiled: each rollout runs the Linear layers (true) or the "
+                "output head alone (head) on copies of their weights packed once into oneDNN's GEMM layout "
+                "(policy/packed_linear.py): one more copy of those weights in host RAM while generating (bf16 "
+                "under autocast). bf16 computes the same numbers; fp32 differs by GEMM rounding (~1e-6). auto = "
+                "true where this CPU's packed GEMMs run the model's decode GEMMs >= 1.1x F.linear's (measured once "
+                "per process, ~0.5 s; 1.5x on an AVX2-only AMD EPYC, benchmarks/RESULTS.md), false elsewhere; "
+                "head pays in fp32 where a rollout's rows fall below 16 as completions end. auto | false | true | "
+                "head; ignored off the CPU (true and head logged).",
+        check=("auto", False, True, "head"))
     rollout_quantization: str = setting("none", "none | int8 | nf4: the native engine samples from a compact copy "
                                                 "of the policy whose decoder Linear weights are int8 (one scale per "
                                                 "output row) or bitsandbytes' 4-bit NormalFloat (an absmax per 32; "

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Union
 
-from ..config import Config
+from ..config import Config, GenerationConfig
 from ..host_arena import arena_bytes, round_up
 from ..optim.offload import staging_bytes
 from ..optim.optimizers import optimizer_state_bytes
+from ..policy.packed_linear import auto_packing_forced
 from .arch import Arch
 
 
@@ -65,6 +66,13 @@ def pinned_host_categories(cfg: Config, device: str = "cuda") -> list[str]:
     if cfg.model.offload_activations:
         pinned.append("activations (offloaded)")
     return pinned
+
+
+def planned_packing(generation: GenerationConfig) -> Union[bool, str]:
+    """generation.pack_decode_weights as the planner counts it: auto, which measures the running CPU when a
+    rollout starts, as true (the larger case) unless LOWMEM_GRPO_PACK_DECODE decides it."""
+    setting = generation.pack_decode_weights
+    return setting if setting != "auto" else auto_packing_forced() is not False
 
 
 def packed_decode_bytes(arch: Arch, compute_bytes: int, setting: Union[bool, str] = True) -> int:

@@ -27,7 +27,7 @@ from ..training.activation_offload import MIN_BYTES
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
-from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories
+from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories, planned_packing
 from .layer_probe import LayerCosts, layer_costs
 from .rollout_copy import compact_copy_bytes  # noqa: F401 (importable from here too)
 from ..training.step_modes import head_gradient_once, layer_major_wanted, layers_per_checkpoint, offload_weights
@@ -535,7 +535,7 @@ def host_ram(sizes: StepSizes, rewards: list, where: str) -> tuple[dict[str, int
         pinned += ["reward models"] if where == "stream" and device != "cpu" else []
     if vllm_plan.uses_vllm(cfg) and device == "cpu":
         host["vLLM"] = vllm_plan.host_bytes(cfg, arch)
-    elif (packs := cfg.generation.pack_decode_weights) and device == "cpu" and not compiled_decode(cfg, device):
+    elif (packs := planned_packing(cfg.generation)) and device == "cpu" and not compiled_decode(cfg, device):
         host["packed decode weights"] = packed_decode_bytes(arch, sizes.compute_bytes, packs)
     return host, pinned
 

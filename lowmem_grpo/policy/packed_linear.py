@@ -5,7 +5,9 @@ A CPU decode step is GEMM-bound, and torch's F.linear re-lays out each weight fo
 `head_only` the output head's alone, with torch.ops.mkldnn._reorder_linear_weight and, inside the block,
 runs those layers through torch.ops.mkldnn._linear_pointwise on the packed copy. The head alone is the
 large GEMM whose plain fp32 call is slowest where rows are few (MKL at 8-15 rows: benchmarks/RESULTS.md),
-at a fifth of the copies' bytes for SmolLM2-135M. The weights change after every optimizer step, so
+at a fifth of the copies' bytes for SmolLM2-135M. `auto` packs every Linear where this CPU's packed GEMMs
+run the model's decode GEMMs >= PACK_MIN_SPEEDUP x F.linear's (`packed_gemm_speedup`, measured once per
+process). The weights change after every optimizer step, so
 the copies are made per rollout and freed when the block ends. Under bf16 autocast the packed copies are
 bf16 (rounded as autocast rounds them, `.to(bfloat16)`) and the layers return bf16, as autocast's linear
 does. The copies hold one more set of the packed weights in host RAM while they live: `packed_bytes`.
@@ -15,7 +17,11 @@ Design notes: docs/rollouts.md
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
+import time
+from collections import Counter
 from typing import Iterator, Optional, Union
 
 import torch
@@ -60,10 +66,82 @@ def pack_problem(model: nn.Module, device: torch.device, autocast_bf16: bool = F
 _logged: set[str] = set()
 
 
+# generation.pack_decode_weights=auto packs every Linear where the packed GEMMs of the model's shapes run at
+# least this much faster than F.linear's: the copies cost a pass over the weights per rollout and their bytes.
+PACK_MIN_SPEEDUP = 1.1
+_MEASURED_OUT = 16384  # output rows a shape is measured at (a larger head's time is scaled up from them)
+
+
+def linear_shapes(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
+    """(out, in, count) of every distinct Linear weight shape of `model` (a shared weight counted once)."""
+    weights = {id(m.weight): m.weight for m in _linears(model, False)}
+    return tuple((o, i, n) for (o, i), n in sorted(Counter(tuple(w.shape) for w in weights.values()).items()))
+
+
+@functools.lru_cache(maxsize=None)
+@torch.no_grad()
+@torch.autocast("cpu", enabled=False)
+def packed_gemm_speedup(shapes: tuple[tuple[int, int, int], ...], rows: int, dtype: torch.dtype,
+                        threads: int) -> float:
+    """F.linear's seconds over the packed GEMM's for one decode step's GEMMs: each (out, in, count) shape
+    at `rows` rows in `dtype` on random weights (out capped at 16384 rows and the time scaled up), the
+    fastest of 4 alternated calls times `count`. About 0.3-0.6 s for SmolLM2-135M on 2 cores; measured
+    once per process, shapes, rows, dtype and thread count."""
+    g = torch.Generator().manual_seed(0)
+    plain = packed = 0.0
+    for out, inner, count in shapes:
+        measured = min(out, _MEASURED_OUT)
+        x = torch.randn(rows, inner, generator=g).to(dtype)
+        w = (torch.randn(measured, inner, generator=g) * 0.02).to(dtype)
+        p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+        calls = (lambda: nn.functional.linear(x, w),
+                 lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        best = [float("inf")] * 2
+        for _ in range(4):
+            for k, call in enumerate(calls):
+                start = time.perf_counter()
+                call()
+                best[k] = min(best[k], time.perf_counter() - start)
+        plain += best[0] * count * out / measured
+        packed += best[1] * count * out / measured
+    return plain / packed
+
+
+def auto_packing_forced() -> Optional[bool]:
+    """generation.pack_decode_weights=auto as LOWMEM_GRPO_PACK_DECODE=1/0 decides it without measuring (the
+    test suite sets 0), or None where it is unset."""
+    forced = os.environ.get("LOWMEM_GRPO_PACK_DECODE")
+    return None if forced not in ("0", "1") else forced == "1"
+
+
+def _packing_pays(model: nn.Module, rows: int, autocast_bf16: bool) -> bool:
+    """generation.pack_decode_weights=auto on a CPU where packing is possible: whether it pays here
+    (`auto_packing_forced`, else measured)."""
+    if (forced := auto_packing_forced()) is not None:
+        return forced
+    dtype = _packed_dtype(next(m.weight for m in _linears(model, False)), autocast_bf16)
+    threads = torch.get_num_threads()
+    speedup = packed_gemm_speedup(linear_shapes(model), min(max(rows, 1), 64), dtype, threads)
+    pays = speedup >= PACK_MIN_SPEEDUP
+    message = (f"generation.pack_decode_weights auto: packed weights {'on' if pays else 'off'} (this CPU's "
+               f"packed {str(dtype).removeprefix('torch.')} GEMMs ran the decode's at {speedup:.2f}x F.linear's "
+               f"with {threads} threads; on from {PACK_MIN_SPEEDUP:.2f}x)")
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+    return pays
+
+
 def use_packed(model: nn.Module, wanted: Union[bool, str], device: torch.device,
-               autocast_bf16: bool = False) -> Union[bool, str]:
-    """generation.pack_decode_weights (false, true: every Linear, or "head") as `sample`'s packed: `wanted` where
-    `pack_problem` finds nothing, else False (the reason logged once)."""
+               autocast_bf16: bool = False, rows: int = 64) -> Union[bool, str]:
+    """generation.pack_decode_weights (false, true: every Linear, "head", or "auto") as `sample`'s packed:
+    `wanted` where `pack_problem` finds nothing, else False (the reason logged once). auto: True on a CPU
+    where packing is possible and pays for a decode of `rows` rows (`_packing_pays`), else False (silently:
+    nothing was asked for)."""
+    if wanted == "auto":
+        if device.type != "cpu" or pack_problem(model, device, autocast_bf16):
+            return False
+        return _packing_pays(model, rows, autocast_bf16)
     problem = pack_problem(model, device, autocast_bf16, head_only=wanted == "head") if wanted else None
     if problem and problem not in _logged:
         _logged.add(problem)

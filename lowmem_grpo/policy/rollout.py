@@ -45,7 +45,9 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
         kw = dict(eos_ids=eos_ids, pad_id=pad_id, device=device, greedy=greedy, micro_batch=micro_batch,
                   autocast_bf16=autocast_bf16, max_new_tokens=max_new)
         decode = decode_mode(model, cfg, device)
-        packed = use_packed(model, cfg.pack_decode_weights if decode != "compiled" else False, device, autocast_bf16)
+        rows = min(micro_batch, len(prompts))  # a decode step's rows at most: what auto packing is measured at
+        packed = use_packed(model, cfg.pack_decode_weights if decode != "compiled" else False, device, autocast_bf16,
+                            rows)
         try:
             completion_ids = sample(model, distinct, counts, cfg, decode=decode, packed=packed, **kw)  # (N, C)
         except Exception as e:  # noqa: BLE001 - compile_decode: a step that fails to compile, capture, run
@@ -53,7 +55,8 @@ def generate(model: nn.Module, prompts: list[list[int]], cfg: GenerationConfig, 
                 raise
             compile_failed(e)
             completion_ids = sample(model, distinct, counts, cfg, decode="dynamic",
-                                    packed=use_packed(model, cfg.pack_decode_weights, device, autocast_bf16), **kw)
+                                    packed=use_packed(model, cfg.pack_decode_weights, device, autocast_bf16, rows),
+                                    **kw)
     else:
         was_training = model.training
         model.eval()  # checkpointing only acts in training mode, so the KV cache is used here

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from lowmem_grpo.config import GenerationConfig
-from lowmem_grpo.policy.packed_linear import pack_problem, packed_bytes, packed_linears, use_packed
+from lowmem_grpo.policy import packed_linear
+from lowmem_grpo.policy.packed_linear import (linear_shapes, pack_problem, packed_bytes, packed_gemm_speedup,
+                                              packed_linears, use_packed)
 from lowmem_grpo.policy.rollout import generate
 from lowmem_grpo.policy.sampling import sample
 
@@ -141,17 +143,53 @@ def test_packed_refusals(caplog):
 
 
 def test_generate_packs_when_set(monkeypatch):
-    """generation.pack_decode_weights=true: rollout.generate samples with packed=True (off by default)."""
+    """generation.pack_decode_weights: rollout.generate samples with packed as set (auto by default, which
+    the suite's LOWMEM_GRPO_PACK_DECODE=0 turns off, and =1 on)."""
     import lowmem_grpo.policy.rollout as rollout
     seen = []
     real = rollout.sample
     monkeypatch.setattr(rollout, "sample", lambda *a, **kw: seen.append(kw["packed"]) or real(*a, **kw))
     model, distinct, cfg = _setup("llama", torch.float32)
-    for on in (False, True, "head"):
+    for on in (False, True, "head", "auto"):
         generate(model, distinct, dataclasses.replace(cfg, pack_decode_weights=on), eos_ids=[5], pad_id=PAD,
                  device=CPU)
-    assert seen == [False, True, "head"]
-    assert GenerationConfig().pack_decode_weights is False
+    monkeypatch.setenv("LOWMEM_GRPO_PACK_DECODE", "1")
+    generate(model, distinct, cfg, eos_ids=[5], pad_id=PAD, device=CPU)
+    assert seen == [False, True, "head", False, True]
+    assert GenerationConfig().pack_decode_weights == "auto"
+
+
+def test_auto_packs_where_the_measured_speedup_reaches_the_threshold(monkeypatch, caplog):
+    """auto, measured: True from PACK_MIN_SPEEDUP up (logged once, with the speed-up), False below it and
+    wherever packing is impossible (another device, fp16 weights; nothing logged as a warning there)."""
+    monkeypatch.delenv("LOWMEM_GRPO_PACK_DECODE")
+    model, _, _ = _setup("llama", torch.float32)
+    asked = []
+    for speedup, expected in ((packed_linear.PACK_MIN_SPEEDUP, True), (1.0, False), (3.0, True)):
+        monkeypatch.setattr(packed_linear, "packed_gemm_speedup", lambda *a, s=speedup: asked.append(a) or s)
+        with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
+            assert use_packed(model, "auto", CPU, rows=96) is expected
+    assert [a[1:3] for a in asked] == [(64, torch.float32)] * 3  # rows capped at 64, the weights' dtype
+    assert asked[0][0] == linear_shapes(model)
+    assert any("auto: packed weights on" in r.getMessage() and "3.00x" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert use_packed(model, "auto", torch.device("cuda")) is False
+        assert use_packed(tiny_model("llama").half(), "auto", CPU) is False
+    assert not caplog.records and len(asked) == 3
+
+
+def test_packed_gemm_speedup_measures_every_shape():
+    """The measurement times each shape both ways: a positive ratio, and linear_shapes counts a tied
+    weight once and every layer's shape by its count."""
+    model, _, _ = _setup("qwen2", torch.float32)
+    shapes = linear_shapes(model)
+    layers = model.config.num_hidden_layers
+    counted = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert sum(n for _, _, n in shapes) == len(counted)
+    assert all(n % layers == 0 or (o, i) == tuple(model.lm_head.weight.shape) for o, i, n in shapes)
+    speedup = packed_gemm_speedup(shapes, 4, torch.float32, torch.get_num_threads())
+    assert 0.05 < speedup < 20
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -172,3 +210,21 @@ def test_the_planner_counts_the_packed_copy(arch, bf16, setting):
     cfg.generation.pack_decode_weights = False
     assert "packed decode weights" not in plan(cfg, Arch.from_config(model.config), autocast=bf16,
                                                device="cpu").host_categories
+
+
+def test_the_planner_counts_auto_as_packing_unless_told(monkeypatch):
+    """auto (measured only when a rollout starts) is planned as true, the larger case; LOWMEM_GRPO_PACK_DECODE
+    decides it for the planner as for the rollout."""
+    from lowmem_grpo.config import Config
+    from lowmem_grpo.memory.plan import Arch, plan
+    model = tiny_model("llama")
+    cfg = Config()
+    assert cfg.generation.pack_decode_weights == "auto"
+    arch = Arch.from_config(model.config)
+    monkeypatch.delenv("LOWMEM_GRPO_PACK_DECODE")
+    assert plan(cfg, arch, autocast=False, device="cpu").host_categories["packed decode weights"] == pytest.approx(
+        packed_bytes(model), rel=5e-3)
+    monkeypatch.setenv("LOWMEM_GRPO_PACK_DECODE", "1")
+    assert "packed decode weights" in plan(cfg, arch, autocast=False, device="cpu").host_categories
+    monkeypatch.setenv("LOWMEM_GRPO_PACK_DECODE", "0")
+    assert "packed decode weights" not in plan(cfg, arch, autocast=False, device="cpu").host_categories
