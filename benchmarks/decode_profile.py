@@ -3,7 +3,8 @@
 `gemm_bound(model, rows, dtype)`: one decode step's bare GEMMs, every Linear layer's weight (the output
 head's included, once per step as with logits_to_keep=1) times a (rows, in_features) input through
 torch.matmul, in fp32 or bf16 (with `packed`, the same GEMMs on weights packed once into oneDNN's layout,
-as generation.pack_decode_weights runs them): the seconds of the fastest of `repeats` steps. rows / seconds
+as generation.pack_decode_weights runs them, bf16 widened to fp32 where the CPU has no bf16 GEMM): the
+seconds of the fastest of `repeats` steps. rows / seconds
 is the tokens/s a decode loop could reach if GEMMs were all it did; a path's tokens/s over it is its
 "fraction of the GEMM bound".
 `profile_parts(fn, model)`: torch.profiler over fn(), its ops' self CPU time split into GEMM (mm, addmm,
@@ -19,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from lowmem_grpo.policy.packed_linear import gemm_dtype
+
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
             "mkl::_mkl_linear", "aten::_mkldnn_linear", "aten::mkldnn_linear"}
 FORWARD_LABEL = "## model forward"
@@ -32,13 +35,16 @@ def linear_shapes(model) -> list[tuple[int, int]]:
 @torch.no_grad()
 def gemm_bound(model, rows: int, dtype: torch.dtype, repeats: int = 3, packed: bool = False) -> float:
     """Seconds of one decode step's bare GEMMs at `rows` rows in `dtype` (the fastest of `repeats`);
-    `packed`: through oneDNN's packed weights (torch.ops.mkldnn._linear_pointwise)."""
+    `packed`: through oneDNN's packed weights (torch.ops.mkldnn._linear_pointwise) in packed_linear.gemm_dtype,
+    the widening of bf16 inputs and the rounding of outputs included where that is fp32."""
     shapes = linear_shapes(model)
     weights = [torch.randn(o, i, dtype=dtype) * 0.02 for o, i in shapes]  # (out, in), as nn.Linear holds them
     inputs = {i: torch.randn(rows, i, dtype=dtype) for _, i in shapes}
     if packed:
-        weights = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, rows)) for w in weights]
-        gemm = lambda inner, p: torch.ops.mkldnn._linear_pointwise(inputs[inner], p, None, "none", [], "")
+        wide = gemm_dtype(dtype)
+        weights = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w.to(wide), rows)) for w in weights]
+        gemm = lambda inner, p: torch.ops.mkldnn._linear_pointwise(inputs[inner].to(wide), p, None, "none", [],
+                                                                   "").to(dtype)
     else:
         weights = [(w.shape[1], w) for w in weights]
         gemm = lambda inner, w: torch.matmul(inputs[inner], w.t())

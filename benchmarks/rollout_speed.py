@@ -25,7 +25,8 @@ Only the paths named in --paths run (default generate, fast, refill).
 
 The GEMM-only bound, measured in the same run (benchmarks/decode_profile.py): one decode step's bare GEMMs
 (every Linear weight times a (micro-batch, in) input through torch.matmul, and on the CPU again through
-oneDNN's packed weights: "fp32 packed"), fp32 and bf16, timed before each repeat's paths;
+oneDNN's packed weights: "fp32 packed", "bf16 packed", the latter through fp32 copies where the CPU has
+no bf16 GEMM, as the packed paths run it), fp32 and bf16, timed before each repeat's paths;
 "gemm_bound_tokens_per_s" = micro-batch / the fastest step's seconds. Each path's "fraction_of_gemm_bound"
 divides its tokens/s by the bound of the GEMMs it runs (packed for the packed paths) in the dtype its
 matmuls run in (bf16 with --dtype bf16 or --autocast); "fraction_of_fastest_gemm_bound", by the faster of
@@ -220,8 +221,7 @@ def main() -> None:
     for r in range(args.repeats):
         if device.type == "cpu":
             for name, dt, packed in BOUNDS:
-                if not packed or dt == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                    bound.setdefault(name, []).append(gemm_bound(model, args.micro_batch, dt, packed=packed))
+                bound.setdefault(name, []).append(gemm_bound(model, args.micro_batch, dt, packed=packed))
             print(f"  repeat {r} GEMM bound: " + ", ".join(f"{k} {args.micro_batch / v[-1]:7.1f} tok/s"
                                                            for k, v in bound.items())
                   + f" ({step_gflop(model, args.micro_batch):.1f} GFLOP per step)")

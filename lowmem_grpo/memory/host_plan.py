@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from typing import Union
 
+import torch
+
 from ..config import Config, GenerationConfig
 from ..host_arena import arena_bytes, round_up
 from ..optim.offload import staging_bytes
 from ..optim.optimizers import optimizer_state_bytes
-from ..policy.packed_linear import auto_packing_forced
+from ..policy.packed_linear import auto_packing_forced, gemm_dtype
 from .arch import Arch
 
 
@@ -77,10 +79,13 @@ def planned_packing(generation: GenerationConfig) -> Union[bool, str]:
 
 def packed_decode_bytes(arch: Arch, compute_bytes: int, setting: Union[bool, str] = True) -> int:
     """Host bytes of generation.pack_decode_weights' copies (policy/packed_linear.py: packed_bytes) under
-    `setting` (true: every Linear weight once; "head": the output head's alone), in the decode's compute dtype
-    (`compute_bytes`: 2 under bf16 weights or autocast). The weight matrices are the tensors larger than one
-    hidden vector; the input embedding is one of them but no Linear unless the head shares it (tied).
+    `setting` (true: every Linear weight once; "head": the output head's alone), in the dtype the packed GEMM
+    runs in: the decode's compute dtype (`compute_bytes`: 2 under bf16 weights or autocast), widened to fp32
+    where the running CPU has no oneDNN bf16 GEMM (`gemm_dtype`). The weight matrices are the tensors larger
+    than one hidden vector; the input embedding is one of them but no Linear unless the head shares it (tied).
     Biases, copied only under autocast, are not counted (hidden-sized vectors: under 0.1% of the weights)."""
+    if compute_bytes == 2:
+        compute_bytes = gemm_dtype(torch.bfloat16).itemsize
     if setting == "head":
         return compute_bytes * arch.vocab * arch.hidden
     matrices = sum(n for n in arch.tensor_sizes if n > arch.hidden)

@@ -1,17 +1,16 @@
 """Linear weights packed once per rollout into oneDNN's blocked layout, for CPU decoding.
 
 A CPU decode step is GEMM-bound, and torch's F.linear re-lays out each weight for the GEMM on every call.
-`packed_linears(model, ...)` packs every nn.Linear's weight (the tied output head's included), or with
-`head_only` the output head's alone, with torch.ops.mkldnn._reorder_linear_weight and, inside the block,
-runs those layers through torch.ops.mkldnn._linear_pointwise on the packed copy. The head alone is the
-large GEMM whose plain fp32 call is slowest where rows are few (MKL at 8-15 rows: benchmarks/RESULTS.md),
-at a fifth of the copies' bytes for SmolLM2-135M. `auto` packs every Linear where this CPU's packed GEMMs
-run the model's decode GEMMs >= PACK_MIN_SPEEDUP x F.linear's (`packed_gemm_speedup`, measured once per
-process). The weights change after every optimizer step, so
-the copies are made per rollout and freed when the block ends. Under bf16 autocast the packed copies are
-bf16 (rounded as autocast rounds them, `.to(bfloat16)`) and the layers return bf16, as autocast's linear
-does. The copies hold one more set of the packed weights in host RAM while they live: `packed_bytes`.
-Design notes: docs/rollouts.md
+`packed_linears(model, ...)` packs every nn.Linear's weight (the tied output head's once), or with
+`head_only` the output head's alone (the large GEMM whose plain fp32 call is slowest where rows are few),
+with torch.ops.mkldnn._reorder_linear_weight and, inside the block, runs those layers through
+torch.ops.mkldnn._linear_pointwise on the packed copy. `auto` packs every Linear where this CPU's packed
+GEMMs run the model's decode GEMMs >= PACK_MIN_SPEEDUP x F.linear's (`packed_gemm_speedup`, measured once
+per process). The weights change after every optimizer step, so the copies are made per rollout and freed
+when the block ends. Under bf16 autocast the copies hold bf16 values (rounded as autocast rounds them) and
+the layers return bf16, as autocast's linear does. Where the CPU has no oneDNN bf16 GEMM, bf16 values are
+packed and multiplied in fp32 (`gemm_dtype`) and each output rounded to bf16 once, as a bf16 F.linear
+rounds its fp32 sums. The copies' host bytes while they live: `packed_bytes`. Design notes: docs/rollouts.md
 """
 
 from __future__ import annotations
@@ -32,6 +31,14 @@ log = logging.getLogger(__name__)
 
 def _packed_dtype(weight: Tensor, autocast_bf16: bool) -> torch.dtype:
     return torch.bfloat16 if autocast_bf16 and weight.dtype == torch.float32 else weight.dtype
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a packed copy holding `dtype` values is made and multiplied in: fp32 for bf16 values on a
+    CPU without oneDNN's bf16 GEMM (the values widened exactly), else `dtype`."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
 
 
 def _linears(model: nn.Module, head_only: bool) -> list[nn.Linear]:
@@ -58,8 +65,6 @@ def pack_problem(model: nn.Module, device: torch.device, autocast_bf16: bool = F
         return "the model has no Linear layers"
     if not dtypes <= {torch.float32, torch.bfloat16}:
         return f"Linear weights of dtype {sorted(map(str, dtypes))} (packing takes fp32 or bf16)"
-    if torch.bfloat16 in dtypes and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this CPU has no oneDNN bf16 GEMM (it needs AVX-512 BF16/AMX or emulates bf16 slowly)"
     return None
 
 
@@ -84,18 +89,20 @@ def linear_shapes(model: nn.Module) -> tuple[tuple[int, int, int], ...]:
 def packed_gemm_speedup(shapes: tuple[tuple[int, int, int], ...], rows: int, dtype: torch.dtype,
                         threads: int) -> float:
     """F.linear's seconds over the packed GEMM's for one decode step's GEMMs: each (out, in, count) shape
-    at `rows` rows in `dtype` on random weights (out capped at 16384 rows and the time scaled up), the
-    fastest of 4 alternated calls times `count`. About 0.3-0.6 s for SmolLM2-135M on 2 cores; measured
+    at `rows` rows in `dtype` on random weights (out capped at 16384 rows and the time scaled up; the packed
+    GEMM in `gemm_dtype(dtype)`, widening and rounding included), the fastest of 4 alternated calls times
+    `count`. About 0.3-0.6 s for SmolLM2-135M on 2 cores; measured
     once per process, shapes, rows, dtype and thread count."""
     g = torch.Generator().manual_seed(0)
+    gemm = gemm_dtype(dtype)
     plain = packed = 0.0
     for out, inner, count in shapes:
         measured = min(out, _MEASURED_OUT)
         x = torch.randn(rows, inner, generator=g).to(dtype)
         w = (torch.randn(measured, inner, generator=g) * 0.02).to(dtype)
-        p = torch.ops.mkldnn._reorder_linear_weight(w, rows)
-        calls = (lambda: nn.functional.linear(x, w),
-                 lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        p = torch.ops.mkldnn._reorder_linear_weight(w.to(gemm), rows)
+        forward = _packed_forward(p, None, dtype, gemm)
+        calls = (lambda: nn.functional.linear(x, w), lambda: forward(x))
         best = [float("inf")] * 2
         for _ in range(4):
             for k, call in enumerate(calls):
@@ -151,22 +158,25 @@ def use_packed(model: nn.Module, wanted: Union[bool, str], device: torch.device,
 
 def packed_bytes(model: nn.Module, autocast_bf16: bool = False, head_only: bool = False) -> int:
     """Host bytes of the packed copies `packed_linears` makes of `model`'s Linear weights (the output head's
-    alone with `head_only`; a weight shared by several layers counted once), the bias copies under
-    autocast included."""
+    alone with `head_only`; a weight shared by several layers counted once) in `gemm_dtype`, the bias copies
+    (under autocast, or widened) included."""
     seen: dict[int, int] = {}
     for m in _linears(model, head_only):
         for p in (m.weight, m.bias):
             if p is not None and id(p) not in seen:
-                dtype = _packed_dtype(p, autocast_bf16)
-                copied = p is m.weight or dtype != p.dtype
-                seen[id(p)] = p.numel() * dtype.itemsize if copied else 0
+                values = _packed_dtype(p, autocast_bf16)
+                gemm = gemm_dtype(values)
+                copied = p is m.weight or values != p.dtype or gemm != p.dtype
+                seen[id(p)] = p.numel() * gemm.itemsize if copied else 0
     return sum(seen.values())
 
 
-def _packed_forward(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
-    def forward(x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "")
-    return forward
+def _packed_forward(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype, gemm: torch.dtype):
+    """The layer's forward on a packed copy in `gemm` of `dtype` values: inputs rounded to `dtype` (as autocast
+    rounds them) and widened to `gemm`, the output in `dtype`."""
+    if gemm == dtype:
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "")
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype).to(gemm), weight, bias, "none", [], "").to(dtype)
 
 
 @contextlib.contextmanager
@@ -185,11 +195,13 @@ def packed_linears(model: nn.Module, batch_hint: int, autocast_bf16: bool = Fals
     with torch.no_grad():
         for m in _linears(model, head_only):
             dtype = _packed_dtype(m.weight, autocast_bf16)
+            gemm = gemm_dtype(dtype)
             if id(m.weight) not in made:
-                made[id(m.weight)] = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach().to(dtype), batch_hint)
-            bias = None if m.bias is None else m.bias.detach().to(dtype)
+                made[id(m.weight)] = torch.ops.mkldnn._reorder_linear_weight(
+                    m.weight.detach().to(dtype).to(gemm), batch_hint)
+            bias = None if m.bias is None else m.bias.detach().to(dtype).to(gemm)
             swapped.append((m, m.__dict__.get("forward")))
-            m.forward = _packed_forward(made[id(m.weight)], bias, dtype)
+            m.forward = _packed_forward(made[id(m.weight)], bias, dtype, gemm)
     try:
         yield packed_bytes(model, autocast_bf16, head_only)
     finally:

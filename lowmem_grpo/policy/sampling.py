@@ -445,8 +445,8 @@ def sample(model: nn.Module, prompts: list[list[int]], num_samples: Union[int, l
     longest prompt) + max_new_tokens) columns, the step at batch-size buckets) or "compiled" (that step
     under torch.compile; CUDA graphs on a GPU); the same tokens (greedy) and distribution. `packed` (CPU,
     not with "compiled"): True, the Linear layers run on copies of their weights packed once for this call;
-    "head", the output head alone (policy/packed_linear.py; bf16 computes the same numbers, fp32 differs by
-    GEMM rounding). Raises
+    "head", the output head alone (policy/packed_linear.py; bf16 computes the same numbers where the CPU
+    has oneDNN's bf16 GEMM; fp32, and bf16 widened to fp32 where it has none, differ by GEMM rounding). Raises
     ValueError where `fast_sampling_problem` finds a reason this would not match generate().
     """
     counts = [num_samples] * len(prompts) if isinstance(num_samples, int) else list(num_samples)

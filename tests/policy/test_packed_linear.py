@@ -98,14 +98,15 @@ def test_head_only_packs_the_output_head_alone():
             head.weight.zero_()  # the packed copy, not the parameter, is what the head multiplies by
             assert torch.equal(model(ids).logits, packed)
             head.weight.copy_(kept)
-        assert packed_bytes(model, autocast_bf16=True, head_only=True) == 2 * head.weight.numel()
+        bf16_bytes = packed_linear.gemm_dtype(torch.bfloat16).itemsize  # 4 where this CPU widens bf16
+        assert packed_bytes(model, autocast_bf16=True, head_only=True) == bf16_bytes * head.weight.numel()
     assert not any("forward" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(packed, plain, rtol=0, atol=1e-4)
 
 
 def test_packed_bytes_counts_a_tied_head_once():
     """One packed copy per distinct Linear weight: a tied output head shares the embedding's; under autocast
-    the fp32 weights' copies are bf16, biases included (qwen2's q/k/v)."""
+    the fp32 weights' copies are bf16 (fp32 where the CPU widens bf16), biases included (qwen2's q/k/v)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
@@ -116,7 +117,9 @@ def test_packed_bytes_counts_a_tied_head_once():
     qwen = tiny_model("qwen2")
     biases = sum(m.bias.numel() for m in qwen.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None)
     weights = sum(m.weight.numel() for m in qwen.modules() if isinstance(m, torch.nn.Linear))
-    assert packed_bytes(qwen) == 4 * weights and packed_bytes(qwen, autocast_bf16=True) == 2 * (weights + biases)
+    bf16_bytes = packed_linear.gemm_dtype(torch.bfloat16).itemsize  # 4 where this CPU widens bf16
+    assert packed_bytes(qwen) == 4 * weights
+    assert packed_bytes(qwen, autocast_bf16=True) == bf16_bytes * (weights + biases)
 
 
 def test_packed_refusals(caplog):
@@ -192,14 +195,56 @@ def test_packed_gemm_speedup_measures_every_shape():
     assert 0.05 < speedup < 20
 
 
+def _gemm_in(monkeypatch, gemm: str) -> None:
+    """Pack bf16 values as bf16 ("native", a CPU with oneDNN's bf16 GEMM) or as fp32 ("widened", one without),
+    whatever this CPU has."""
+    from lowmem_grpo.memory import host_plan
+    chosen = (lambda dtype: dtype) if gemm == "native" else (lambda dtype: torch.float32)
+    for module in (packed_linear, host_plan):
+        monkeypatch.setattr(module, "gemm_dtype", chosen)
+
+
+@pytest.mark.parametrize("arch, autocast_bf16", [("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_bf16_values_through_fp32_packed_gemms(monkeypatch, arch, autocast_bf16):
+    """Where this CPU has no oneDNN bf16 GEMM: fp32 copies of the bf16 values (4 bytes each, biases too), every
+    layer's output bf16 and within one bf16 rounding of F.linear's (most of them equal), the model's logits
+    too; sampling runs through them, under autocast as well."""
+    _gemm_in(monkeypatch, "widened")
+    model, distinct, cfg = _setup(arch, torch.float32 if autocast_bf16 else torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    params = sum(p.numel() for m in linears for p in (m.weight, m.bias) if p is not None)
+    ids = torch.tensor([distinct[3]])
+    x = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+        plain = model(ids).logits
+        layers = [m(x if autocast_bf16 else x.bfloat16()) for m in linears if m.in_features == x.shape[1]]
+        with packed_linears(model, 4, autocast_bf16) as nbytes:
+            assert nbytes == 4 * params == packed_bytes(model, autocast_bf16)
+            packed = model(ids).logits
+            packed_layers = [m(x if autocast_bf16 else x.bfloat16()) for m in linears if m.in_features == x.shape[1]]
+    assert packed.dtype == plain.dtype == torch.bfloat16 and len(layers) > 3
+    for got, want in zip(packed_layers, layers):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)  # one bf16 rounding apart at most
+    assert sum(int((g == w).sum()) for g, w in zip(packed_layers, layers)) >= 0.9 * sum(w.numel() for w in layers)
+    torch.testing.assert_close(packed.float(), plain.float(), rtol=0.05, atol=0.05)
+    torch.manual_seed(3)
+    out = sample(model, distinct, 3, cfg, eos_ids=[5], pad_id=PAD, device=CPU, autocast_bf16=autocast_bf16,
+                 packed=True)
+    assert out.shape[0] == 3 * len(distinct) and ((out >= 0) & (out < model.config.vocab_size)).all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("setting", [True, "head"])
-def test_the_planner_counts_the_packed_copy(arch, bf16, setting):
+@pytest.mark.parametrize("gemm", ["native", "widened"])
+def test_the_planner_counts_the_packed_copy(monkeypatch, arch, bf16, setting, gemm):
     """memory/plan.py's host category "packed decode weights" is packed_bytes of the model, to 0.5% (the
-    planner leaves out the bias copies autocast makes); absent with the setting off."""
+    planner leaves out the bias copies autocast makes), bf16 copies widened to fp32 where the CPU has no bf16
+    GEMM; absent with the setting off."""
     from lowmem_grpo.config import Config
     from lowmem_grpo.memory.plan import Arch, plan
+    _gemm_in(monkeypatch, gemm)
     model = tiny_model(arch)
     cfg = Config()
     cfg.model.bf16 = bf16
@@ -207,6 +252,8 @@ def test_the_planner_counts_the_packed_copy(arch, bf16, setting):
     result = plan(cfg, Arch.from_config(model.config), autocast=bf16, device="cpu")
     expected = packed_bytes(model, autocast_bf16=bf16, head_only=setting == "head")
     assert result.host_categories["packed decode weights"] == pytest.approx(expected, rel=5e-3)
+    assert expected == pytest.approx(packed_bytes(model, head_only=setting == "head") / (2 if bf16 and gemm == "native"
+                                                                                         else 1), rel=5e-3)
     cfg.generation.pack_decode_weights = False
     assert "packed decode weights" not in plan(cfg, Arch.from_config(model.config), autocast=bf16,
                                                device="cpu").host_categories
