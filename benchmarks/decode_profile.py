@@ -4,9 +4,8 @@
 head's included, once per step as with logits_to_keep=1) times a (rows, in_features) input through
 torch.matmul, in fp32 or bf16 (with `packed`, the same GEMMs on weights packed once into oneDNN's layout,
 as generation.pack_decode_weights runs them, bf16 widened to fp32 where the CPU has no bf16 GEMM): the
-seconds of the fastest of `repeats` steps. rows / seconds
-is the tokens/s a decode loop could reach if GEMMs were all it did; a path's tokens/s over it is its
-"fraction of the GEMM bound".
+seconds of the fastest of `repeats` steps. rows / seconds is the tokens/s a decode loop could reach if
+GEMMs were all it did; a path's tokens/s over it is its "fraction of the GEMM bound".
 `profile_parts(fn, model)`: torch.profiler over fn(), its ops' self CPU time split into GEMM (mm, addmm,
 matmul, linear, the packed oneDNN/MKL linears), attention (sdpa and its kernels), the model's other ops
 (norms, rotary, activations, cache writes: ops inside a model forward), sampling and loop (ops outside the
