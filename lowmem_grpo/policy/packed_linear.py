@@ -173,9 +173,8 @@ def packed_bytes(model: nn.Module, autocast_bf16: bool = False, head_only: bool 
 
 def _packed_forward(weight: Tensor, bias: Optional[Tensor], dtype: torch.dtype, gemm: torch.dtype):
     """The layer's forward on a packed copy in `gemm` of `dtype` values: inputs rounded to `dtype` (as autocast
-    rounds them) and widened to `gemm`, the output in `dtype`."""
-    if gemm == dtype:
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "")
+    rounds them) and widened to `gemm`, the output in `dtype` (each `.to` returns its input where the dtypes
+    agree)."""
     return lambda x: torch.ops.mkldnn._linear_pointwise(x.to(dtype).to(gemm), weight, bias, "none", [], "").to(dtype)
 
 
