@@ -40,6 +40,9 @@ captures each bucket it meets) is timed apart ("warmup_seconds"). "weight_gb_per
 weight reads alone (decode steps x parameter bytes / seconds): a lower bound on the bandwidth used, to set
 against the card's roofline (H100 SXM: 3.35 TB/s).
 --tiny: the architecture at toy width and depth (the CPU rehearsal of the GPU session).
+--narrow: the architecture at its own depth, every width at a minimum (hidden 64, one head of 64, vocabulary
+1024): its step time is what a step costs per op and per layer whatever the GEMMs (dispatch, Python, thread
+hand-offs), to set beside the full model's step time and its GEMM bound.
 --autocast: fp32 weights decoding under bf16 autocast, as the recipes with fp32 master weights (the 0.5B
 ones) roll out: the eager paths cast each weight once per rollout (autocast's cache), the compiled path
 decodes from bf16 copies made once per rollout (policy/static_decode.py, bf16_weight_copies); the matmuls
@@ -85,15 +88,25 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 1024}  # as trainer_step.py's
 
 
-def build_model(arch: str, device: torch.device, dtype: torch.dtype = torch.float32, tiny: bool = False):
+# --narrow: the architecture at its own depth with every width at a minimum (one head of 64), so that a decode
+# step's GEMMs, attention reads and elementwise work nearly vanish and what is left is its cost per op and per
+# layer (dispatch, Python, thread hand-offs): the part of a step that does not shrink with faster GEMMs
+NARROW = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 1, "num_key_value_heads": 1,
+          "head_dim": 64, "vocab_size": 1024}
+
+
+def build_model(arch: str, device: torch.device, dtype: torch.dtype = torch.float32, tiny: bool = False,
+                narrow: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
     spec = preset(arch)
-    if tiny:
-        spec.update(TINY)
-        spec.pop("head_dim", None)
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # ids inside the tiny vocabulary
+    small = TINY if tiny else NARROW if narrow else None
+    if small is not None:
+        spec.update(small)
+        if tiny:
+            spec.pop("head_dim", None)
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):  # ids inside the small vocabulary
             if key in spec:
-                spec[key] = TINY["vocab_size"] - 1
+                spec[key] = small["vocab_size"] - 1
     model_type = spec.pop("model_type")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **spec))
@@ -174,6 +187,8 @@ def main() -> None:
     parser.add_argument("--paths", default="generate,fast,refill", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the model's weights")
     parser.add_argument("--tiny", action="store_true", help="the architecture at toy width and depth (rehearsals)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="the architecture at its own depth and minimal width: a step's cost per op and layer")
     parser.add_argument("--autocast", action="store_true",
                         help="decode under bf16 autocast (with --dtype fp32: the fp32-master-weight recipes)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -191,14 +206,16 @@ def main() -> None:
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model, eos, pad = build_model(args.arch, device, dtype, args.tiny)
+    if args.tiny and args.narrow:
+        parser.error("--tiny and --narrow are two different small models: choose one")
+    model, eos, pad = build_model(args.arch, device, dtype, args.tiny, args.narrow)
     param_bytes = sum(p.numel() * (2 if args.autocast else p.element_size()) for p in model.parameters())
     distinct = make_prompts(args.prompts, args.prompt_len, model.config.vocab_size, eos)
     bias = add_eos_bias(model, distinct, eos, args.eos_hazard, device) if args.eos_hazard > 0 else None
     prompts = [p for p in distinct for _ in range(args.G)]
     cfg = GenerationConfig(max_completion_length=args.max_new, generation_micro_batch_size=args.micro_batch,
                            max_prompt_length=args.max_prompt_length or max(len(p) for p in distinct))
-    print(f"{args.arch}{' (tiny)' if args.tiny else ''} random {args.dtype} weights"
+    print(f"{args.arch}{' (tiny)' if args.tiny else ' (narrow)' if args.narrow else ''} random {args.dtype} weights"
           f"{' under bf16 autocast' if args.autocast else ''} on {device}: {args.prompts} prompts "
           f"({[len(p) for p in distinct]} tokens) "
           f"x G={args.G}, max {args.max_new} new tokens, micro-batch {args.micro_batch}, EOS logit bias {bias}")
