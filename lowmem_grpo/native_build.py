@@ -36,17 +36,17 @@ def source_tag(sources: Sequence[Path], cflags: Sequence[str]) -> str:
 
 
 def build_library(prefix: str, sources: Sequence[Path], cflags: Sequence[str], headers: Sequence[Path] = (),
-                  target: Optional[str] = None) -> ctypes.CDLL:
+                  target: Optional[str] = None, ldflags: Sequence[str] = ()) -> ctypes.CDLL:
     """Compile (or find in torch's extension cache) and load `sources` as one library; `headers` (the ones
-    they include) count in its name. `target` names the build in place of the CPU tag (a fixed -march).
-    Raises what the compiler raised."""
+    they include) count in its name. `target` names the build in place of the CPU tag (a fixed -march);
+    `ldflags` are added to the link (they count in the name too). Raises what the compiler raised."""
     from torch.utils import cpp_extension
     try:  # the pip package `ninja` puts its binary beside its module; a venv's bin/ is not always on PATH
         import ninja
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    name = f"{prefix}_{target or cpu_tag()}_{source_tag([*sources, *headers], cflags)}"
+    name = f"{prefix}_{target or cpu_tag()}_{source_tag([*sources, *headers], [*cflags, *ldflags])}"
     path = cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=list(cflags),
-                              extra_ldflags=["-pthread"], is_python_module=False, verbose=False)
+                              extra_ldflags=["-pthread", *ldflags], is_python_module=False, verbose=False)
     return ctypes.CDLL(path)

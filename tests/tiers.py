@@ -25,6 +25,8 @@ EXTENDED = (
     "tests/kernels/test_import_name.py",
     "tests/kernels/test_compare_heads.py",
     # single tests (or cases) of a second or more
+    "tests/policy/test_decode_attention.py::test_openmp_and_its_own_threads_give_the_same_bits",
+    "tests/policy/test_decode_attention.py::test_the_kernel_runs_on_the_openmp_runtime_torch_loaded",
     "tests/training/test_compiled_layers.py::test_compiled_layers_train_like_the_eager_ones",
     "tests/kernels/test_aot.py::test_every_kernel_compiles_at_the_extreme_block_sizes",
     "tests/kernels/test_linear_loss.py::test_variants_at_real_vocabulary_sizes_in_bf16[cpu-triton-sapo-262144]",

@@ -1,4 +1,5 @@
-// host_pool.cpp's parallel loop, for the kernels compiled with it (optim/host_*.cpp, policy/decode_attention.cpp).
+// host_pool.cpp's parallel loop, for the kernels compiled with it (optim/host_*.cpp; policy/decode_attention.cpp
+// where it is built without OpenMP).
 #pragma once
 
 #include <cstdint>

@@ -2,8 +2,8 @@
 // K/V head h, the query heads of h's group attend over the row's L cached positions: scores in fp32, a
 // softmax with its maximum subtracted, the values summed in fp32, the result rounded to the values' dtype.
 // Each K/V head is read once for its whole group, straight from the (possibly strided) cache; masked
-// positions are not read. Plain C ABI (ctypes releases the GIL); threads: host_pool.cpp, one (row, head)
-// pair per chunk.
+// positions are not read. Plain C ABI (ctypes releases the GIL); one (row, head) pair per work item, on
+// OpenMP's threads where the build has OpenMP (torch's own team), else on host_pool.cpp's.
 
 #include <algorithm>
 #include <cmath>
@@ -521,13 +521,20 @@ void attend(const Q* q, const K* k, const V* v, V* out, const int64_t* sizes, co
   const Problem<Q, K, V> p{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4],
                            q, strides[0], strides[1], strides[2], k, strides[3], strides[4], strides[5],
                            v, strides[6], strides[7], strides[8], mask, strides[9], strides[10], scale, out, simd};
-  parallel_for(p.rows * p.kv_heads, threads, [&](int64_t item) {
+  const auto item = [&](int64_t i) {
     thread_local Scratch w;
     w.reserve(p.group, p.length, p.dim);
-    const int64_t row = item / p.kv_heads, head = item % p.kv_heads;
+    const int64_t row = i / p.kv_heads, head = i % p.kv_heads;
     if (p.simd && kLanes > 1 && p.dim % 16 == 0 && p.dim <= 256 && p.mask_pos <= 1) attend_simd(p, row, head, w);
     else attend_scalar(p, row, head, w);
-  });
+  };
+  const int64_t items = p.rows * p.kv_heads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(std::max(threads, 1)) schedule(dynamic, 1) if (threads > 1 && items > 1)
+  for (int64_t i = 0; i < items; ++i) item(i);
+#else
+  parallel_for(items, threads, item);
+#endif
 }
 
 }  // namespace
@@ -557,5 +564,14 @@ int decode_attention(int kind, const int64_t* sizes, const void* q, const void* 
 
 // The lanes of the vector loops compiled here: 16 (AVX-512), 8 (AVX2 + FMA) or 1 (the scalar loops only).
 int decode_attention_lanes() { return kLanes; }
+
+// 1 where the work items run on OpenMP's threads, 0 where on host_pool.cpp's.
+int decode_attention_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 }  // extern "C"

@@ -9,14 +9,16 @@ values, rounded to bf16 as autocast rounds sdpa's. It returns (B, kv_heads, grou
 dtype, or None where it does not apply (`problem` says why): then the caller runs sdpa. Scores, softmax
 and the weighted sum are fp32, each K/V head read once for its group, masked positions not at all; the
 result differs from sdpa's by rounding. Vector loops for AVX-512 and for AVX2 + FMA CPUs (elsewhere sdpa
-runs); LOWMEM_GRPO_DECODE_ATTENTION=0 turns it off, LOWMEM_GRPO_DECODE_ATTENTION_MARCH picks the -march (and
-so the loops). Speed: benchmarks/RESULTS.md; design notes: docs/rollouts.md
+runs); on torch's OpenMP threads (else, or with LOWMEM_GRPO_DECODE_ATTENTION_OPENMP=0, host_pool.cpp's).
+LOWMEM_GRPO_DECODE_ATTENTION=0 turns it off, LOWMEM_GRPO_DECODE_ATTENTION_MARCH picks the -march (and so the
+loops). Speed: benchmarks/RESULTS.md; design notes: docs/rollouts.md
 """
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -28,9 +30,13 @@ from ..native_build import build_library
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("decode_attention.cpp"),
-           Path(__file__).parents[1] / "optim" / "host_pool.cpp"]  # the kernel; its threads
+           Path(__file__).parents[1] / "optim" / "host_pool.cpp"]  # the kernel; its threads without OpenMP
 HEADERS = [Path(__file__).parents[1] / "optim" / "host_pool.h"]
 CFLAGS = ["-O3", "-march=native", "-pthread", "-ffp-contract=off", "-fno-math-errno", "-std=c++17"]
+# The work items on OpenMP's threads: the runtime torch has loaded (libgomp in torch's wheels) serves this
+# library too, so a step's GEMMs and elementwise ops and its attention share one team of threads, where a pool
+# of its own would wake its helpers while torch's threads still spin for the next op
+OPENMP = ["-fopenmp"]
 _KIND = {torch.float32: 0, torch.bfloat16: 1}
 _AUTOCAST_KEYS = 2  # bf16 queries and values, fp32 keys read as bf16 (the kernel's third kind)
 MAX_HEAD_DIM = 256
@@ -40,17 +46,48 @@ _load_error: Optional[str] = None
 SIMD = True  # False: the scalar loops only (the tests compare both)
 
 
-def build(march: str = "native") -> ctypes.CDLL:
-    """Compile (or find in torch's extension cache) and load the kernel for `-march=<march>`."""
+def openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes (GNU, Intel, LLVM) mapped into this process (empty where there is no
+    /proc/self/maps to read)."""
+    try:
+        with open("/proc/self/maps") as f:
+            files = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    except OSError:
+        return set()
+    return {path for path in files if re.search(r"lib(gomp|iomp5|omp)[-.]", os.path.basename(path))}
+
+
+def build(march: str = "native", openmp: Optional[bool] = None) -> ctypes.CDLL:
+    """Compile (or find in torch's extension cache) and load the kernel for `-march=<march>`; `openmp`: on
+    OpenMP's threads, else on host_pool.cpp's. None: OpenMP unless LOWMEM_GRPO_DECODE_ATTENTION_OPENMP=0,
+    where the compiler can (not clang without libomp) and where the library shares torch's runtime (a torch
+    whose wheel renamed its libgomp would leave two runtimes, each with its threads: then host_pool.cpp)."""
     flags = [f if f != "-march=native" else f"-march={march}" for f in CFLAGS]
-    lib = build_library("lowmem_grpo_decode_attention", SOURCES, flags, HEADERS,
-                        target=None if march == "native" else march.replace("-", "_"))
+    target = None if march == "native" else march.replace("-", "_")
+    wanted = os.environ.get("LOWMEM_GRPO_DECODE_ATTENTION_OPENMP", "1") != "0" if openmp is None else openmp
+    lib = None
+    if wanted:
+        try:
+            lib = build_library("lowmem_grpo_decode_attention", SOURCES, flags + OPENMP, HEADERS, target, OPENMP)
+        except Exception as e:  # noqa: BLE001  (any failure: the build without OpenMP)
+            if openmp:
+                raise
+            logger.info("the CPU decode attention did not build with OpenMP (%s); it runs on threads of its own",
+                        str(e).strip().splitlines()[-1][:200] if str(e).strip() else type(e).__name__)
+        if lib is not None and openmp is None and len(openmp_runtimes()) > 1:
+            logger.info("the CPU decode attention runs on threads of its own: its OpenMP runtime is not torch's "
+                        "(%s)", ", ".join(sorted(openmp_runtimes())))
+            lib = None
+    if lib is None:
+        lib = build_library("lowmem_grpo_decode_attention", SOURCES, flags, HEADERS, target)
     p, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.decode_attention.argtypes = [i32, p, p, p, p, p, p, f32, p, i32, i32]  # kind, sizes, q, k, v, mask,
     # strides, scale, out, SIMD, threads
     lib.decode_attention.restype = i32
     lib.decode_attention_lanes.argtypes = []
     lib.decode_attention_lanes.restype = i32
+    lib.decode_attention_openmp.argtypes = []
+    lib.decode_attention_openmp.restype = i32
     return lib
 
 

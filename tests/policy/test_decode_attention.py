@@ -7,7 +7,11 @@ vector width.
 """
 
 import functools
+import json
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,6 +130,42 @@ def test_the_thread_count_does_not_change_the_bits(simd):
         assert torch.equal(cpu_decode_attention(q, k, v, mask, 0.125), one)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_kernel_runs_on_the_openmp_runtime_torch_loaded():
+    """Where torch's wheel ships `libgomp.so.1` (torch 2.13's CPU wheels), the OpenMP build links that one:
+    the kernel runs on it, and no second runtime is loaded."""
+    needs_kernel()
+    torch_gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(torch_gomp) or not decode_attention.openmp_runtimes():
+        pytest.skip("torch brings no libgomp.so.1 here, or /proc/self/maps cannot be read")
+    if os.environ.get("LOWMEM_GRPO_DECODE_ATTENTION_OPENMP", "1") == "0":
+        pytest.skip("LOWMEM_GRPO_DECODE_ATTENTION_OPENMP=0")
+    script = ("import json, torch\nfrom lowmem_grpo.policy import decode_attention as d\n"
+              "print(json.dumps([d.library().decode_attention_openmp(), sorted(d.openmp_runtimes())]))")
+    # a process of its own: what this one has loaded before (other tests' libraries) does not count
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    openmp, runtimes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert openmp == 1 and len(runtimes) == 1 and os.path.samefile(runtimes[0], torch_gomp), (openmp, runtimes)
+
+
+def test_openmp_and_its_own_threads_give_the_same_bits(monkeypatch):
+    needs_kernel()
+    try:
+        builds = {True: decode_attention.build(openmp=True)}
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the compiler does not build with OpenMP here ({type(e).__name__})")
+    builds[False] = decode_attention.build(openmp=False)
+    assert [lib.decode_attention_openmp() for lib in builds.values()] == [1, 0]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # (the kernel is handed this count)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, mask = operands(16, 3, 3, 70, 64, dtype)
+        out = {}
+        for openmp, lib in builds.items():
+            monkeypatch.setattr(decode_attention, "_library", lib)
+            out[openmp] = cpu_decode_attention(q, k, v, mask, 0.125)
+        assert torch.equal(out[True], out[False])
 
 
 def test_what_it_does_not_take_is_named_and_left_to_sdpa(monkeypatch):
