@@ -168,7 +168,8 @@ def _gguf_cache_dir(cfg: ModelConfig, folder: str, gguf: str) -> Path:
 
 
 def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
-    """Dequantise a GGUF model once into a save_pretrained folder (~20 s for 135M) and reuse it."""
+    """Dequantise a GGUF model once into a save_pretrained folder (~20 s for 135M) and reuse it. Draws nothing
+    from torch's global generator: a seeded run samples the same whether it made the cache or found it."""
     target = _gguf_cache_dir(cfg, folder, gguf)
     if (target / "config.json").is_file():
         return str(target)
@@ -177,6 +178,13 @@ def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
     except ImportError:
         raise ModelError("loading a GGUF file needs the `gguf` package: pip install gguf accelerate") from None
     logger.info(f"dequantising {gguf} once into {target}")
+    with torch.random.fork_rng(devices=[]):  # the plain model's random initial weights are overwritten
+        _dequantise_into(folder, gguf, target)
+    return str(target)
+
+
+def _dequantise_into(folder: str, gguf: str, target: Path) -> None:
+    """The GGUF file `folder`/`gguf`, loaded dequantised, saved with its tokenizer as a plain model in `target`."""
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
     # A model loaded from GGUF refuses save_pretrained; copy its (dequantised) weights into a plain one.
@@ -191,7 +199,6 @@ def _dequantised_gguf(cfg: ModelConfig, folder: str, gguf: str) -> str:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, target)  # atomic: a crash never leaves a half-written cache
-    return str(target)
 
 
 def materialize_model_source(cfg: ModelConfig) -> str:
