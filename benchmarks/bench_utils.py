@@ -6,7 +6,8 @@ no padding (mask all ones), one advantage per sequence.
 
 Both implementations compute the same GRPO loss: token-level ratio rho = exp(logp - logp.detach()),
 clip eps 0.2, beta 0 (no KL), old_logp None, loss_type "dapo" (token sum / token count).
-  ours   lowmem_grpo.kernels.linear_grpo_loss: vocabulary slices, no [N, V] tensor.
+  ours   lowmem_grpo.kernels.linear_grpo_loss: vocabulary slices, no [N, V] tensor (on the CPU, the logits
+         kept for the backward where they fit 256 MiB).
   naive  logits = hidden @ W.T in bf16, fp32 log_softmax, gather, the same loss in torch.
 
 `cpu_peak_bytes` measures the peak of tensor bytes allocated during a call. It does not use

@@ -4,7 +4,8 @@ What runs (see bench_utils): Qwen2.5-1.5B's head, H = 1536, V = 151936, bf16 wei
 states, both requiring grad; N tokens shaped as (N // 512) sequences x 512 tokens; GRPO loss with
 token-level ratio, clip 0.2, beta 0, old_logp None, loss_type "dapo", one advantage per sequence.
   naive  logits = hidden @ W.T (bf16 [N, V]), fp32 log_softmax, gather, the same loss in torch.
-  ours   lowmem_grpo.kernels.linear_grpo_loss (vocabulary slices, no [N, V] tensor).
+  ours   lowmem_grpo.kernels.linear_grpo_loss (vocabulary slices, no [N, V] tensor; on the CPU, the logits kept
+         for the backward where they fit 256 MiB).
 
 What is measured: the peak of tensor bytes allocated during `loss = f(...); loss.backward()`, above
 what was allocated before the call. The inputs (W, hidden, ids, advantages) are not counted; everything

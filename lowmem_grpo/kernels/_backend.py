@@ -31,6 +31,10 @@ DEFAULT_WORKSPACE_BYTES = 256 * 2**20
 # ran 1.13-1.39x faster with it than with 256 MiB, its GEMMs still near the cores' peak
 # (benchmarks/RESULTS.md, "The loss head's workspace on the CPU").
 CPU_WORKSPACE_BYTES = 8 * 2**20
+# Bound on the logits the fused head keeps from its forward for its backward (which then skips the
+# recompute, a quarter of the head's GEMM work) on the CPU, where RAM is plentiful and GEMMs are slow;
+# 0 elsewhere: a GPU's memory is the scarce thing. See `keep_logits_fits` in lowmem_grpo/kernels/linear.py.
+CPU_KEEP_LOGITS_BYTES = 256 * 2**20
 
 _backend = os.environ.get("LOWMEM_GRPO_BACKEND", "auto")
 
@@ -47,6 +51,11 @@ _check_name(_backend)
 def workspace_bytes(device_type: str) -> int:
     """The logits workspace bound for tensors on a device of this type ("cpu", "cuda", ...)."""
     return CPU_WORKSPACE_BYTES if device_type == "cpu" else DEFAULT_WORKSPACE_BYTES
+
+
+def keep_logits_bytes(device_type: str) -> int:
+    """The bound on the logits the fused head may keep for its backward on a device of this type."""
+    return CPU_KEEP_LOGITS_BYTES if device_type == "cpu" else 0
 
 
 def get_backend() -> str:

@@ -1,18 +1,18 @@
-"""linear_token_logprobs: the lm_head fused in. Log-probs from hidden states without ever holding [N, V] logits.
+"""linear_token_logprobs: the lm_head fused in. Log-probs from hidden states, [N, V] logits a slice at a time.
 
     linear_token_logprobs(hidden (N, H), weight (V, H), ids (N,)) -> logp (N,)
         = log_softmax(cap(hidden @ weight.T + bias) / T).gather(ids),  cap(z) = c tanh(z / c) or z
 
 Both passes loop over *vocabulary slices* of width `chunk_size`; each slice is one GEMM for all N tokens
 into a reused [N, chunk] workspace, then a row kernel over it that adds the bias in fp32 and soft-caps:
-  forward   logits_s = h @ W_s^T; merge the slice into online-softmax statistics (m, s, t, x_y).
-            Saves only lse (and entropy): N floats each.
-  backward  recompute logits_s, turn it into dlogits_s in place, then
+  forward   logits_s = h @ W_s^T; merge it into online-softmax statistics (m, s, t, x_y); saves lse (entropy)
+  backward  recompute logits_s (or copy the kept one), turn it into dlogits_s in place, then
             dW_s = dlogits_s^T @ h   exact in one GEMM, written once into dW[v0:v1] (weight dtype)
             dh  += dlogits_s @ W_s   accumulated across slices in fp32 [N, H] (each slice's
                                      product leaves the GEMM in the compute dtype)
             db_s = sum_n dlogits_s
-The only (V, H) allocation is dW itself: no fp32 (V, H) buffer, no (N, V) tensor. Design notes: docs/kernels.md
+The only (V, H) allocation is dW itself, and no (N, V) tensor exists but where the CPU keeps the logits for
+the backward (`keep_logits_fits`), which then skips the recompute. Design notes: docs/kernels.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._backend import workspace_bytes
+from ._backend import keep_logits_bytes, workspace_bytes
 from ._checks import check_float, check_ids, check_temperature
 from .logprobs import finalize_stats, logits_grad_, logits_stats, new_stats
 
@@ -32,6 +32,12 @@ def default_chunk_size(n_rows: int, vocab: int, device_type: str) -> int:
     `device_type` ("cpu", "cuda", ...; _backend.workspace_bytes)."""
     chunk = workspace_bytes(device_type) // (4 * max(n_rows, 1))
     return max(1, min(vocab, max(256, chunk // 256 * 256)))
+
+
+def keep_logits_fits(n_rows: int, vocab: int, element_size: int, device_type: str) -> bool:
+    """Whether a differentiated forward keeps its [n_rows, vocab] logits (element_size bytes each) for the
+    backward: where they fit the device type's keep bound (_backend.keep_logits_bytes; 0 off the CPU)."""
+    return 0 < n_rows * vocab * element_size <= keep_logits_bytes(device_type)
 
 
 def _slices(vocab: int, chunk: int):
@@ -52,43 +58,56 @@ def _fp32(bias: Optional[Tensor]) -> Optional[Tensor]:
 
 @torch.library.custom_op("lowmem_grpo::linear_token_logprobs", mutates_args=())
 def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, temperature: float,
-                        with_entropy: bool, chunk_size: int, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V] | None, ids [N] -> (logp, lse, entropy), each [N] fp32.
-    softcap: c > 0 soft-caps the logits (c tanh(z / c)) before the temperature; 0: no cap."""
+                        with_entropy: bool, chunk_size: int, softcap: float,
+                        keep: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V] | None, ids [N] -> (logp, lse, entropy, kept): logp, lse and
+    entropy [N] fp32; kept: with `keep`, the GEMM's logits [N * V] in hidden's dtype, slice after slice
+    (slice [v0, v1) is [N, v1 - v0] at offset N * v0), else empty. softcap: c > 0 soft-caps the logits
+    (c tanh(z / c)) before the temperature; 0: no cap."""
     n, vocab = hidden.shape[0], weight.shape[0]
     stats = new_stats(n, hidden.device)
-    workspace = hidden.new_empty(n * min(chunk_size, vocab))
+    kept = hidden.new_empty(n * vocab if keep else 0)
+    workspace = kept if keep else hidden.new_empty(n * min(chunk_size, vocab))
     bias32 = _fp32(bias)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are settled by the caller
         for i, (v0, v1) in enumerate(_slices(vocab, chunk_size)):
-            logits = _slice_logits(hidden, weight, v0, v1, workspace)
+            logits = _slice_logits(hidden, weight, v0, v1, workspace[n * v0:] if keep else workspace)
             logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature,
                          accumulate=i > 0, with_entropy=with_entropy, bias=bias32, softcap=softcap)
     lse, logp, entropy = finalize_stats(stats)
-    return logp, lse, entropy if with_entropy else torch.zeros_like(lse)
+    return logp, lse, entropy if with_entropy else torch.zeros_like(lse), kept
 
 
 @_linear_logprobs_op.register_fake
-def _(hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap):
-    return tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+def _(hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap, keep=False):
+    rows = tuple(hidden.new_empty(hidden.shape[0], dtype=torch.float32) for _ in range(3))
+    return (*rows, hidden.new_empty(hidden.shape[0] * weight.shape[0] if keep else 0))
 
 
 @torch.library.custom_op("lowmem_grpo::linear_token_logprobs_backward", mutates_args=())
 def _linear_logprobs_backward_op(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, lse: Tensor, grad_logp: Tensor,
     entropy: Optional[Tensor], grad_entropy: Optional[Tensor], temperature: float, chunk_size: int, softcap: float,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
+    need_hidden: bool, need_weight: bool, need_bias: bool, kept: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (d hidden [N, H], d weight [V, H], d bias [V]); an empty tensor for each gradient not needed."""
+    """-> (d hidden [N, H], d weight [V, H], d bias [V]); an empty tensor for each gradient not needed.
+    `kept`: the forward's kept logits (its fourth output, with the same chunk_size), each slice copied into
+    the workspace instead of recomputed (`kept` is left as it is); None or empty: recompute."""
     n, vocab = hidden.shape[0], weight.shape[0]
     grad_h = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_hidden else None
     grad_w = torch.empty_like(weight) if need_weight else None
     grad_b = torch.empty(vocab, dtype=torch.float32, device=hidden.device) if need_bias else None
+    kept = kept if kept is not None and kept.numel() else None
+    if kept is not None and kept.numel() != n * vocab:
+        raise ValueError(f"kept logits hold {kept.numel()} elements, not N * V = {n * vocab}")
     workspace = hidden.new_empty(n * min(chunk_size, vocab))
     bias32 = _fp32(bias)
     with torch.autocast(hidden.device.type, enabled=False):
         for v0, v1 in _slices(vocab, chunk_size):
-            dlogits = _slice_logits(hidden, weight, v0, v1, workspace)  # recompute, then in place:
+            if kept is not None:  # the forward's slice (a copy: a second backward reads it again), then in place:
+                dlogits = workspace[: n * (v1 - v0)].view(n, v1 - v0).copy_(kept[n * v0:n * v1].view(n, v1 - v0))
+            else:
+                dlogits = _slice_logits(hidden, weight, v0, v1, workspace)  # recompute, then in place:
             logits_grad_(dlogits, ids, lse, grad_logp, entropy, grad_entropy, col_offset=v0,
                          inv_temp=1.0 / temperature, bias=bias32, softcap=softcap)
             if grad_w is not None:
@@ -115,7 +134,7 @@ def _linear_logprobs_backward_op(
 
 @_linear_logprobs_backward_op.register_fake
 def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperature, chunk_size, softcap,
-      need_hidden, need_weight, need_bias):
+      need_hidden, need_weight, need_bias, kept=None):
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else hidden.new_empty(0),
@@ -124,15 +143,16 @@ def _(hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, temperat
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap = inputs
-    _, lse, entropy = output
+    hidden, weight, bias, ids, temperature, with_entropy, chunk_size, softcap, _keep = inputs
+    _, lse, entropy, kept = output
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy)
+    ctx.mark_non_differentiable(kept)
+    ctx.save_for_backward(hidden, weight, bias, ids, lse, entropy, kept)
     ctx.temperature, ctx.with_entropy, ctx.chunk_size, ctx.softcap = temperature, with_entropy, chunk_size, softcap
 
 
-def _backward(ctx, grad_logp, grad_lse, grad_entropy):
-    hidden, weight, bias, ids, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_lse, grad_entropy, _grad_kept):
+    hidden, weight, bias, ids, lse, entropy, kept = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
     if not ctx.with_entropy or grad_entropy is None:
@@ -141,9 +161,9 @@ def _backward(ctx, grad_logp, grad_lse, grad_entropy):
         grad_entropy = grad_entropy.float().contiguous()
     gh, gw, gb = _linear_logprobs_backward_op(
         hidden, weight, bias, ids, lse, grad_logp, entropy, grad_entropy, ctx.temperature, ctx.chunk_size,
-        ctx.softcap, need_h, need_w, bool(need_b and bias is not None))
+        ctx.softcap, need_h, need_w, bool(need_b and bias is not None), kept)
     return (gh if need_h else None, gw if need_w else None, gb if (need_b and bias is not None) else None,
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 _linear_logprobs_op.register_autograd(_backward, setup_context=_setup_context)
@@ -184,7 +204,7 @@ def check_softcap(softcap: Optional[float]) -> float:
 
 def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: Optional[Tensor] = None,
                           temperature: float = 1.0, return_entropy: bool = False, chunk_size: Optional[int] = None,
-                          softcap: Optional[float] = None):
+                          softcap: Optional[float] = None, keep_logits: Optional[bool] = None):
     """Per-token log-probs of `ids` under softmax(cap(hidden @ weight.T + bias) / temperature).
 
     Args:
@@ -198,11 +218,15 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
             bound: 256 MiB on a GPU, 8 MiB on the CPU (_backend.workspace_bytes).
         softcap: c soft-caps the logits, cap(z) = c tanh(z / c), before the temperature (Gemma 2's
             final_logit_softcapping); None: no cap. The bias is added to the GEMM's output in fp32.
+        keep_logits: whether a forward that will be differentiated keeps its [N, V] logits (in the compute
+            dtype) for the backward, which then skips recomputing them; None: where they fit the device's
+            keep bound (`keep_logits_fits`: 256 MiB on the CPU, never on a GPU). Same result either way.
 
     Returns:
         logp shaped like ids, fp32 (or (logp, entropy)). Differentiable w.r.t. hidden, weight and bias
-        (entropy too). Peak extra memory: one [N, chunk] slice, an fp32 [N, H] accumulator and dW;
-        on CPU also the fp32 row-chunk temporaries of the torch path (together within the same bound).
+        (entropy too). Peak extra memory: one [N, chunk] slice (the [N, V] logits when kept), an fp32 [N, H]
+        accumulator and dW; on CPU also the fp32 row-chunk temporaries of the torch path (together within
+        the workspace bound).
     """
     hidden = check_linear_args(hidden, weight, bias)
     if hidden.dim() not in (2, 3):
@@ -215,7 +239,13 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, ids: Tensor, *, bias: 
     chunk = default_chunk_size(rows.shape[0], vocab, rows.device.type) if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    logp, _, entropy = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk, cap)
+    differentiated = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (rows, weight, bias))
+    if keep_logits is None:
+        keep_logits = keep_logits_fits(rows.shape[0], vocab, rows.element_size(), rows.device.type)
+    keep = bool(keep_logits) and differentiated
+    logp, _, entropy, _ = _linear_logprobs_op(rows, weight, bias, flat_ids, temperature, bool(return_entropy), chunk,
+                                              cap, keep)
     if return_entropy:
         return logp.view(lead), entropy.view(lead)
     return logp.view(lead)

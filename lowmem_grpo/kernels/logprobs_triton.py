@@ -9,7 +9,7 @@ Per row x = logits / T (fp32 math; the row stays in its own dtype in memory):
 
 Both kernels also work on a vocabulary *slice* of a row ([N, n_cols] starting at column
 `col_offset`): the forward merges the slice into running statistics, the backward writes the slice
-of dlogits. That is how the fused lm-head ops (linear.py) reuse them without ever holding [N, V].
+of dlogits. That is how the fused lm-head ops (linear.py) reuse them on one [N, chunk] slice at a time.
 
 The fused head's slices are raw GEMM outputs z: x = cap(z + bias) / T, the bias added in fp32 (`has_bias`)
 and cap(u) = c tanh(u / c) when softcap = c > 0; the backward then returns dL/dz. Design notes: docs/kernels.md

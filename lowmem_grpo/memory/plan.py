@@ -22,11 +22,11 @@ import torch
 
 from ..config import Config, batch_plan, importance_sampling_correction, rollout_sampler
 from ..kernels.linear import default_chunk_size
-from ..kernels.logprobs import _rows_per_chunk  # the CPU fallback's row chunk: its bound, read, not restated
 from ..training.activation_offload import MIN_BYTES
 from ..optim.optimizers import BNB_BLOCK, BNB_MIN_8BIT, optimizer_state_bytes  # noqa: F401 (also ours)
 from . import reward_plan, vllm_plan
 from .arch import Arch  # noqa: F401 (importable from here, as before)
+from .head_bytes import loss_head_bytes
 from .host_plan import host_categories, packed_decode_bytes, pinned_host_categories, planned_packing
 from .layer_probe import LayerCosts, layer_costs
 from .rollout_copy import compact_copy_bytes  # noqa: F401 (importable from here too)
@@ -34,22 +34,6 @@ from ..training.step_modes import head_gradient_once, layer_major_wanted, layers
 
 GiB = 2**30
 GENERATION_LOGIT_BUFFERS = 6  # last-position logits (fp32), processed scores, probabilities, top-p sort + indices
-
-
-def loss_head_bytes(n: int, arch: Arch, compute_bytes: int, weight_bytes: int, backward: bool, device: str) -> int:
-    """The fused head's memory for n completion tokens (lowmem_grpo/kernels/linear.py), beyond its inputs."""
-    chunk = default_chunk_size(n, arch.vocab, device)
-    total = n * chunk * compute_bytes + n * arch.hidden * compute_bytes  # workspace + hidden in compute dtype
-    if compute_bytes != weight_bytes:
-        total += chunk * arch.hidden * compute_bytes  # one weight slice cast per GEMM
-    if backward:
-        total += 4 * n * arch.hidden  # fp32 d hidden accumulator
-    if device == "cpu":  # the torch fallback: fp32 copies of row chunks of the slice (lowmem_grpo/kernels/logprobs.py):
-        # three in the forward (the entropy's two and logsumexp's transient); one in the backward, which
-        # writes the gradient into the chunk's own copy (the loss puts no gradient on the entropy)
-        rows = min(n, _rows_per_chunk(chunk, device))
-        total += (1 if backward else 3) * 4 * rows * chunk
-    return total
 
 
 def optimizer_step_bytes(cfg: Config, arch: Arch, device: str, one_tensor: bool = False) -> int:
@@ -246,9 +230,9 @@ class StepSizes:
             return {}
         return {"streamed layers": 2 * (self.group if backward else 1) * self.weight_bytes * self.arch.layer_params()}
 
-    def head_bytes(self, shape: MicroBatchShape, backward: bool) -> int:
+    def head_bytes(self, shape: MicroBatchShape, backward: bool, differentiated: bool = False) -> int:
         return loss_head_bytes(shape.completion_tokens, self.arch, self.compute_bytes, self.weight_bytes, backward,
-                               self.device)
+                               self.device, differentiated)
 
 
 class GradientBytes(NamedTuple):
@@ -339,7 +323,7 @@ def forward_phase(sizes: StepSizes, grads: GradientBytes, acts: ActivationBytes)
     casts = sizes.arch.layers * sizes.layer_cast_bytes
     worst = _largest([{"gradients": grads.before, "activations": acts.forward_layers + casts},
                       {"gradients": grads.before + grads.head_sum, "activations": acts.forward_head + casts,
-                       "loss head": sizes.head_bytes(sizes.train, backward=False)}])
+                       "loss head": sizes.head_bytes(sizes.train, backward=False, differentiated=True)}])
     return {**sizes.resident(), **sizes.streamed_layers(), **worst}
 
 

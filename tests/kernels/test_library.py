@@ -29,13 +29,17 @@ def _op_samples():
                                        0, 0.2, 0.2, float("inf"), 0.0, False, 1.0, 1.05)),
         (ops.linear_token_logprobs.default, (hidden, weight, bias, ids, 0.8, True, 16, 0.0)),
         (ops.linear_token_logprobs.default, (hidden, weight, None, ids, 1.0, False, 64, 2.0)),
+        (ops.linear_token_logprobs.default, (hidden, weight, bias, ids, 0.8, True, 16, 0.0, True)),
         (ops.token_logprobs_backward_.default, (logits.detach().clone(), ids, f(N), f(N), f(N), f(N), 0.7)),
         (ops.linear_token_logprobs_backward.default,
          (hidden.detach(), weight.detach(), bias, ids, f(N), f(N), f(N), f(N), 0.8, 16, 2.0, True, True, True)),
+        (ops.linear_token_logprobs_backward.default,  # from the forward's kept logits
+         (hidden.detach(), weight.detach(), bias, ids, f(N), f(N), None, None, 0.8, 16, 0.0, True, True, True,
+          f(N * V))),
     ]
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(11))
 def test_opcheck(index):
     op, args = _op_samples()[index]
     torch.library.opcheck(op, args)

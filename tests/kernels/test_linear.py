@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lowmem_grpo.kernels import linear_token_logprobs, spec
-from lowmem_grpo.kernels.linear import _linear_logprobs_backward_op, _linear_logprobs_op, default_chunk_size
+from lowmem_grpo.kernels import linear as linear_module, linear_token_logprobs, spec
+from lowmem_grpo.kernels.linear import (_linear_logprobs_backward_op, _linear_logprobs_op, default_chunk_size,
+                                        keep_logits_fits)
 
 from .helpers import assert_as_close_as_low_precision
 
@@ -149,9 +150,9 @@ def test_never_allocates_logits_or_fp32_weight_sized_buffers():
     weight = torch.randn(V, H, dtype=torch.bfloat16)
     bias = torch.randn(V, dtype=torch.bfloat16)
     ids = torch.randint(0, V, (N,))
-    # Call the ops' implementations directly so the mode sees every allocation inside them.
+    # Call the ops' implementations directly so the mode sees every allocation inside them (keeping no logits).
     with _Allocations() as fwd:
-        logp, lse, entropy = _linear_logprobs_op._init_fn(hidden, weight, bias, ids, 1.0, True, chunk, 0.0)
+        logp, lse, entropy, _ = _linear_logprobs_op._init_fn(hidden, weight, bias, ids, 1.0, True, chunk, 0.0)
     with _Allocations() as bwd:
         _linear_logprobs_backward_op._init_fn(hidden, weight, bias, ids, lse, torch.randn(N), entropy, torch.randn(N),
                                               1.0, chunk, 0.0, True, True, True)
@@ -183,6 +184,68 @@ def test_cpu_head_slices_the_vocabulary_and_matches_one_slice():
         outs.append((logp, ent, *grads))
     for sliced, whole in zip(*outs):
         torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_results_exactly(device, dtype):
+    """The backward from the forward's kept logits equals the recomputing one bit for bit (bias, soft cap,
+    entropy, a narrow last slice), and so does a second backward through the same graph, which reads them again."""
+    n, h, v = 9, 16, 600
+    hidden = torch.randn(n, h, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(v, h, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(v, device=device, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, v, (n,), device=device)
+    outs = {}
+    for keep in (False, True):
+        logp, ent = linear_token_logprobs(hidden, weight, ids, bias=bias, return_entropy=True, chunk_size=256,
+                                          softcap=3.0, keep_logits=keep)
+        loss = (2 * logp + ent).sum()
+        first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+        second = torch.autograd.grad(loss, (hidden, weight, bias))
+        outs[keep] = (logp, ent, *first, *second)
+    for recomputed, kept in zip(outs[False], outs[True]):
+        assert torch.equal(recomputed, kept)
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matrix products run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+def test_kept_logits_skip_the_recompute_and_only_where_they_fit(monkeypatch):
+    n, h, v = 64, 32, 5000  # 5 slices of 1024
+    hidden, weight, ids = torch.randn(n, h), torch.randn(v, h), torch.randint(0, v, (n,))
+    grad = torch.randn(n)
+    counts = []
+    for keep in (False, True):  # the ops' implementations, so that the mode sees the products inside them
+        _, lse, _, kept = _linear_logprobs_op._init_fn(hidden, weight, None, ids, 1.0, False, 1024, 0.0, keep)
+        assert kept.numel() == (n * v if keep else 0)
+        with _Matmuls() as mm:
+            _linear_logprobs_backward_op._init_fn(hidden, weight, None, ids, lse, grad, None, None, 1.0, 1024, 0.0,
+                                                  True, True, False, kept)
+        counts.append(mm.count)
+    assert counts == [15, 10]  # recompute, dW and dh per slice; dW and dh
+    # Kept by default on the CPU within the bound, never on a GPU; never without a backward to come.
+    assert keep_logits_fits(n, v, 4, "cpu") and not keep_logits_fits(n, v, 4, "cuda")
+    assert keep_logits_fits(2**20, 64, 4, "cpu") and not keep_logits_fits(2**20 + 1, 64, 4, "cpu")
+    asked = []
+    monkeypatch.setattr(linear_module, "_linear_logprobs_op", lambda *args: asked.append(args[-1]) or
+                        _linear_logprobs_op(*args))
+    linear_token_logprobs(hidden, weight, ids)  # nothing requires a gradient
+    hidden.requires_grad_()
+    with torch.no_grad():
+        linear_token_logprobs(hidden, weight, ids)
+    linear_token_logprobs(hidden, weight, ids)
+    linear_token_logprobs(hidden, weight, ids, keep_logits=False)
+    linear_token_logprobs(hidden.bfloat16(), weight.bfloat16(), ids, keep_logits=True)
+    assert asked == [False, False, True, False, True]
 
 
 def test_bad_input_errors():

@@ -73,8 +73,10 @@ def _case(case: str):
 @pytest.mark.parametrize("case", CASES)
 def test_plan_is_bit_for_bit_the_untyped_planners(case, monkeypatch):
     cfg, arch, device = _case(case)
-    # the CPU plan was captured when the CPU's logits workspace had the GPU's bound
+    # the CPU plan was captured when the CPU's logits workspace had the GPU's bound, and before its head kept
+    # its logits for the backward
     monkeypatch.setattr(_backend, "CPU_WORKSPACE_BYTES", _backend.DEFAULT_WORKSPACE_BYTES)
+    monkeypatch.setattr(_backend, "CPU_KEEP_LOGITS_BYTES", 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # no consumer on the way reads it as a dict
         result = plan(cfg, arch, card_bytes=8 * 2**30, device=device)

@@ -75,16 +75,20 @@ def test_long_completion_modes_tracked_bytes_agree_with_the_plan_within_10_perce
         assert measured["phases"][phase]["peak_bytes"] == pytest.approx(predicted.phases[phase], rel=0.10), phase
 
 
-def test_cpu_loss_head_bytes_are_the_profiled_ones_forward_and_backward():
-    # The fused head's torch fallback at Qwen's vocabulary (two vocab slices, three row chunks each): three
-    # fp32 row-chunk copies in the forward, one in the backward (the gradient is written into the chunk's
-    # own copy). The planner's figure includes the hidden states in the compute dtype, made outside the op
-    # here.
+@pytest.mark.parametrize("n", [896, 384], ids=["recomputed", "kept"])
+def test_cpu_loss_head_bytes_are_the_profiled_ones_forward_and_backward(n):
+    # The fused head's torch fallback at Qwen's vocabulary (two or more vocab slices, row chunks in each):
+    # three fp32 row-chunk copies in the forward, one in the backward (the gradient is written into the
+    # chunk's own copy). 896 rows of logits are over the CPU's keep bound, 384 are kept from the forward
+    # for the backward. The planner's figure includes the hidden states in the compute dtype, made outside
+    # the op here.
     from lowmem_grpo.kernels import linear_grpo_loss
-    from lowmem_grpo.memory.plan import loss_head_bytes
+    from lowmem_grpo.kernels.linear import keep_logits_fits
+    from lowmem_grpo.memory.head_bytes import loss_head_bytes
     from lowmem_grpo.memory.profile import MemoryProfile
     from lowmem_grpo.phases import phase
-    n, h, v = 896, 64, 151_936
+    h, v = 64, 151_936
+    assert keep_logits_fits(n, v, 2, "cpu") == (n == 384)
     torch.manual_seed(0)
     weight = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
     hidden = torch.randn(2, n // 2, h, dtype=torch.bfloat16, requires_grad=True)
@@ -99,6 +103,6 @@ def test_cpu_loss_head_bytes_are_the_profiled_ones_forward_and_backward():
     phases = prof.result.devices["host"].summary()["phases"]
     arch = Arch(vocab=v, hidden=h, intermediate=0, layers=0, heads=1, kv_heads=1, head_dim=h, tied=True)
     for name, backward in (("forward", False), ("backward", True)):
-        planned = loss_head_bytes(n, arch, 2, 2, backward, "cpu") - n * h * 2
+        planned = loss_head_bytes(n, arch, 2, 2, backward, "cpu", differentiated=True) - n * h * 2
         measured = phases[name]["categories"]["loss head"]
         assert measured == pytest.approx(planned, rel=0.05), (name, measured / MiB, planned / MiB)
