@@ -66,12 +66,12 @@ def _linear_logprobs_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], 
     (c tanh(z / c)) before the temperature; 0: no cap."""
     n, vocab = hidden.shape[0], weight.shape[0]
     stats = new_stats(n, hidden.device)
-    kept = hidden.new_empty(n * vocab if keep else 0)
-    workspace = kept if keep else hidden.new_empty(n * min(chunk_size, vocab))
+    kept = hidden.new_empty(n * vocab if keep else 0)  # written in place of a workspace when kept
+    workspace = None if keep else hidden.new_empty(n * min(chunk_size, vocab))
     bias32 = _fp32(bias)
     with torch.autocast(hidden.device.type, enabled=False):  # dtypes are settled by the caller
         for i, (v0, v1) in enumerate(_slices(vocab, chunk_size)):
-            logits = _slice_logits(hidden, weight, v0, v1, workspace[n * v0:] if keep else workspace)
+            logits = _slice_logits(hidden, weight, v0, v1, kept[n * v0:] if keep else workspace)
             logits_stats(logits, ids, stats, col_offset=v0, inv_temp=1.0 / temperature,
                          accumulate=i > 0, with_entropy=with_entropy, bias=bias32, softcap=softcap)
     lse, logp, entropy = finalize_stats(stats)
