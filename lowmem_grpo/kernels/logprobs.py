@@ -52,6 +52,14 @@ def _capped_(z: Tensor, bias: Optional[Tensor], col_offset: int, softcap: float)
     return z
 
 
+def _scaled_copy(chunk: Tensor, bias: Optional[Tensor], col_offset: int, softcap: float, inv_temp: float) -> Tensor:
+    """A new fp32 tensor: cap(chunk + bias) * inv_temp. An fp32 chunk with no bias and no cap is scaled in
+    one pass (torch.mul), not copied first and scaled in place: the same single rounding, one pass fewer."""
+    if chunk.dtype == torch.float32 and bias is None and softcap == 0.0:
+        return torch.mul(chunk, inv_temp)
+    return _capped_(chunk.to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
+
+
 def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate, with_entropy, bias, softcap):
     # Statistics in the form (m = lse, s = 1, t = -H, x_y): the kernel's (m, s, t) with m = lse, so
     # the same merge rule holds, and torch's fused logsumexp / softmax do each chunk in few passes.
@@ -59,7 +67,7 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
     step = _rows_per_chunk(n_cols, logits.device.type)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
-        x = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
+        x = _scaled_copy(logits[r], bias, col_offset, softcap, inv_temp)
         y = ids[r] - col_offset
         in_row = (y >= 0) & (y < n_cols)
         x_y = torch.where(in_row, x.gather(1, y.clamp(0, n_cols - 1)[:, None])[:, 0], 0.0)  # not -inf * 0
@@ -90,13 +98,21 @@ def _torch_logits_stats(logits, ids, stats, *, col_offset, inv_temp, accumulate,
         del x  # free this chunk before the next one is allocated
 
 
+def _grad_in_place(chunk: Tensor, softcap: float) -> bool:
+    """Whether the backward works on an fp32 chunk in place: where its values are not read again (no soft
+    cap), the same ops on the same values as on a copy, without the copy in and the copy back."""
+    return chunk.dtype == torch.float32 and softcap == 0.0
+
+
 def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_offset, inv_temp, bias, softcap):
     n_rows, n_cols = logits.shape
     step = _rows_per_chunk(n_cols, logits.device.type)
     for r0 in range(0, n_rows, step):
         r = slice(r0, r0 + step)
-        # one bounded fp32 copy of the chunk, named once: freed by the `del` below before the next is made
-        log_p = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp)
+        chunk = logits[r]
+        # in place, or one bounded fp32 copy, named once: freed by the `del` below before the next is made
+        log_p = (_capped_(chunk, bias, col_offset, 0.0).mul_(inv_temp) if _grad_in_place(chunk, softcap)
+                 else _scaled_copy(chunk, bias, col_offset, softcap, inv_temp))
         log_p.sub_(lse[r, None])
         g = grad[r]
         if grad_entropy is None:
@@ -115,7 +131,8 @@ def _torch_logits_grad_(logits, ids, lse, grad, entropy, grad_entropy, *, col_of
             u = _capped_(logits[r].to(torch.float32, copy=True), bias, col_offset, 0.0)
             dx.mul_(u.div_(softcap).cosh_().reciprocal_().square_())
             del u
-        logits[r].copy_(dx)
+        if dx.data_ptr() != chunk.data_ptr():
+            chunk.copy_(dx)
         del log_p, dx  # free this chunk before the next one is allocated
 
 

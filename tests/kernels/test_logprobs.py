@@ -162,3 +162,38 @@ def test_minus_inf_whole_blocks(device, banned):
     torch.testing.assert_close(entropy.double(), ref_entropy.double(), rtol=1e-5, atol=1e-5)
     assert (grad[:, :cut[1]] == 0).all()
     torch.testing.assert_close(grad[:, cut[1]:].double(), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("return_entropy", [False, True])
+def test_the_cpu_paths_fp32_shortcuts_give_the_copying_paths_bits(monkeypatch, temperature, with_bias, return_entropy):
+    """The torch path scales an fp32 chunk in one pass and works on it in place in the backward; forcing the
+    copy (as for bf16 or a soft cap) gives the same bits, forward and backward."""
+    from lowmem_grpo.kernels import logprobs
+
+    torch.manual_seed(0)
+    n, vocab = 37, 1000
+    logits = torch.randn(n, vocab) * 4
+    bias = torch.randn(vocab) if with_bias else None
+    ids = torch.randint(0, vocab, (n,))
+    grad, grad_entropy = torch.randn(n), (torch.randn(n) if return_entropy else None)
+
+    def run():
+        stats = logprobs.new_stats(n, logits.device)
+        for i, v0 in enumerate(range(0, vocab, 300)):  # vocabulary slices, merged as the fused head does
+            piece = logits[:, v0:v0 + 300].contiguous()
+            logprobs.logits_stats(piece, ids, stats, col_offset=v0, inv_temp=1 / temperature, accumulate=i > 0,
+                                  with_entropy=return_entropy, bias=bias)
+        lse, logp, entropy = logprobs.finalize_stats(stats)
+        dlogits = logits.clone()
+        logprobs.logits_grad_(dlogits, ids, lse, grad, entropy if return_entropy else None, grad_entropy,
+                              inv_temp=1 / temperature, bias=bias)
+        return logp, lse, entropy, dlogits
+
+    fast = run()
+    monkeypatch.setattr(logprobs, "_grad_in_place", lambda chunk, softcap: False)
+    monkeypatch.setattr(logprobs, "_scaled_copy", lambda chunk, bias, col_offset, softcap, inv_temp: logprobs._capped_(
+        chunk.to(torch.float32, copy=True), bias, col_offset, softcap).mul_(inv_temp))
+    for a, b in zip(fast, run()):
+        assert torch.equal(a, b)
