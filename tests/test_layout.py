@@ -21,7 +21,8 @@ BELOW = {
     "host_arena": set(),  # pinned host memory: the optimizer's states, offloaded activations, the reference
     "native_build": set(),  # compiling the plain-C++ CPU kernels (the host optimizer's, the decode attention)
     "kernels": {"ranges"},
-    "integrations": {"ranges", "kernels"},  # other trainers (TRL) on our kernels; nothing imports it
+    "integrations": {"ranges", "kernels", "config", "policy"},  # TRL's trainer on our kernels and rollouts; nothing
+                                                                # imports it
     "config": {"ranges"},
     "shipped_recipes": set(),
     "optim": {"ranges", "config", "phases", "host_arena", "transfers", "native_build"},

@@ -1,3 +1,3 @@
 """Drop-ins for other trainers' users: `lowmem_grpo.integrations.trl.GRPOTrainer` (TRL's GRPOTrainer on our
-fused head). Each module imports its trainer library, which lowmem-grpo itself does not depend on
-(pip install '.[bench]' brings TRL)."""
+fused head and rollout engine). Each module imports its trainer library, which lowmem-grpo itself does not
+depend on (pip install '.[bench]' brings TRL)."""

@@ -1,18 +1,18 @@
 """A drop-in for TRL users: `from lowmem_grpo.integrations.trl import GRPOTrainer` is TRL's GRPOTrainer
-(same constructor, same GRPOConfig) whose LM head runs through lowmem-grpo's fused head.
+(same constructor, same GRPOConfig) whose LM head is lowmem-grpo's fused head and rollouts its native engine.
 
-TRL 1.16's GRPOTrainer gets every per-token log-prob (policy pass with gradient, old-policy and reference
-passes without) from `model(..., labels=..., fused_lm_head=True)`, a forward that
-`trl.trainer.utils.add_fused_lm_head` patches in. This trainer re-patches the policy and reference models,
-after TRL's constructor, with the same forward whose head is `lowmem_grpo.kernels.linear_token_logprobs`
-(log-probs and entropy, differentiable). Everything else, including each `loss_type`'s per-token loss on the
-(B, T) log-probs, is TRL's own code; only the (B, T, V)-sized head changes. MoE models: as in TRL's head,
-router logits are requested only where the config's output_router_logits (or the caller) asks for them; then
-aux_loss is the family's own transformers `load_balancing_loss_func` (Mixtral's, as TRL uses, where the family
-has none) and `loss` adds router_aux_loss_coef * aux_loss. final_logit_softcapping (Gemma 2) is applied in the
-fused head, before the temperature. cast_lm_head_to_fp32=True: the head runs in fp32 (hidden states and
-weight) with autocast off, as TRL's does. Refused at construction, with the reason: a logit scale (Granite,
-Cohere, ...); FSDP-sharded (DTensor) heads are refused on the first fused call."""
+TRL 1.16's GRPOTrainer gets every per-token log-prob (policy pass with gradient, old-policy and reference passes
+without) from `model(..., labels=..., fused_lm_head=True)`, a forward that `trl.trainer.utils.add_fused_lm_head`
+patches in. This trainer re-patches the policy and reference models, after TRL's constructor, with the same forward
+whose head is `lowmem_grpo.kernels.linear_token_logprobs` (log-probs and entropy, differentiable). Everything else,
+including each `loss_type`'s per-token loss on the (B, T) log-probs, is TRL's own code; only the (B, T, V)-sized
+head and generate() (trl_generation.py) change. MoE models: as in TRL's head, router logits are requested only where
+the config's output_router_logits (or the caller) asks for them; then aux_loss is the family's own transformers
+`load_balancing_loss_func` (Mixtral's, as TRL uses, where the family has none) and `loss` adds router_aux_loss_coef
+* aux_loss. final_logit_softcapping (Gemma 2) is applied in the fused head, before the temperature.
+cast_lm_head_to_fp32=True: the head runs in fp32 (hidden states and weight) with autocast off, as TRL's does.
+Refused at construction, with the reason: a logit scale (Granite, Cohere, ...); FSDP-sharded (DTensor) heads are
+refused on the first fused call."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ except ImportError as err:  # TRL is not a dependency of lowmem-grpo
                       "(or lowmem-grpo's bench extra)") from err
 
 from ..kernels import linear_token_logprobs
+from .trl_generation import log_fallback, native_completions, native_generation_problem
 
 __all__ = ["GRPOTrainer", "add_fused_lm_head"]
 
@@ -126,12 +127,24 @@ def add_fused_lm_head(model, temperature: float = 1.0, cast_lm_head_to_fp32: boo
 
 
 class GRPOTrainer(trl.GRPOTrainer):
-    """TRL's GRPOTrainer, same arguments; the policy and reference models' heads are lowmem-grpo's."""
+    """TRL's GRPOTrainer, same arguments; the policy and reference models' heads are lowmem-grpo's, and its
+    rollouts run on lowmem-grpo's native engine where TRL would call generate() (`native_generation=False`:
+    TRL's generate() always; trl_generation.py says where TRL's own path runs regardless)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, native_generation: bool = True, **kwargs):
+        self.native_generation = native_generation
         super().__init__(*args, **kwargs)  # builds the models, casts the heads if asked, patches TRL's head in
         cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         model = self.model.get_base_model() if is_peft_model(self.model) else self.model
         add_fused_lm_head(model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
         if self.ref_model is not None:
             add_fused_lm_head(self.ref_model, temperature=self.temperature, cast_lm_head_to_fp32=cast)
+
+    def _generate_single_turn(self, prompt_ids, images=None, multimodal_fields=None, *args, **kwargs):
+        """TRL's: (completion_ids, logprobs); on the native engine where it can sample this call (logprobs
+        None, as TRL's generate() path returns), else TRL's own path."""
+        problem = native_generation_problem(self, images, multimodal_fields)
+        if problem is not None:
+            log_fallback(problem)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        return native_completions(self, prompt_ids), None

@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.integrations.helpers import same_rollouts, tiny_qwen2
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install '.[bench]')")
 
 LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo"]
@@ -16,20 +18,11 @@ CASES = [pytest.param(t, b, marks=() if (t, b) in FAST else pytest.mark.slow) fo
 
 def _train(trainer_cls, tmp_path, loss_type, beta, bf16=False):
     from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig
 
-    from lowmem_grpo.policy.char_tokenizer import char_tokenizer
-
-    tokenizer = char_tokenizer()
     model = tmp_path / "tiny-qwen2"  # a folder: TRL builds the reference model (beta > 0) from the path
-    if not model.exists():
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id)).save_pretrained(model)
-        tokenizer.save_pretrained(model)
+    tokenizer = tiny_qwen2(model)
     grads = []
 
     class KeepGrads(TrainerCallback):
@@ -46,7 +39,7 @@ def _train(trainer_cls, tmp_path, loss_type, beta, bf16=False):
                       use_cpu=True, bf16=bf16, model_init_kwargs={"dtype": torch.float32})
     dataset = Dataset.from_dict({"prompt": ["12+7=", "3*4=", "9-5=", "8+8="] * 4})
     trainer = trainer_cls(model=str(model), reward_funcs=[reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[KeepGrads()])
+                          processing_class=tokenizer, callbacks=[KeepGrads()], **same_rollouts(trainer_cls))
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     return losses, grads

@@ -7,6 +7,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.integrations.helpers import same_rollouts, tiny_qwen2
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install '.[bench]')")
 
 # Both heads compute in fp32 and agree to ~1e-6 there (observed here: gradients within 1e-7 of their largest
@@ -19,20 +21,11 @@ LOSS_RTOL, GRAD_RTOL = 1e-3, 1e-2
 
 def _train(trainer_cls, tmp_path):
     from datasets import Dataset
-    from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOConfig
 
-    from lowmem_grpo.policy.char_tokenizer import char_tokenizer
-
-    tokenizer = char_tokenizer()
     model = tmp_path / "tiny-qwen2-bf16"
-    if not model.exists():
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                     tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id)).save_pretrained(model)
-        tokenizer.save_pretrained(model)
+    tokenizer = tiny_qwen2(model)
     grads = []
 
     class KeepGrads(TrainerCallback):
@@ -49,7 +42,7 @@ def _train(trainer_cls, tmp_path):
                       use_cpu=True, bf16=True, cast_lm_head_to_fp32=True, model_init_kwargs={"dtype": torch.bfloat16})
     dataset = Dataset.from_dict({"prompt": ["12+7=", "3*4=", "9-5=", "8+8="] * 4})
     trainer = trainer_cls(model=str(model), reward_funcs=[reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[KeepGrads()])
+                          processing_class=tokenizer, callbacks=[KeepGrads()], **same_rollouts(trainer_cls))
     assert trainer.model.lm_head.weight.dtype == torch.float32  # TRL's construction cast the head
     assert trainer.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # the backbone is bf16
     trainer.train()

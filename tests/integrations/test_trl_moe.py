@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.integrations.helpers import same_rollouts
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs trl (pip install '.[bench]')")
 
 
@@ -55,7 +57,7 @@ def _train(trainer_cls, tmp_path, family):
                       use_cpu=True, bf16=False, model_init_kwargs={"dtype": torch.float32})
     dataset = Dataset.from_dict({"prompt": ["12+7=", "3*4=", "9-5=", "8+8="] * 4})
     trainer = trainer_cls(model=str(model), reward_funcs=[reward], args=args, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[KeepGrads()])
+                          processing_class=tokenizer, callbacks=[KeepGrads()], **same_rollouts(trainer_cls))
     assert trainer.aux_loss_enabled  # TRL's default for an MoE model: the router loss is on
     trainer.train()
     rows = [row for row in trainer.state.log_history if "loss" in row]
