@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
 from accelerate.utils import is_peft_model
 from trl.models import unwrap_model_for_generation
 
@@ -77,10 +76,9 @@ def native_completions(trainer, prompt_ids: list[list[int]]) -> list[list[int]]:
     inside TRL's unwrap_model_for_generation (its generation_config override, gradient checkpointing off)."""
     cfg = _settings(trainer, prompt_ids)
     autocast_bf16 = trainer.accelerator.mixed_precision == "bf16"  # accelerate's autocast around forward
-    with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
-                                      generation_kwargs=trainer.generation_kwargs,
-                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
-          as model, torch.no_grad()):
+    with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                     generation_kwargs=trainer.generation_kwargs,
+                                     gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model:
         batch = generate(model, [list(p) for p in prompt_ids], cfg, eos_ids=list(trainer.eos_token_ids),
                          pad_id=trainer._tokenizer.pad_token_id, device=trainer.accelerator.device,
                          autocast_bf16=autocast_bf16)

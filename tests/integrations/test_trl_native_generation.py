@@ -112,6 +112,27 @@ def test_training_samples_through_the_native_engine(tmp_path, monkeypatch):
     assert all(row["completions/max_length"] <= 8 for row in logged)
 
 
+def test_bf16_mixed_precision_samples_under_autocast(tmp_path, monkeypatch):
+    """GRPOConfig(bf16=True): the engine decodes under bf16 autocast, as accelerate runs the model's forward."""
+    import lowmem_grpo.integrations.trl_generation as native_module
+
+    seen = []
+    real = native_module.generate
+
+    def spied(*a, **k):
+        seen.append(k["autocast_bf16"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(native_module, "generate", spied)
+    trainer = _trainer(tmp_path, bf16=True)
+    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer.train()
+    assert seen and all(seen)
+    logged = [row for row in trainer.state.log_history if "loss" in row]
+    assert len(logged) == 2 and all(torch.isfinite(torch.tensor(row["loss"])) for row in logged)
+    assert all(1 <= row["completions/mean_length"] <= 8 for row in logged)
+
+
 @pytest.mark.parametrize("native, config, reason", [
     (False, {}, None),
     (True, {"generation_kwargs": {"no_repeat_ngram_size": 2}}, "generation_kwargs"),
