@@ -10,14 +10,19 @@ GEMMs were all it did; a path's tokens/s over it is its "fraction of the GEMM bo
 matmul, linear, the packed oneDNN/MKL linears), attention (sdpa and its kernels), the model's other ops
 (norms, rotary, activations, cache writes: ops inside a model forward), sampling and loop (ops outside the
 model forward: logits processing, the draw, slot bookkeeping), and what no op covers (Python, waits).
+`op_census(fn, model)`: the dispatcher ops fn() runs (after autograd and composite ops are resolved, as a
+TorchDispatchMode sees them), per decode step's forward (a forward of one input column) by kind and name,
+and per step outside the forward; a step's cost per op is what no faster GEMM removes.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmem_grpo.policy.packed_linear import gemm_dtype
 
@@ -91,3 +96,54 @@ def profile_parts(fn: Callable[[], object], model) -> dict[str, float]:
     parts["untraced"] = max(wall - sum(parts.values()), 0.0)
     parts["wall"] = wall
     return parts
+
+
+VIEW_OPS = {"view", "reshape", "_reshape_alias", "slice", "select", "transpose", "unsqueeze", "squeeze", "expand",
+            "as_strided", "narrow", "permute", "alias", "t", "split", "unbind", "_unsafe_view", "detach"}
+
+
+class _Counting(TorchDispatchMode):
+    """Counts each op by name into `step` while a decode forward runs, else into `other`."""
+
+    def __init__(self):
+        super().__init__()
+        self.step, self.other, self.in_step = Counter(), Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        (self.step if self.in_step else self.other)[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_census(fn: Callable[[], object], model) -> dict:
+    """The ops of fn()'s decode steps: {"steps", "per_step", "per_layer" (per_step over the decoder layers: the
+    embedding, final norm and head included), "by_kind" (gemm, view, other per step), "by_name" (per step, most
+    first), "outside_forward_per_step"}. A decode step is a forward of the model whose input_ids (or
+    inputs_embeds) have one column; prefills and sampling are counted outside."""
+    counting, steps = _Counting(), [0]
+
+    def enter(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ids = ids if ids is not None else kwargs.get("inputs_embeds")
+        counting.in_step = ids is not None and ids.shape[1] == 1
+        steps[0] += counting.in_step
+
+    def leave(*_):
+        counting.in_step = False
+
+    pre = model.register_forward_pre_hook(enter, with_kwargs=True)
+    post = model.register_forward_hook(leave)
+    try:
+        with counting:
+            fn()
+    finally:
+        pre.remove()
+        post.remove()
+    n, layers = max(steps[0], 1), model.config.get_text_config().num_hidden_layers
+    gemm_names = {op.split("::")[-1] for op in GEMM_OPS}
+    kinds = Counter()
+    for name, count in counting.step.items():
+        kinds["gemm" if name in gemm_names else "view" if name in VIEW_OPS else "other"] += count / n
+    total = sum(counting.step.values()) / n
+    return {"steps": steps[0], "per_step": total, "per_layer": total / layers, "by_kind": dict(kinds),
+            "by_name": {k: v / n for k, v in counting.step.most_common()},
+            "outside_forward_per_step": sum(counting.other.values()) / n}

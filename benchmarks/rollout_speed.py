@@ -33,6 +33,9 @@ matmuls run in (bf16 with --dtype bf16 or --autocast); "fraction_of_fastest_gemm
 the plain and packed bounds in that dtype (the bound the CPU's GEMMs give, whichever way they run).
 --profile: after the timed runs, one more rollout of each sampler path under torch.profiler, its time split
 into GEMM / attention / the model's other ops / sampling and loop / untraced.
+--op-census: after the timed runs, one more rollout of each sampler path counting the dispatcher ops of its
+decode steps' forwards (decode_profile.op_census): per step and per layer, by kind (GEMM, views, other) and
+by name, and the ops per step outside the forward (prefills, sampling, bookkeeping).
 
 On a GPU (benchmarks/gpu_session.sh part rollout-*): --paths refill,static,compiled --eos-hazard 0 (every
 row runs --max-new tokens) --dtype bf16. The compiled path's warm-up (one whole rollout, which compiles and
@@ -76,7 +79,7 @@ import time
 import torch
 
 from bench_utils import machine_info, write_json
-from decode_profile import gemm_bound, profile_parts, step_gflop
+from decode_profile import gemm_bound, op_census, profile_parts, step_gflop
 from lowmem_grpo.config import GenerationConfig
 from lowmem_grpo.memory.presets import preset
 from lowmem_grpo.policy.batch import eos_mask
@@ -194,6 +197,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--profile", action="store_true",
                         help="one more rollout per sampler path under torch.profiler: time by part")
+    parser.add_argument("--op-census", action="store_true",
+                        help="one more rollout per sampler path counting its decode steps' dispatcher ops")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     args = parser.parse_args()
     paths = [p for p in args.paths.split(",") if p]
@@ -299,6 +304,15 @@ def main() -> None:
             wall = profiles[path]["wall"]
             print(f"profile {path:8s} {wall:7.2f} s: " + ", ".join(
                 f"{k} {v / wall:.0%}" for k, v in profiles[path].items() if k != "wall"))
+    census = {}
+    if args.op_census:
+        for path in (p for p in paths if p in stats):
+            census[path] = c = op_census(lambda: run(model, prompts, distinct, cfg, path, seed=7, **kw), model)
+            layers = model.config.get_text_config().num_hidden_layers
+            print(f"op census {path:8s} {c['per_step']:.0f} ops per decode step's forward ({c['per_layer']:.1f} "
+                  "per layer: " + ", ".join(f"{k} {v / layers:.1f}" for k, v in c["by_kind"].items())
+                  + f"), {c['outside_forward_per_step']:.0f} per step outside it; most per layer: "
+                  + ", ".join(f"{k} {v / layers:.1f}" for k, v in list(c["by_name"].items())[:12]))
     ratios = {f"{a}/{b}": summary[a]["tokens_per_s"] / summary[b]["tokens_per_s"]
               for a, b in (("fast", "generate"), ("refill", "generate"), ("refill", "fast"), ("static", "refill"),
                            ("compiled", "refill"), ("compiled", "static"), ("packed", "refill"), ("packed", "static"),
@@ -311,7 +325,7 @@ def main() -> None:
         write_json(args.json, {"args": vars(args), "machine": machine_info(device.type), "eos_logit_bias": bias,
                                "prompt_lengths": [len(p) for p in distinct], "runs": runs, "summary": summary,
                                "gemm_bound_tokens_per_s": gemm, "gemm_bound_step_seconds": bound, "profiles": profiles,
-                               "speedups_tokens_per_s": ratios})
+                               "op_census": census, "speedups_tokens_per_s": ratios})
 
 
 if __name__ == "__main__":

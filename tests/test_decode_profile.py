@@ -1,0 +1,43 @@
+"""benchmarks/decode_profile.py's op census: a decode step's dispatcher ops, counted apart from the prefill's."""
+
+import pytest
+import torch
+
+from tests.benchmark_scripts import load_benchmark
+
+
+@pytest.fixture(scope="module")
+def dp():
+    return load_benchmark("decode_profile")
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def test_op_census_counts_decode_forwards_apart_from_the_prefill(dp):
+    model = _tiny_llama()
+    layers = model.config.num_hidden_layers
+
+    def rollout():
+        out = model(input_ids=torch.randint(0, 100, (2, 5)), use_cache=True)  # the prefill: counted outside
+        cache = out.past_key_values
+        for step in range(3):  # three decode steps of one column each
+            out = model(input_ids=torch.randint(0, 100, (2, 1)), past_key_values=cache, use_cache=True,
+                        position_ids=torch.full((2, 1), 5 + step))
+            cache = out.past_key_values
+
+    census = dp.op_census(rollout, model)
+    assert census["steps"] == 3
+    assert census["by_name"]["mm"] == 7 * layers + 1  # q, k, v, o, gate, up, down per layer and the head
+    assert census["by_kind"]["gemm"] == census["by_name"]["mm"]
+    assert census["by_name"]["silu"] == layers and census["by_name"]["rsqrt"] == 2 * layers + 1
+    assert census["per_step"] == pytest.approx(sum(census["by_kind"].values()))
+    assert census["per_layer"] == pytest.approx(census["per_step"] / layers)
+    assert census["outside_forward_per_step"] * 3 >= census["per_step"]  # the prefill's forward: about a step's ops
