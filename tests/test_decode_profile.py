@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from lowmem_grpo.policy.decode_slots import cache_argument, returned_cache
 from tests.benchmark_scripts import load_benchmark
 
 
@@ -27,11 +28,11 @@ def test_op_census_counts_decode_forwards_apart_from_the_prefill(dp):
 
     def rollout():
         out = model(input_ids=torch.randint(0, 100, (2, 5)), use_cache=True)  # the prefill: counted outside
-        cache = out.past_key_values
+        cache = returned_cache(out)
         for step in range(3):  # three decode steps of one column each
-            out = model(input_ids=torch.randint(0, 100, (2, 1)), past_key_values=cache, use_cache=True,
-                        position_ids=torch.full((2, 1), 5 + step))
-            cache = out.past_key_values
+            out = model(input_ids=torch.randint(0, 100, (2, 1)), use_cache=True,
+                        position_ids=torch.full((2, 1), 5 + step), **{cache_argument(model): cache})
+            cache = returned_cache(out)
 
     census = dp.op_census(rollout, model)
     assert census["steps"] == 3
