@@ -5,6 +5,7 @@ import torch
 
 from lowmem_grpo.policy.decode_slots import cache_argument, returned_cache
 from tests.benchmark_scripts import load_benchmark
+from tests.policy.test_sampling import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -12,25 +13,17 @@ def dp():
     return load_benchmark("decode_profile")
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=100, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval()
-
-
 @torch.no_grad()
 def test_op_census_counts_decode_forwards_apart_from_the_prefill(dp):
-    model = _tiny_llama()
+    model = tiny_model("llama")
+    vocab = model.config.vocab_size
     layers = model.config.num_hidden_layers
 
     def rollout():
-        out = model(input_ids=torch.randint(0, 100, (2, 5)), use_cache=True)  # the prefill: counted outside
+        out = model(input_ids=torch.randint(0, vocab, (2, 5)), use_cache=True)  # the prefill: counted outside
         cache = returned_cache(out)
         for step in range(3):  # three decode steps of one column each
-            out = model(input_ids=torch.randint(0, 100, (2, 1)), use_cache=True,
+            out = model(input_ids=torch.randint(0, vocab, (2, 1)), use_cache=True,
                         position_ids=torch.full((2, 1), 5 + step), **{cache_argument(model): cache})
             cache = returned_cache(out)
 
